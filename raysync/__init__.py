@@ -1,0 +1,32 @@
+"""raysync: stream a model's weights from RL trainers into rollout engines, fast and safely."""
+
+from raysync.config import SyncConfig
+from raysync.errors import (
+    LayoutError,
+    PeerTimeout,
+    PushIncomplete,
+    RaysyncError,
+    RemoteError,
+    ShmSpaceError,
+    WireError,
+)
+from raysync.receiver import SessionClosed, WeightReceiver
+from raysync.report import PushReport
+from raysync.sender import WeightSender
+from raysync.wire import SessionSecret
+
+__all__ = [
+    "LayoutError",
+    "PeerTimeout",
+    "PushIncomplete",
+    "PushReport",
+    "RaysyncError",
+    "RemoteError",
+    "SessionClosed",
+    "SessionSecret",
+    "ShmSpaceError",
+    "SyncConfig",
+    "WeightReceiver",
+    "WeightSender",
+    "WireError",
+]

@@ -1,0 +1,80 @@
+"""SyncConfig: every knob of a sync session, with units in the names. Environment variables are read here only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+# Defaults, overridable by environment for operators who cannot change the calling code.
+_ENV_PREFIX = "RAYSYNC_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Settings shared by both halves of a session (the sender's values are the ones that count for the layout).
+
+    bucket_bytes    size of one ring buffer; a tensor larger than this is sliced over consecutive buckets
+    num_buffers     buffers in the ring: the sender packs bucket k+1 while the receiver loads bucket k
+    align_bytes     every tensor starts at a multiple of this inside a bucket (views stay aligned for any dtype)
+    timeout_s       limit of every blocking wait on a peer
+    max_frame_bytes control frames above this are refused before they are parsed
+    cast_dtype      cast floating-point tensors to this dtype on the sender ("bfloat16", ...), None to keep
+    keep_dtype      names or fnmatch patterns of tensors that are never cast (e.g. "*.norm.weight")
+    include         names or fnmatch patterns to send (empty: all)
+    exclude         names or fnmatch patterns never to send
+    transport       "shm" (the only one built yet)
+    progress        show a tqdm bar (bytes) for pushes longer than about a second
+    """
+
+    bucket_bytes: int = 256 * MiB
+    num_buffers: int = 2
+    align_bytes: int = 256
+    timeout_s: float = 60.0
+    max_frame_bytes: int = 16 * MiB
+    cast_dtype: str | None = None
+    keep_dtype: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    transport: str = "shm"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("keep_dtype", "include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(
+                    f"SyncConfig.{name} takes a tuple of names or patterns, got the string {value!r}"
+                )
+            object.__setattr__(self, name, tuple(value))
+        a = self.align_bytes
+        if a < 16 or a & (a - 1):
+            raise ValueError(f"align_bytes={a}: must be a power of two >= 16 (the largest itemsize)")
+        if self.bucket_bytes < a or self.bucket_bytes % a:
+            raise ValueError(
+                f"bucket_bytes={self.bucket_bytes}: must be a positive multiple of align_bytes={a} "
+                f"(e.g. {max(a, self.bucket_bytes // a * a)})"
+            )
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers={self.num_buffers}: need at least 1 (2 to overlap pack and load)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0")
+        if self.max_frame_bytes < 4096:
+            raise ValueError(f"max_frame_bytes={self.max_frame_bytes}: must be >= 4096")
+        if self.cast_dtype is not None:
+            from raysync.wire import check_dtype_name
+
+            check_dtype_name(self.cast_dtype)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> SyncConfig:
+        """Defaults, then RAYSYNC_BUCKET_BYTES / RAYSYNC_NUM_BUFFERS / RAYSYNC_TIMEOUT_S, then ``overrides``."""
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(_ENV_PREFIX + f.name.upper())
+            if raw is not None and f.type in ("int", "float"):
+                values[f.name] = int(raw) if f.type == "int" else float(raw)
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

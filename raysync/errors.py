@@ -1,0 +1,86 @@
+"""Typed errors. Each says what went wrong, with the value, and what to do about it."""
+
+from __future__ import annotations
+
+
+class RaysyncError(Exception):
+    """Base class of every error raysync raises on purpose."""
+
+
+# --- the wire ---------------------------------------------------------------------------------------------------
+class WireError(RaysyncError):
+    """A frame was refused. The channel that refused it stays usable."""
+
+
+class FrameTooLarge(WireError):
+    pass
+
+
+class MalformedFrame(WireError):
+    """Truncated, not msgpack, or a header that is not ours."""
+
+
+class BadSignature(WireError):
+    """The HMAC does not match: the frame was forged, corrupted, or signed with another session's key."""
+
+
+class ReplayedFrame(WireError):
+    """The sequence number is not above the last accepted one."""
+
+
+class SchemaError(WireError):
+    """An authenticated frame whose body does not match the message schema."""
+
+
+# --- peers and time -----------------------------------------------------------------------------------------------
+class PeerTimeout(RaysyncError, TimeoutError):
+    """A blocking wait ran past ``timeout_s``."""
+
+    def __init__(self, peer: str, stage: str, timeout_s: float):
+        self.peer, self.stage, self.timeout_s = peer, stage, timeout_s
+        super().__init__(
+            f"no answer from {peer} within {timeout_s:g}s at stage '{stage}': the peer died, hung or never "
+            f"connected (raise SyncConfig.timeout_s if it is just slow)"
+        )
+
+
+class RemoteError(RaysyncError):
+    """The peer failed; carries its stage, message and traceback."""
+
+    def __init__(self, peer: str, stage: str, message: str, remote_traceback: str = ""):
+        self.peer, self.stage, self.message, self.remote_traceback = peer, stage, message, remote_traceback
+        text = f"{peer} failed at stage '{stage}': {message}"
+        if remote_traceback:
+            text += f"\n--- remote traceback ({peer}) ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class PushIncomplete(RaysyncError):
+    """A push stopped part-way. The receiver's version did not advance."""
+
+    def __init__(self, version: int, stage: str, reason: str, undelivered: list[str]):
+        self.version, self.stage, self.reason, self.undelivered = version, stage, reason, undelivered
+        shown = ", ".join(undelivered[:5]) + (
+            f", ... ({len(undelivered)} in all)" if len(undelivered) > 5 else ""
+        )
+        super().__init__(
+            f"push of version {version} stopped at stage '{stage}': {reason}; "
+            f"{len(undelivered)} tensor(s) not delivered: [{shown}]"
+        )
+
+
+# --- setup and input ----------------------------------------------------------------------------------------------
+class LayoutError(RaysyncError, ValueError):
+    """The tensors offered do not fit the destination, the bucket size or the dtype allowlist."""
+
+
+class EndpointError(RaysyncError, OSError):
+    """A control endpoint could not be used safely (exists already, wrong interface, ...)."""
+
+
+class ShmSpaceError(RaysyncError, OSError):
+    """/dev/shm has too little free space for the ring."""
+
+
+class TransportUnavailable(RaysyncError):
+    """The requested transport cannot run here."""

@@ -1,0 +1,174 @@
+"""WeightReceiver: the engine's half of a session. Mirrors WeightSender's stages:
+
+    session   first receive only: connect, send Hello, map the ring the sender describes, say Attached
+    layout    when a Layout arrives: check it, plan the buckets (the same pure function as the sender)
+    accept    PushStart -> check every destination before a single byte moves; answer Accept or Abort
+    stream    for bucket k: wait for BucketReady, unpack into the destinations, say BucketFreed
+    finish    record the version as applied, say PushDone
+
+A push that fails part-way raises PushIncomplete naming the tensors not delivered, and ``version`` stays at
+the last push that completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Mapping
+
+import torch
+
+from raysync.config import SyncConfig
+from raysync.control import ReceiverChannel
+from raysync.errors import LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
+from raysync.plan import Bucket, plan_buckets, total_bytes
+from raysync.report import PushReport
+from raysync.sink import IntoLoadFn, IntoTensors, LoadFn, Sink
+from raysync.transport import registry
+from raysync.wire import (
+    Abort,
+    Accept,
+    Attached,
+    BucketFreed,
+    BucketReady,
+    Close,
+    Hello,
+    Layout,
+    PushDone,
+    PushStart,
+    RingInfo,
+    SessionSecret,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SessionClosed(RaysyncError):
+    """The sender closed the session."""
+
+
+class WeightReceiver:
+    """Connects to a WeightSender's ``endpoint``; call ``receive`` once per push."""
+
+    def __init__(self, endpoint: str, secret: SessionSecret, config: SyncConfig | None = None):
+        self.config = config or SyncConfig()
+        self._channel = ReceiverChannel(secret, endpoint=endpoint, timeout_s=self.config.timeout_s,
+                                        max_frame_bytes=self.config.max_frame_bytes)  # fmt: skip
+        self._ring = None
+        self._layout: Layout | None = None
+        self._buckets: list[Bucket] = []
+        self.version: int | None = None  # the last version applied completely
+
+    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                wait_s: float | None = None) -> PushReport:  # fmt: skip
+        """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
+        Waits up to ``wait_s`` (default timeout_s) for the push to start."""
+        if (into is None) == (load_fn is None):
+            raise TypeError(
+                "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
+            )
+        self._ensure_session()
+        start_msg = self._wait_push(wait_s)
+        started = time.perf_counter()
+        specs = self._layout.tensors
+        try:
+            sink: Sink = IntoTensors(specs, into) if into is not None else IntoLoadFn(specs, load_fn)
+        except LayoutError as e:
+            self._abort(start_msg.push_id, "accept", e)
+            raise PushIncomplete(start_msg.version, "accept", str(e), [s.name for s in specs]) from e
+        skip = start_msg.version == self.version
+        self._channel.send(Accept(start_msg.push_id, skip), "accept")
+        if not skip:
+            self._stream(start_msg, sink)
+            self.version = start_msg.version
+            self._channel.send(PushDone(start_msg.push_id, start_msg.version), "finish")
+        report = PushReport(start_msg.version, self._ring.name, total_bytes(specs), len(self._buckets), len(specs),
+                            time.perf_counter() - started, skipped=skip)  # fmt: skip
+        logger.info("received from %s: %s", self._channel.peer, report)
+        return report
+
+    def _stream(self, start_msg: PushStart, sink: Sink) -> None:
+        pid, n = start_msg.push_id, len(self._ring.buffers)
+        stage = "stream"
+        try:
+            for k, bucket in enumerate(self._buckets):
+                stage = f"wait for bucket {k}/{len(self._buckets)}"
+                ready = self._channel.expect(BucketReady, pid, stage)
+                if (ready.bucket, ready.slot) != (k, k % n):
+                    raise SchemaError(
+                        f"bucket {ready.bucket} in buffer {ready.slot}, expected {k} in {k % n}"
+                    )
+                stage = f"unpack bucket {k}/{len(self._buckets)}"
+                sink.write(bucket, self._ring.buffers[ready.slot])
+                self._channel.send(BucketFreed(pid, k, ready.slot), stage)
+                logger.debug("bucket %d unpacked", k)
+        except Exception as e:
+            if not isinstance(e, RemoteError):
+                self._abort(pid, stage, e)
+            raise PushIncomplete(start_msg.version, stage, str(e), sink.undelivered()) from e
+
+    # --- set-up and layout -------------------------------------------------------------------------------------
+    def _ensure_session(self) -> None:
+        if self._ring is not None:
+            return
+        self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
+        info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
+        if info.buffer_bytes < self.config.align_bytes or info.buffer_bytes > 1 << 40:
+            raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
+        self._ring = registry.receiver_class(info.transport)(info)
+        self._channel.send(Attached(), "handshake: attached")
+
+    def _wait_push(self, wait_s: float | None) -> PushStart:
+        """Wait for the next PushStart, taking a new Layout on the way; skip leftovers of failed pushes."""
+        stage = "waiting for a push"
+        while True:
+            msg = self._channel.recv(stage, wait_s)
+            if isinstance(msg, Layout):
+                self._take_layout(msg)
+            elif isinstance(msg, PushStart):
+                if self._layout is None or msg.layout_id != self._layout.layout_id:
+                    raise SchemaError(
+                        f"push {msg.push_id} names layout {msg.layout_id}, which was never sent"
+                    )
+                return msg
+            elif isinstance(msg, Close):
+                raise SessionClosed(f"{self._channel.peer} closed the session")
+            elif isinstance(msg, (BucketReady, Abort)):
+                logger.debug("skipping %s left over from push %d", type(msg).__name__, msg.push_id)
+            else:
+                raise SchemaError(f"{self._channel.peer} sent {type(msg).__name__} while no push was running")
+
+    def _take_layout(self, layout: Layout) -> None:
+        ring_bytes = self._ring.buffers[0].numel()
+        if (
+            layout.bucket_bytes > ring_bytes
+            or layout.align_bytes < 16
+            or layout.bucket_bytes % layout.align_bytes
+        ):
+            raise SchemaError(f"layout bucket_bytes={layout.bucket_bytes}, align_bytes={layout.align_bytes} do not "
+                              f"fit buffers of {ring_bytes} bytes")  # fmt: skip
+        self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
+        self._layout = layout
+
+    def _abort(self, push_id: int, stage: str, error: BaseException) -> None:
+        tb = "".join(traceback.format_exception(error))
+        try:
+            self._channel.send(Abort(push_id, stage, f"{type(error).__name__}: {error}", tb), "abort")
+        except RaysyncError:
+            pass
+
+    # --- teardown ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        self._channel.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

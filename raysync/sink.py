@@ -1,0 +1,107 @@
+"""The receiver's side of the data: check the destinations, unpack each bucket, reassemble sliced tensors.
+
+Two kinds of destination, chosen by the caller of ``WeightReceiver.receive``:
+
+* ``into``: a dict name -> tensor (e.g. ``dict(model.named_parameters())``). Every chunk is one byte copy
+  straight into its destination; a tensor sliced over several buckets is reassembled in place.
+* ``load_fn``: called once per bucket with a list of (name, tensor), the contract of vLLM's
+  ``model.load_weights``. Whole tensors are zero-copy views of the ring buffer; a sliced tensor is gathered
+  into one staging tensor of its own size and handed over in the bucket that completes it.
+
+# Note [ring buffer views]
+# The views given to ``load_fn`` point into a ring buffer that the sender overwrites as soon as the call
+# returns. A load function must copy what it keeps (``param.copy_(t)``, as every weight loader does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from raysync.errors import LayoutError
+from raysync.plan import Bucket, Chunk
+from raysync.wire import DTYPES, TensorSpec
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
+
+
+class Sink:
+    """Unpacks buckets of one push for one destination; tracks which tensors are complete."""
+
+    def __init__(self, specs: Sequence[TensorSpec]):
+        self.specs = specs
+        self.done: set[int] = set()
+        self._devices: set[torch.device] = set()
+
+    def undelivered(self) -> list[str]:
+        return [s.name for i, s in enumerate(self.specs) if i not in self.done]
+
+    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        for (
+            device
+        ) in self._devices:  # host->device copies were non-blocking: finish before the buffer is reused
+            torch.cuda.current_stream(device).synchronize()
+
+
+class IntoTensors(Sink):
+    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor]):
+        super().__init__(specs)
+        self._bytes = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
+        self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
+
+    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        for c in bucket.chunks:
+            dst = self._bytes[c.index][c.src_offset : c.src_offset + c.nbytes]
+            dst.copy_(buffer[c.bucket_offset : c.bucket_offset + c.nbytes], non_blocking=dst.is_cuda)
+        self._sync()
+        self.done.update(c.index for c in bucket.chunks if c.last)
+
+
+class IntoLoadFn(Sink):
+    def __init__(self, specs: Sequence[TensorSpec], load_fn: LoadFn):
+        super().__init__(specs)
+        self._load_fn = load_fn
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        batch: list[tuple[str, torch.Tensor]] = []
+        for c in bucket.chunks:
+            region = buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
+            if c.whole:
+                batch.append(self._typed(c, region))
+                continue
+            if c.src_offset == 0:
+                self._staging[c.index] = torch.empty(self.specs[c.index].nbytes, dtype=torch.uint8)
+            staging = self._staging[c.index]
+            staging[c.src_offset : c.src_offset + c.nbytes].copy_(region)
+            if c.last:
+                batch.append(self._typed(c, self._staging.pop(c.index)))
+        if batch:
+            self._load_fn(batch)  # Note [ring buffer views]
+        self.done.update(c.index for c in bucket.chunks if c.last)
+
+    def _typed(self, chunk: Chunk, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+        spec = self.specs[chunk.index]
+        return spec.name, data.view(DTYPES[spec.dtype]).reshape(spec.shape)
+
+
+def _byte_view(spec: TensorSpec, dest: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    t = dest.get(spec.name)
+    if t is None:
+        close = [n for n in dest if n.rsplit(".", 1)[-1] == spec.name.rsplit(".", 1)[-1]][:3]
+        raise LayoutError(
+            f"tensor {spec.name!r} has no destination on the receiver ({len(dest)} destinations; similar: {close}); "
+            f"exclude it on the sender (SyncConfig.exclude) or add it to the destinations"
+        )
+    if tuple(t.shape) != spec.shape or t.dtype != DTYPES[spec.dtype]:
+        raise LayoutError(
+            f"tensor {spec.name!r}: sender has {spec.dtype}{list(spec.shape)}, destination is "
+            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}; set SyncConfig.cast_dtype on the sender to match"
+        )
+    if not t.is_contiguous():
+        raise LayoutError(f"destination {spec.name!r} is not contiguous; pass a contiguous tensor")
+    return t.detach().reshape(-1).view(torch.uint8)

@@ -1,0 +1,317 @@
+"""The control protocol: message schemas, msgpack framing, HMAC, size caps and the dtype allowlist.
+
+Nothing received is ever unpickled. A frame is
+
+    +--------------------------------------------------------------+----------------------+
+    | msgpack [ "rs1", session_id: bin16, seq: uint, kind: str, body: map ] | HMAC-SHA256 (32 B) |
+    +--------------------------------------------------------------+----------------------+
+
+and is checked in this order, cheapest and safest first: size cap, HMAC (before a single byte is parsed),
+msgpack (no ext types, no pickle, strict map keys), session id, sequence number (strictly increasing per
+direction), then the body against the frozen dataclass of its kind. Each direction has its own key derived
+from the session key, so a frame reflected back at its sender fails the HMAC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import math
+import re
+import secrets
+import typing
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from raysync.errors import (
+    BadSignature,
+    FrameTooLarge,
+    LayoutError,
+    MalformedFrame,
+    ReplayedFrame,
+    SchemaError,
+)
+
+PROTOCOL = "rs1"
+MAC_BYTES = 32
+SESSION_ID_BYTES = 16
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 16
+
+# --- dtypes: by name, from an allowlist --------------------------------------------------------------------------
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+)  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+def check_dtype_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise LayoutError(f"dtype {name!r} is not in the allowlist {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise LayoutError(f"dtype {dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
+
+
+# --- the session secret ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionSecret:
+    """Session id + HMAC key, handed to both sides out of band (by the coordinator, through Ray)."""
+
+    session_id: bytes
+    key: bytes = dataclasses.field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session_id, bytes) or len(self.session_id) != SESSION_ID_BYTES:
+            raise ValueError(f"session_id must be {SESSION_ID_BYTES} bytes")
+        if not isinstance(self.key, bytes) or len(self.key) < 32:
+            raise ValueError("key must be at least 32 random bytes")
+
+    @classmethod
+    def generate(cls) -> SessionSecret:
+        return cls(secrets.token_bytes(SESSION_ID_BYTES), secrets.token_bytes(32))
+
+
+# --- messages ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as it travels: its name, its wire dtype and its shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > MAX_NAME_CHARS:
+            raise LayoutError(f"tensor name must have 1..{MAX_NAME_CHARS} characters, got {len(self.name)}")
+        check_dtype_name(self.dtype)
+        if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
+            raise LayoutError(f"tensor {self.name!r}: bad shape {self.shape}")
+        if self.nbytes > 1 << 48:
+            raise LayoutError(f"tensor {self.name!r}: {self.nbytes} bytes is beyond any real tensor")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class Hello:
+    """receiver -> sender, first frame of a session."""
+
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    """sender -> receiver: where the buffers are. ``handles`` are transport-specific names (shm segment names)."""
+
+    transport: str
+    num_buffers: int
+    buffer_bytes: int
+    handles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Attached:
+    """receiver -> sender: every buffer is mapped (the sender may now forget the names)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """sender -> receiver, once per session and again only when the tensors change."""
+
+    layout_id: int
+    bucket_bytes: int
+    align_bytes: int
+    tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise LayoutError(f"tensor name {dup!r} appears more than once in the layout")
+
+
+@dataclass(frozen=True)
+class PushStart:
+    push_id: int
+    version: int
+    layout_id: int
+
+
+@dataclass(frozen=True)
+class Accept:
+    """receiver -> sender: destinations checked, buffers free. ``skip``: this version is applied already."""
+
+    push_id: int
+    skip: bool
+
+
+@dataclass(frozen=True)
+class BucketReady:
+    push_id: int
+    bucket: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class BucketFreed:
+    push_id: int
+    bucket: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class PushDone:
+    push_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Either direction: this push failed here; the peer raises, its version does not advance."""
+
+    push_id: int
+    stage: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Close:
+    """sender -> receiver: the session ends."""
+
+
+Message = (
+    Hello
+    | RingInfo
+    | Attached
+    | Layout
+    | PushStart
+    | Accept
+    | BucketReady
+    | BucketFreed
+    | PushDone
+    | Abort
+    | Close
+)
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+
+
+# --- schema checking ---------------------------------------------------------------------------------------------
+_SCALARS = (int, str, bytes, bool, float)
+
+
+def _build(cls: type, body: object, where: str) -> object:
+    if not isinstance(body, dict):
+        raise SchemaError(f"{where}: expected a map, got {type(body).__name__}")
+    hints = typing.get_type_hints(cls)
+    if set(body) != set(hints):
+        raise SchemaError(f"{where}: fields {sorted(map(str, body))} != schema {sorted(hints)}")
+    values = {name: _check(hint, body[name], f"{where}.{name}") for name, hint in hints.items()}
+    try:
+        return cls(**values)
+    except (LayoutError, ValueError) as e:
+        raise SchemaError(f"{where}: {e}") from None
+
+
+def _check(hint: object, value: object, where: str) -> object:
+    if hint in _SCALARS:
+        if type(value) is not hint:  # exact: a bool is not an int here
+            raise SchemaError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        if hint is int and not (0 <= value < 1 << 63):  # type: ignore[operator]
+            raise SchemaError(f"{where}: integer {value} out of range [0, 2**63)")
+        return value
+    if typing.get_origin(hint) is tuple:
+        (item, _ellipsis) = typing.get_args(hint)
+        if not isinstance(value, (tuple, list)):
+            raise SchemaError(f"{where}: expected an array, got {type(value).__name__}")
+        return tuple(_check(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)  # type: ignore[arg-type]
+    raise AssertionError(f"unsupported schema type {hint}")
+
+
+# --- framing -----------------------------------------------------------------------------------------------------
+def _direction_key(key: bytes, role: str) -> bytes:
+    return hmac.new(key, f"raysync/{PROTOCOL}/{role}".encode(), hashlib.sha256).digest()
+
+
+class FrameCodec:
+    """Signs what this side sends and checks what its peer sends. One per endpoint per session."""
+
+    def __init__(self, secret: SessionSecret, role: str, peer_role: str, max_frame_bytes: int):
+        self._session_id = secret.session_id
+        self._send_key = _direction_key(secret.key, role)
+        self._recv_key = _direction_key(secret.key, peer_role)
+        self._max = max_frame_bytes
+        self._sent_seq = 0
+        self._seen_seq = 0
+
+    def encode(self, msg: Message) -> bytes:
+        self._sent_seq += 1
+        body = dataclasses.asdict(msg)  # type: ignore[call-overload]
+        payload = msgpack.packb([PROTOCOL, self._session_id, self._sent_seq, type(msg).__name__, body])
+        if len(payload) + MAC_BYTES > self._max:
+            raise FrameTooLarge(
+                f"{type(msg).__name__} frame of {len(payload)} bytes exceeds max_frame_bytes={self._max}"
+            )
+        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+
+    def decode(self, frame: bytes) -> Message:
+        if len(frame) > self._max:
+            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self._max}")
+        if len(frame) <= MAC_BYTES:
+            raise MalformedFrame(f"frame of {len(frame)} bytes is too short to carry a signature")
+        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self._recv_key, payload, hashlib.sha256).digest()):
+            raise BadSignature("frame signature does not match this session's key")
+        try:
+            header = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise MalformedFrame(f"signed frame is not valid msgpack: {e}") from None
+        if not (isinstance(header, tuple) and len(header) == 5 and header[0] == PROTOCOL):
+            raise MalformedFrame("signed frame does not carry a raysync header")
+        _, session_id, seq, kind, body = header
+        if session_id != self._session_id:
+            raise BadSignature("frame belongs to another session")
+        if type(seq) is not int or seq <= self._seen_seq:
+            raise ReplayedFrame(f"sequence number {seq!r} is not above the last accepted {self._seen_seq}")
+        cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise SchemaError(f"unknown message kind {kind!r}")
+        msg = _build(cls, body, kind)
+        self._seen_seq = seq
+        return msg  # type: ignore[return-value]
+
+
+def layout_digest(layout: Layout) -> str:
+    """A digest of the layout (names, dtypes, shapes, bucket size): equal digests mean equal bucket plans."""
+    body = dataclasses.asdict(layout)
+    body.pop("layout_id")
+    return hashlib.sha256(msgpack.packb(body)).hexdigest()
+
+
+SHM_NAME = re.compile(r"raysync-[0-9a-f]{32}")
