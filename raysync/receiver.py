@@ -105,9 +105,10 @@ class WeightReceiver:
                 sink.write(bucket, self._ring.buffers[ready.slot])
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
+        except RemoteError as e:  # the sender failed and told us
+            raise PushIncomplete(start_msg.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:
-            if not isinstance(e, RemoteError):
-                self._abort(pid, stage, e)
+            self._abort(pid, stage, e)
             raise PushIncomplete(start_msg.version, stage, str(e), sink.undelivered()) from e
 
     # --- set-up and layout -------------------------------------------------------------------------------------

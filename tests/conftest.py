@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+
+
+def raysync_shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("raysync-")}
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch) -> Iterator[str]:
+    """A temp dir of its own for this test (children inherit TMPDIR); asserts raysync left nothing in it or in
+    /dev/shm."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    shm_before = raysync_shm_entries()
+    yield str(d)
+    assert [p for p in os.listdir(d) if p.startswith("raysync-")] == []
+    assert raysync_shm_entries() - shm_before == set()
+
+
+@contextlib.contextmanager
+def session_pair(config: SyncConfig) -> Iterator[tuple[WeightSender, WeightReceiver]]:
+    """A sender and a receiver in this process (drive them from two threads)."""
+    secret = SessionSecret.generate()
+    with WeightSender(secret, config) as sender, WeightReceiver(sender.endpoint, secret, config) as receiver:
+        yield sender, receiver
+
+
+@pytest.fixture
+def in_thread() -> Iterator[Callable[..., Future]]:
+    pool = ThreadPoolExecutor(max_workers=2)
+    yield lambda fn, *a, **kw: pool.submit(fn, *a, **kw)
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., mp.Process]]:
+    """Start ``fn(*args)`` in a spawned process; every process still alive at the end is killed."""
+    ctx = mp.get_context("spawn")
+    procs: list[mp.Process] = []
+
+    def start(fn: Callable, *args: object) -> mp.Process:
+        p = ctx.Process(target=fn, args=args, daemon=True)
+        p.start()
+        procs.append(p)
+        return p
+
+    start.ctx = ctx  # type: ignore[attr-defined]
+    yield start
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random bits of any dtype (via raw bytes, so fp8, bool and complex work alike)."""
+    itemsize = dtype.itemsize
+    n = int(torch.Size(shape).numel()) * itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,154 @@
+"""Bucket planning, packing and reassembly as pure functions (no processes, no sockets)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from conftest import random_tensor, same_bits
+from hypothesis import given, settings
+
+from raysync.config import SyncConfig
+from raysync.plan import plan_buckets
+from raysync.sink import IntoLoadFn, IntoTensors
+from raysync.source import pack_bucket, select
+from raysync.wire import DTYPES, TensorSpec
+
+ALIGN = 256
+TESTED_DTYPES = [n for n in DTYPES if n != "float4_e2m1fn_x2"]  # float4 packs two values per byte: no arange
+
+
+def spec(name: str, nbytes: int, dtype: str = "uint8") -> TensorSpec:
+    return TensorSpec(name, dtype, (nbytes // DTYPES[dtype].itemsize,))
+
+
+def layout(buckets) -> list[list[tuple[int, int, int, int]]]:
+    return [[(c.index, c.src_offset, c.bucket_offset, c.nbytes) for c in b.chunks] for b in buckets]
+
+
+@pytest.mark.parametrize(
+    "sizes, bucket, expected",
+    [
+        ([100, 100], 512, [[(0, 0, 0, 100), (1, 0, 256, 100)]]),
+        ([512], 512, [[(0, 0, 0, 512)]]),  # ends exactly at the bucket boundary
+        ([512, 8], 512, [[(0, 0, 0, 512)], [(1, 0, 0, 8)]]),
+        ([300, 300], 512, [[(0, 0, 0, 300)], [(1, 0, 0, 300)]]),  # does not fit after padding: next bucket
+        ([100, 1200], 512, [[(0, 0, 0, 100), (1, 0, 256, 256)], [(1, 256, 0, 512)], [(1, 768, 0, 432)]]),
+        ([1024], 512, [[(0, 0, 0, 512)], [(0, 512, 0, 512)]]),  # exactly two buckets
+        ([0, 0], 512, [[(0, 0, 0, 0), (1, 0, 0, 0)]]),  # zero-size tensors still travel (as names)
+        ([], 512, []),
+    ],
+)
+def test_plan_table(sizes, bucket, expected):
+    specs = [spec(f"t{i}", n) for i, n in enumerate(sizes)]
+    assert layout(plan_buckets(specs, bucket, ALIGN)) == expected
+
+
+def test_plan_rejects_unaligned_bucket():
+    with pytest.raises(ValueError, match="multiple of align_bytes"):
+        plan_buckets([spec("a", 8)], 1000, ALIGN)
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+tensor_specs = st.lists(st.tuples(st.sampled_from(TESTED_DTYPES), shapes), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor_specs, st.integers(1, 8))
+def test_plan_invariants(items, bucket_units):
+    bucket_bytes = bucket_units * ALIGN
+    specs = [TensorSpec(f"t{i}", d, s) for i, (d, s) in enumerate(items)]
+    buckets = plan_buckets(specs, bucket_bytes, ALIGN)
+    covered = {i: [] for i in range(len(specs))}
+    for b in buckets:
+        assert b.chunks, "no empty bucket"
+        end = 0
+        for c in b.chunks:
+            assert c.bucket_offset % ALIGN == 0 and c.bucket_offset >= end  # aligned, no overlap
+            end = c.bucket_offset + c.nbytes
+            assert end <= bucket_bytes == bucket_bytes and end <= b.nbytes
+            covered[c.index].append(c)
+    for i, s in enumerate(specs):
+        chunks = covered[i]
+        assert [c.src_offset for c in chunks] == [sum(c.nbytes for c in chunks[:k]) for k in range(len(chunks))]
+        assert sum(c.nbytes for c in chunks) == s.nbytes
+        assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert all(c.nbytes % ALIGN == 0 for c in chunks[:-1])  # cuts fall on whole elements of any dtype
+
+
+def _roundtrip(named: dict[str, torch.Tensor], bucket_bytes: int, cast: str | None = None, keep=()):
+    cfg = SyncConfig(bucket_bytes=bucket_bytes, cast_dtype=cast, keep_dtype=keep)
+    sources = select(named.items(), cfg)
+    specs = [s.spec for s in sources]
+    buckets = plan_buckets(specs, bucket_bytes, ALIGN)
+    dest = {s.name: torch.full((s.nbytes,), 7, dtype=torch.uint8).view(DTYPES[s.dtype]).reshape(s.shape) for s in specs}
+    loaded: dict[str, torch.Tensor] = {}
+    into, by_fn = IntoTensors(specs, dest), IntoLoadFn(specs, lambda batch: loaded.update((n, t.clone()) for n, t in batch))
+    buffer = torch.empty(bucket_bytes, dtype=torch.uint8)
+    for b in buckets:
+        buffer.fill_(0xAB)  # stale bytes must never leak into a tensor
+        pack_bucket(b, sources, buffer)
+        into.write(b, buffer)
+        by_fn.write(b, buffer)
+    assert into.undelivered() == [] and by_fn.undelivered() == []
+    return dest, loaded
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensor_specs, st.integers(1, 6), st.integers(0, 2**31))
+def test_pack_unpack_bit_exact(items, bucket_units, seed):
+    gen = torch.Generator().manual_seed(seed)
+    named = {f"t{i}": random_tensor(DTYPES[d], s, gen) for i, (d, s) in enumerate(items)}
+    dest, loaded = _roundtrip(named, bucket_units * ALIGN)
+    for name, t in named.items():
+        assert same_bits(dest[name], t), name
+        assert same_bits(loaded[name], t), name
+
+
+def test_every_dtype_scalars_empty_and_huge():
+    gen = torch.Generator().manual_seed(0)
+    named = {}
+    for d in DTYPES:
+        dtype = DTYPES[d]
+        if d == "float4_e2m1fn_x2":
+            named[d] = random_tensor(torch.uint8, (33,), gen).view(dtype)
+            continue
+        named[f"{d}.scalar"] = random_tensor(dtype, (), gen)
+        named[f"{d}.empty"] = random_tensor(dtype, (0, 3), gen)
+        named[f"{d}.big"] = random_tensor(dtype, (97, 41), gen)  # many times the bucket for wide dtypes
+    dest, loaded = _roundtrip(named, 512)
+    for name, t in named.items():
+        assert same_bits(dest[name], t) and same_bits(loaded[name], t), name
+
+
+def test_non_contiguous_and_cast_with_keep():
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(64, 48, generator=gen)
+    named = {
+        "w.t": base.t(),  # non-contiguous, sliced over buckets
+        "w.step": base[:, ::3],  # non-contiguous, strided
+        "norm.weight": torch.randn(48, generator=gen),
+        "ids": torch.arange(10),
+    }
+    dest, loaded = _roundtrip(named, 1024, cast="bfloat16", keep=("norm.*",))
+    assert same_bits(dest["w.t"], base.t().to(torch.bfloat16))
+    assert same_bits(dest["w.step"], base[:, ::3].to(torch.bfloat16))
+    assert same_bits(loaded["norm.weight"], named["norm.weight"])  # kept fp32
+    assert same_bits(dest["ids"], named["ids"])  # integers are never cast
+
+
+def test_select_filters_and_passes_through():
+    params = {"a.weight": torch.ones(4), "a.bias": torch.ones(2), "b.weight": torch.ones(3)}
+    cfg = SyncConfig(include=("a.*", "b.weight"), exclude=("*.bias",))
+    sources = select(params.items(), cfg)
+    assert [s.spec.name for s in sources] == ["a.weight", "b.weight"]
+    assert all(s.tensor.data_ptr() == params[s.spec.name].data_ptr() for s in sources)  # no copy made
+
+
+def test_select_rejects_what_cannot_travel():
+    from raysync.errors import LayoutError
+
+    with pytest.raises(LayoutError, match="not a torch.Tensor"):
+        select([("x", [1, 2])], SyncConfig())
+    with pytest.raises(LayoutError, match="layout"):
+        select([("s", torch.eye(3).to_sparse())], SyncConfig())

@@ -1,0 +1,229 @@
+"""A sender and a receiver in one process, two threads: the protocol, its errors and its versions."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+import zmq
+from conftest import same_bits, session_pair
+
+from raysync import (
+    LayoutError,
+    PeerTimeout,
+    PushIncomplete,
+    RemoteError,
+    SessionSecret,
+    SyncConfig,
+    WeightReceiver,
+    WeightSender,
+)
+from raysync.errors import EndpointError
+from raysync.wire import FrameCodec, Hello
+
+CFG = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False)
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(100, 32, generator=g),  # 12.8 KB: sliced over 4 buckets
+        "layer.0.weight": torch.randn(32, 32, generator=g),
+        "layer.0.bias": torch.randn(32, generator=g),
+        "scale": torch.tensor(3.0),
+        "empty": torch.empty(0, 4),
+        "steps": torch.arange(5),
+    }
+
+
+def zeros_like(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in m.items()}
+
+
+def test_pushes_are_bit_exact_and_versioned(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        for version in (1, 2, 3):
+            src = model(version)
+            got = in_thread(receiver.receive, into=dest)
+            report = sender.push(src.items(), version)
+            assert got.result(timeout=10).version == version == receiver.version
+            assert report.bytes == sum(t.nbytes for t in src.values()) and report.buckets > 4
+            assert all(same_bits(dest[k], v) for k, v in src.items())
+
+
+def test_load_fn_gets_whole_tensors(private_tmp, in_thread):
+    loaded: dict[str, torch.Tensor] = {}
+    calls: list[int] = []
+
+    def load_weights(batch):
+        calls.append(len(batch))
+        loaded.update((n, t.clone()) for n, t in batch)
+
+    src = model(5)
+    with session_pair(CFG) as (sender, receiver):
+        got = in_thread(receiver.receive, load_fn=load_weights)
+        sender.push(src.items(), 1)
+        got.result(timeout=10)
+    assert all(same_bits(loaded[k], v) for k, v in src.items())
+    assert sum(calls) == len(src) and len(calls) > 1  # one call per bucket that completes tensors
+
+
+def test_same_version_twice_is_a_no_op(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        got = in_thread(receiver.receive, into=dest)
+        assert sender.push(model(2).items(), 1).skipped
+        assert got.result(timeout=10).skipped
+        assert same_bits(dest["embed.weight"], model(1)["embed.weight"])  # version 1 stays
+
+
+def test_layout_change_and_cast(private_tmp, in_thread):
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False, cast_dtype="bfloat16", keep_dtype=("scale",))
+    with session_pair(cfg) as (sender, receiver):
+        src = model(1)
+        dest = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() and k != "scale" else v.dtype)
+                for k, v in src.items()}  # fmt: skip
+        in_thread(receiver.receive, into=dest)
+        sender.push(src.items(), 1)
+        assert same_bits(dest["embed.weight"], src["embed.weight"].to(torch.bfloat16))
+        assert same_bits(dest["scale"], src["scale"])
+        part = {k: src[k] * 2 for k in ("layer.0.bias", "steps")}  # a new layout: two tensors only
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(part.items(), 2)
+        assert got.result(timeout=10).tensors == 2
+        assert same_bits(dest["layer.0.bias"], part["layer.0.bias"].to(torch.bfloat16))
+
+
+def test_destination_mismatch_fails_before_any_byte_moves(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        dest["layer.0.weight"] = torch.zeros(32, 31)
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(RemoteError, match=r"layer.0.weight.*float32\[32, 32\].*float32\[32, 31\]") as e:
+            sender.push(model(1).items(), 1)
+        assert e.value.stage == "accept"
+        with pytest.raises(PushIncomplete) as inc:
+            got.result(timeout=10)
+        assert isinstance(inc.value.__cause__, LayoutError) and len(inc.value.undelivered) == 6
+        assert all(not v.any() for v in dest.values()) and receiver.version is None
+        del dest["layer.0.weight"]  # unknown name on the receiver
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(RemoteError, match="'layer.0.weight' has no destination"):
+            sender.push(model(1).items(), 1)
+        with pytest.raises(PushIncomplete):
+            got.result(timeout=10)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_failure_at_bucket_k_keeps_the_old_version(private_tmp, in_thread, fail_at):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        calls = []
+
+        def flaky(batch):
+            calls.append(batch)
+            if len(calls) == fail_at + 1:
+                raise RuntimeError("loader exploded")
+
+        got = in_thread(receiver.receive, load_fn=flaky)
+        with pytest.raises(RemoteError, match="loader exploded") as e:
+            sender.push(model(2).items(), 2)
+        assert "Traceback" in e.value.remote_traceback and "unpack bucket" in e.value.stage
+        with pytest.raises(PushIncomplete) as inc:
+            got.result(timeout=10)
+        assert receiver.version == 1 and inc.value.version == 2
+        assert set(inc.value.undelivered) >= {n for n, _ in calls[-1]} and inc.value.undelivered
+        got = in_thread(receiver.receive, into=dest)  # the session recovers: the next push is complete
+        sender.push(model(3).items(), 3)
+        assert got.result(timeout=10).version == 3 == receiver.version
+        assert all(same_bits(dest[k], v) for k, v in model(3).items())
+
+
+def test_sender_failure_mid_push_is_reported_to_the_receiver(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        bad = model(2)
+        bad["layer.0.bias"] = torch.empty(32, device="meta")  # cannot be copied out: packing fails part-way
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(NotImplementedError, match="meta"):
+            sender.push(bad.items(), 2)
+        with pytest.raises(PushIncomplete, match="layer.0.bias") as inc:
+            got.result(timeout=10)
+        assert isinstance(inc.value.__cause__, RemoteError) and "pack bucket" in inc.value.stage
+        assert receiver.version == 1 and "embed.weight" not in inc.value.undelivered
+
+
+def test_timeouts_name_peer_and_stage(private_tmp):
+    secret = SessionSecret.generate()
+    cfg = SyncConfig(timeout_s=0.5, progress=False)
+    with WeightSender(secret, cfg) as sender:
+        with pytest.raises(PeerTimeout, match=r"receiver.*handshake") as e:
+            sender.push(model(0).items(), 1)
+        assert e.value.timeout_s == 0.5
+    with WeightReceiver("ipc:///nonexistent/raysync-test", secret, cfg) as receiver:
+        with pytest.raises(PeerTimeout, match=r"sender at ipc:///nonexistent.*handshake"):
+            receiver.receive(into={})
+
+
+def test_private_endpoint_is_0700_and_removed_once_connected(private_tmp, in_thread):
+    secret = SessionSecret.generate()
+    with WeightSender(secret, CFG) as sender:
+        path = sender.endpoint.removeprefix("ipc://")
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
+            got = in_thread(receiver.receive, into=zeros_like(model(0)))
+            sender.push(model(0).items(), 1)
+            got.result(timeout=10)
+            assert not os.path.exists(os.path.dirname(path))  # gone while the session runs
+
+
+def test_endpoint_rules(private_tmp, in_thread):
+    secret = SessionSecret.generate()
+    taken = os.path.join(private_tmp, "taken.sock")
+    open(taken, "w").close()
+    with pytest.raises(EndpointError, match="exists already"):
+        WeightSender(secret, CFG, endpoint=f"ipc://{taken}")
+    os.unlink(taken)
+    for anywhere in ("tcp://0.0.0.0:*", "tcp://*:*"):
+        with pytest.raises(EndpointError, match="every interface"):
+            WeightSender(secret, CFG, endpoint=anywhere)
+    with WeightSender(secret, CFG, endpoint="tcp://127.0.0.1:*") as sender:  # other nodes: tcp on one interface
+        assert sender.endpoint.startswith("tcp://127.0.0.1:")
+        with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
+            dest = zeros_like(model(0))
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(model(4).items(), 1)
+            got.result(timeout=10)
+            assert same_bits(dest["embed.weight"], model(4)["embed.weight"])
+
+
+def test_intruder_without_the_key_is_ignored(private_tmp, in_thread):
+    secret = SessionSecret.generate()
+    with WeightSender(secret, CFG) as sender:
+        ctx = zmq.Context()
+        intruder = ctx.socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.connect(sender.endpoint)
+        forged = FrameCodec(SessionSecret(secret.session_id, b"k" * 32), "receiver", "sender", 1 << 16)
+        intruder.send(forged.encode(Hello(1, "evil")))  # right session id, wrong key
+        intruder.send(b"\x80\x04garbage")
+        with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
+            dest = zeros_like(model(0))
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(model(6).items(), 1)
+            got.result(timeout=10)
+            assert same_bits(dest["embed.weight"], model(6)["embed.weight"])
+            assert "evil" not in sender._channel.peer
+        assert not intruder.poll(100)  # the intruder was never answered
+        intruder.close()
+        ctx.term()
