@@ -106,7 +106,9 @@ class WeightReceiver:
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
         except RemoteError as e:  # the sender failed and told us
-            raise PushIncomplete(start_msg.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
+            raise PushIncomplete(
+                start_msg.version, f"sender: {e.stage}", e.message, sink.undelivered()
+            ) from e
         except Exception as e:
             self._abort(pid, stage, e)
             raise PushIncomplete(start_msg.version, stage, str(e), sink.undelivered()) from e

@@ -70,7 +70,9 @@ def test_plan_invariants(items, bucket_units):
             covered[c.index].append(c)
     for i, s in enumerate(specs):
         chunks = covered[i]
-        assert [c.src_offset for c in chunks] == [sum(c.nbytes for c in chunks[:k]) for k in range(len(chunks))]
+        assert [c.src_offset for c in chunks] == [
+            sum(c.nbytes for c in chunks[:k]) for k in range(len(chunks))
+        ]
         assert sum(c.nbytes for c in chunks) == s.nbytes
         assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
         assert all(c.nbytes % ALIGN == 0 for c in chunks[:-1])  # cuts fall on whole elements of any dtype
@@ -81,9 +83,15 @@ def _roundtrip(named: dict[str, torch.Tensor], bucket_bytes: int, cast: str | No
     sources = select(named.items(), cfg)
     specs = [s.spec for s in sources]
     buckets = plan_buckets(specs, bucket_bytes, ALIGN)
-    dest = {s.name: torch.full((s.nbytes,), 7, dtype=torch.uint8).view(DTYPES[s.dtype]).reshape(s.shape) for s in specs}
+    dest = {
+        s.name: torch.full((s.nbytes,), 7, dtype=torch.uint8).view(DTYPES[s.dtype]).reshape(s.shape)
+        for s in specs
+    }
     loaded: dict[str, torch.Tensor] = {}
-    into, by_fn = IntoTensors(specs, dest), IntoLoadFn(specs, lambda batch: loaded.update((n, t.clone()) for n, t in batch))
+    into, by_fn = (
+        IntoTensors(specs, dest),
+        IntoLoadFn(specs, lambda batch: loaded.update((n, t.clone()) for n, t in batch)),
+    )
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8)
     for b in buckets:
         buffer.fill_(0xAB)  # stale bytes must never leak into a tensor

@@ -83,7 +83,9 @@ def test_same_version_twice_is_a_no_op(private_tmp, in_thread):
 
 
 def test_layout_change_and_cast(private_tmp, in_thread):
-    cfg = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False, cast_dtype="bfloat16", keep_dtype=("scale",))
+    cfg = SyncConfig(
+        bucket_bytes=4096, timeout_s=3, progress=False, cast_dtype="bfloat16", keep_dtype=("scale",)
+    )
     with session_pair(cfg) as (sender, receiver):
         src = model(1)
         dest = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() and k != "scale" else v.dtype)
@@ -197,7 +199,9 @@ def test_endpoint_rules(private_tmp, in_thread):
     for anywhere in ("tcp://0.0.0.0:*", "tcp://*:*"):
         with pytest.raises(EndpointError, match="every interface"):
             WeightSender(secret, CFG, endpoint=anywhere)
-    with WeightSender(secret, CFG, endpoint="tcp://127.0.0.1:*") as sender:  # other nodes: tcp on one interface
+    with WeightSender(
+        secret, CFG, endpoint="tcp://127.0.0.1:*"
+    ) as sender:  # other nodes: tcp on one interface
         assert sender.endpoint.startswith("tcp://127.0.0.1:")
         with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
             dest = zeros_like(model(0))

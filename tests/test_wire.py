@@ -162,7 +162,11 @@ def test_random_frames_are_refused(frame):
 def test_signed_garbage_never_crashes(obj):
     """Even with a valid signature (a buggy peer), any msgpack value is a typed WireError or a valid message."""
     _, rx = pair()
-    for payload in (obj, ["rs1", SECRET.session_id, 1, "Layout", obj], ["rs1", SECRET.session_id, 1, "Hello", obj]):
+    for payload in (
+        obj,
+        ["rs1", SECRET.session_id, 1, "Layout", obj],
+        ["rs1", SECRET.session_id, 1, "Hello", obj],
+    ):
         try:
             msg = rx.decode(signed(payload))
         except WireError:

@@ -1,0 +1,107 @@
+"""Two real processes: a transformers model pushed bit-exact, and SIGKILLs of either side mid-push."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from conftest import session_pair
+from workers import digest, model_receiver, pausing_receiver, perturb, plain_sender
+
+from raysync import PeerTimeout, PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("mode", ["into", "load_fn"])
+def test_transformers_model_bit_exact_over_several_pushes(private_tmp, spawn, mode):
+    from raysync.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    embed = model.model.embed_tokens.weight
+    config = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)
+    assert embed.nbytes > 3 * config.bucket_bytes  # the embedding is sliced over several buckets
+    secret = SessionSecret.generate()
+    out = spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        receiver = spawn(model_receiver, sender.endpoint, secret, config, 3, mode, out)
+        for version in (1, 2, 3):
+            perturb(model, version)
+            report = sender.push(model.named_parameters(), version)
+            got_version, got = out.get(timeout=60)
+            assert got_version == version and report.tensors == len(got)
+            assert got == digest(model.named_parameters())  # every tensor, bit for bit
+        receiver.join(timeout=30)
+        assert receiver.exitcode == 0
+
+
+def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread):
+    config = SyncConfig(bucket_bytes=16 << 10, timeout_s=2, progress=False)
+    src = {f"t{i}": torch.randn(4096) for i in range(8)}
+    secret = SessionSecret.generate()
+    out, release = spawn.ctx.Queue(), spawn.ctx.Event()
+    with WeightSender(secret, config) as sender:
+        child = spawn(pausing_receiver, sender.endpoint, secret, config, 2, out, release)
+        sender.push(src.items(), 1)
+        assert out.get(timeout=30) == "first push done"
+        killed_at: list[float] = []
+
+        def kill_when_paused():
+            assert out.get(timeout=30) == "paused"
+            os.kill(child.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+        killer = in_thread(kill_when_paused)
+        with pytest.raises(PeerTimeout, match="receiver.*wait for buffer|receiver.*finish") as e:
+            sender.push(src.items(), 2)
+        elapsed = time.monotonic() - killed_at[0]
+        killer.result(timeout=5)
+        assert elapsed <= config.timeout_s + 1, elapsed
+        assert e.value.peer.startswith("receiver(pid")
+    child.join(timeout=10)
+    _next_session_works()
+
+
+def test_sigkill_sender_mid_push(private_tmp, spawn):
+    config = SyncConfig(bucket_bytes=16 << 10, timeout_s=2, progress=False)
+    secret = SessionSecret.generate()
+    out = spawn.ctx.Queue()
+    child = spawn(plain_sender, secret, config, out)
+    endpoint = out.get(timeout=30)
+    killed_at: list[float] = []
+    buckets = []
+
+    def load(batch):
+        buckets.append(batch)
+        if receiver.version == 1 and len(buckets) == 2:  # inside the second push
+            os.kill(child.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        receiver.receive(load_fn=lambda batch: None)
+        assert out.get(timeout=30) == 1
+        with pytest.raises(PushIncomplete, match="not delivered") as e:
+            receiver.receive(load_fn=load)
+        elapsed = time.monotonic() - killed_at[0]
+        assert isinstance(e.value.__cause__, PeerTimeout) and "sender" in str(e.value.__cause__)
+        assert elapsed <= config.timeout_s + 1, elapsed
+        assert receiver.version == 1 and e.value.undelivered
+    child.join(timeout=10)
+    assert child.exitcode == -signal.SIGKILL
+    _next_session_works()
+
+
+def _next_session_works() -> None:
+    config = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False)
+    src = {"w": torch.randn(3000)}
+    dest = {"w": torch.zeros(3000)}
+    with session_pair(config) as (sender, receiver):
+        t = threading.Thread(target=receiver.receive, kwargs={"into": dest})
+        t.start()
+        sender.push(src.items(), 1)
+        t.join(timeout=10)
+    assert torch.equal(dest["w"], src["w"])

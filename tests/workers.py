@@ -1,0 +1,81 @@
+"""Entry points for spawned processes (importable by the spawn start method)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+
+
+def digest(named) -> dict[str, str]:
+    return {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in named}  # fmt: skip
+
+
+def perturb(model, version: int) -> None:
+    """Deterministic new weights for ``version`` (what an optimizer step would do)."""
+    g = torch.Generator().manual_seed(1000 + version)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def model_receiver(
+    endpoint: str, secret: SessionSecret, config: SyncConfig, pushes: int, mode: str, out
+) -> None:
+    """An engine: its own copy of the tiny model (another seed), ``pushes`` receives, digests after each."""
+    from raysync.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=99)
+    params = dict(model.named_parameters())
+
+    def load_weights(batch):
+        with torch.no_grad():
+            for name, t in batch:
+                params[name].copy_(t)
+
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        for _ in range(pushes):
+            report = (
+                receiver.receive(into=params) if mode == "into" else receiver.receive(load_fn=load_weights)
+            )
+            out.put((report.version, digest(model.named_parameters())))
+
+
+def pausing_receiver(
+    endpoint: str, secret: SessionSecret, config: SyncConfig, pause_at: int, out, release
+) -> None:
+    """Receives one push, then in the second stops inside bucket ``pause_at`` until killed (or released)."""
+    dest = {f"t{i}": torch.zeros(4096) for i in range(8)}
+    calls = []
+
+    def load(batch):
+        for name, t in batch:
+            dest[name].copy_(t)
+
+    def load_and_pause(batch):
+        calls.append(len(batch))
+        if len(calls) == pause_at + 1:
+            out.put("paused")
+            release.wait(60)
+        load(batch)
+
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        receiver.receive(load_fn=load)
+        out.put("first push done")
+        receiver.receive(load_fn=load_and_pause)
+
+
+def plain_sender(secret: SessionSecret, config: SyncConfig, out) -> None:
+    """Pushes forever (until killed); tells the parent its endpoint, then every version it completes."""
+    src = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}
+    with WeightSender(secret, config) as sender:
+        out.put(sender.endpoint)
+        for version in range(1, 1000):
+            try:
+                sender.push(src.items(), version)
+            except PushIncomplete:
+                return
+            out.put(version)
