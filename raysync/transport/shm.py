@@ -76,7 +76,7 @@ class _Mapping:
 def _cuda_host_register(tensor: torch.Tensor) -> bool:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return False
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 1)  # 1: portable
     if int(err) != 0:
         logger.warning(
             "cudaHostRegister of %d bytes failed (%s): copies run at pageable speed", tensor.numel(), err
