@@ -28,6 +28,7 @@ from raysync.wire import Abort, FrameCodec, Hello, Message, SessionSecret
 logger = logging.getLogger(__name__)
 
 _ANY_INTERFACE = {"0.0.0.0", "*", "::", "[::]"}
+_MAX_IPC_PATH = 107
 
 
 def _socket(ctx: zmq.Context, kind: int, max_frame_bytes: int, timeout_s: float) -> zmq.Socket:
@@ -112,7 +113,10 @@ class SenderChannel(Channel):
 
     def _bind(self, endpoint: str | None, allow_any_interface: bool) -> str:
         if endpoint is None:
-            self._private_dir = tempfile.mkdtemp(prefix="raysync-")  # mode 0700, unguessable
+            base = tempfile.gettempdir()
+            if len(base) > _MAX_IPC_PATH - 24 and os.access("/tmp", os.W_OK):  # "/raysync-XXXXXXXX/ctl"
+                base = "/tmp"  # a unix socket path holds 107 bytes at most
+            self._private_dir = tempfile.mkdtemp(prefix="raysync-", dir=base)  # mode 0700, unguessable
             endpoint = f"ipc://{self._private_dir}/ctl"
         elif endpoint.startswith("ipc://"):
             if os.path.lexists(endpoint[len("ipc://") :]):

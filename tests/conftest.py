@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,16 +19,17 @@ def raysync_shm_entries() -> set[str]:
 
 
 @pytest.fixture
-def private_tmp(tmp_path, monkeypatch) -> Iterator[str]:
+def private_tmp(monkeypatch) -> Iterator[str]:
     """A temp dir of its own for this test (children inherit TMPDIR); asserts raysync left nothing in it or in
-    /dev/shm."""
-    d = tmp_path / "tmp"
-    d.mkdir()
+    /dev/shm. Short, because unix socket paths (ours, Ray's) are limited to 107 bytes."""
+    d = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     monkeypatch.setenv("TMPDIR", str(d))
     monkeypatch.setattr(tempfile, "tempdir", str(d))
     shm_before = raysync_shm_entries()
     yield str(d)
-    assert [p for p in os.listdir(d) if p.startswith("raysync-")] == []
+    left = [p for p in os.listdir(d) if p.startswith("raysync-")]
+    shutil.rmtree(d, ignore_errors=True)
+    assert left == []
     assert raysync_shm_entries() - shm_before == set()
 
 

@@ -20,7 +20,9 @@ def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
         "w.t": torch.randn(256, 512, device="cuda", generator=g).t(),  # non-contiguous
         "ids": torch.arange(77, device="cuda"),
     }
-    config = SyncConfig(bucket_bytes=1 << 20, timeout_s=30, progress=False, cast_dtype="bfloat16", keep_dtype=("w",))
+    config = SyncConfig(
+        bucket_bytes=1 << 20, timeout_s=30, progress=False, cast_dtype="bfloat16", keep_dtype=("w",)
+    )
     dest = {k: torch.zeros(v.shape, dtype=torch.bfloat16 if v.is_floating_point() and k != "w" else v.dtype,
                            device="cuda") for k, v in src.items()}  # fmt: skip
     with session_pair(config) as (sender, receiver):

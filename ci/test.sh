@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's test command: installs everything the tests need into .venv, lints, runs the whole suite.
+#   bash ci/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+# torch first, pinned: pip takes the CPU build that lies on this machine's disk instead of a multi-GB CUDA
+# build (the package itself accepts a range: users bring their own CUDA torch).
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[dev]"
+ruff check .
+ruff format --check .
+python -m pytest -q -ra "$@"

@@ -1,0 +1,5 @@
+import sys
+
+from raysync.cli import main
+
+sys.exit(main())
