@@ -29,7 +29,7 @@ class SyncConfig:
     progress        show a tqdm bar (bytes) for pushes longer than about a second
     """
 
-    bucket_bytes: int = 256 * MiB
+    bucket_bytes: int = 512 * MiB
     num_buffers: int = 2
     align_bytes: int = 256
     timeout_s: float = 60.0
