@@ -39,13 +39,14 @@ def test_transformers_model_bit_exact_over_several_pushes(private_tmp, spawn, mo
         assert receiver.exitcode == 0
 
 
-def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread):
+def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread, capfd):
     config = SyncConfig(bucket_bytes=16 << 10, timeout_s=2, progress=False)
     src = {f"t{i}": torch.randn(4096) for i in range(8)}
     secret = SessionSecret.generate()
     out, release = spawn.ctx.Queue(), spawn.ctx.Event()
     with WeightSender(secret, config) as sender:
         child = spawn(pausing_receiver, sender.endpoint, secret, config, 2, out, release)
+        assert out.get(timeout=60) == "connecting"
         sender.push(src.items(), 1)
         assert out.get(timeout=30) == "first push done"
         killed_at: list[float] = []
@@ -64,9 +65,10 @@ def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread):
         assert e.value.peer.startswith("receiver(pid")
     child.join(timeout=10)
     _next_session_works()
+    assert "resource_tracker" not in capfd.readouterr().err
 
 
-def test_sigkill_sender_mid_push(private_tmp, spawn):
+def test_sigkill_sender_mid_push(private_tmp, spawn, capfd):
     config = SyncConfig(bucket_bytes=16 << 10, timeout_s=2, progress=False)
     secret = SessionSecret.generate()
     out = spawn.ctx.Queue()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -231,3 +232,17 @@ def test_intruder_without_the_key_is_ignored(private_tmp, in_thread):
         assert not intruder.poll(100)  # the intruder was never answered
         intruder.close()
         ctx.term()
+
+
+def test_long_temp_dir_falls_back_to_tmp(private_tmp, monkeypatch, in_thread):
+    long_dir = os.path.join(private_tmp, "x" * 90)
+    os.mkdir(long_dir)
+    monkeypatch.setattr(tempfile, "tempdir", long_dir)  # a socket path there would pass 107 bytes
+    secret = SessionSecret.generate()
+    with WeightSender(secret, CFG) as sender:
+        assert sender.endpoint.startswith("ipc:///tmp/raysync-") and len(sender.endpoint) < 107
+        with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
+            got = in_thread(receiver.receive, into=zeros_like(model(0)))
+            sender.push(model(0).items(), 1)
+            got.result(timeout=10)
+    os.rmdir(long_dir)

@@ -63,6 +63,7 @@ def pausing_receiver(
         load(batch)
 
     with WeightReceiver(endpoint, secret, config) as receiver:
+        out.put("connecting")  # the parent pushes only now: a short timeout_s must not cover our start-up
         receiver.receive(load_fn=load)
         out.put("first push done")
         receiver.receive(load_fn=load_and_pause)
