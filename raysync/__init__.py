@@ -3,7 +3,9 @@
 from raysync.config import SyncConfig
 from raysync.errors import (
     LayoutError,
+    PeerLost,
     PeerTimeout,
+    PeerUnavailable,
     PushIncomplete,
     RaysyncError,
     RemoteError,
@@ -17,7 +19,9 @@ from raysync.wire import SessionSecret
 
 __all__ = [
     "LayoutError",
+    "PeerLost",
     "PeerTimeout",
+    "PeerUnavailable",
     "PushIncomplete",
     "PushReport",
     "RaysyncError",

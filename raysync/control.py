@@ -22,7 +22,7 @@ import time
 
 import zmq
 
-from raysync.errors import EndpointError, PeerTimeout, RemoteError, WireError
+from raysync.errors import EndpointError, PeerLost, PeerTimeout, RemoteError, WireError
 from raysync.wire import Abort, FrameCodec, Hello, Message, SessionSecret
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Channel:
         except zmq.Again:
             raise PeerTimeout(self.peer, stage, self.timeout_s) from None
         except zmq.ZMQError as e:
-            raise PeerTimeout(self.peer, f"{stage} (send: {e})", 0) from None
+            raise PeerLost(self.peer, stage, str(e)) from None
 
     def recv(self, stage: str, timeout_s: float | None = None) -> Message:
         """The next authenticated message from the peer. Raises PeerTimeout, or a WireError for a bad frame

@@ -33,15 +33,31 @@ class SchemaError(WireError):
 
 
 # --- peers and time -----------------------------------------------------------------------------------------------
-class PeerTimeout(RaysyncError, TimeoutError):
+class PeerUnavailable(RaysyncError):
+    """The peer cannot be reached: it died, hung, or never came. ``peer`` and ``stage`` say who and where."""
+
+    def __init__(self, peer: str, stage: str, message: str):
+        self.peer, self.stage = peer, stage
+        super().__init__(message)
+
+
+class PeerTimeout(PeerUnavailable, TimeoutError):
     """A blocking wait ran past ``timeout_s``."""
 
     def __init__(self, peer: str, stage: str, timeout_s: float):
-        self.peer, self.stage, self.timeout_s = peer, stage, timeout_s
+        self.timeout_s = timeout_s
         super().__init__(
+            peer, stage,
             f"no answer from {peer} within {timeout_s:g}s at stage '{stage}': the peer died, hung or never "
-            f"connected (raise SyncConfig.timeout_s if it is just slow)"
-        )
+            f"connected (raise SyncConfig.timeout_s if it is just slow)",
+        )  # fmt: skip
+
+
+class PeerLost(PeerUnavailable, ConnectionError):
+    """The connection to the peer is gone (a send found no one to deliver to)."""
+
+    def __init__(self, peer: str, stage: str, reason: str):
+        super().__init__(peer, stage, f"lost the connection to {peer} at stage '{stage}': {reason}")
 
 
 class RemoteError(RaysyncError):

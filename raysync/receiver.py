@@ -59,6 +59,7 @@ class WeightReceiver:
                                         max_frame_bytes=self.config.max_frame_bytes)  # fmt: skip
         self._ring = None
         self._layout: Layout | None = None
+        self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
         self.version: int | None = None  # the last version applied completely
 
@@ -71,27 +72,41 @@ class WeightReceiver:
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
             )
         self._ensure_session()
-        start_msg = self._wait_push(wait_s)
+        start = self._wait_push(wait_s)
         started = time.perf_counter()
-        specs = self._layout.tensors
-        try:
-            sink: Sink = IntoTensors(specs, into) if into is not None else IntoLoadFn(specs, load_fn)
-        except LayoutError as e:
-            self._abort(start_msg.push_id, "accept", e)
-            raise PushIncomplete(start_msg.version, "accept", str(e), [s.name for s in specs]) from e
-        skip = start_msg.version == self.version
-        self._channel.send(Accept(start_msg.push_id, skip), "accept")
+        sink = self._accept(start, into, load_fn)
+        skip = start.version == self.version
+        self._channel.send(Accept(start.push_id, skip), "accept")
         if not skip:
-            self._stream(start_msg, sink)
-            self.version = start_msg.version
-            self._channel.send(PushDone(start_msg.push_id, start_msg.version), "finish")
-        report = PushReport(start_msg.version, self._ring.name, total_bytes(specs), len(self._buckets), len(specs),
-                            time.perf_counter() - started, skipped=skip)  # fmt: skip
+            self._stream(start, sink)
+            self.version = start.version
+            self._channel.send(PushDone(start.push_id, start.version), "finish")
+        specs = self._layout.tensors
+        report = PushReport(start.version, self._ring.name, total_bytes(specs) * (not skip),
+                            len(self._buckets) * (not skip), len(specs), time.perf_counter() - started,
+                            skipped=skip)  # fmt: skip
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 
-    def _stream(self, start_msg: PushStart, sink: Sink) -> None:
-        pid, n = start_msg.push_id, len(self._ring.buffers)
+    def _accept(
+        self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None
+    ) -> Sink:
+        """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
+        specs = self._layout.tensors if self._layout else ()
+        try:
+            if self._layout_error is not None:
+                raise self._layout_error
+            if self._layout is None or start.layout_id != self._layout.layout_id:
+                raise SchemaError(
+                    f"push {start.push_id} names layout {start.layout_id}, which was never sent"
+                )
+            return IntoTensors(specs, into) if into is not None else IntoLoadFn(specs, load_fn)
+        except RaysyncError as e:
+            self._abort(start.push_id, "accept", e)
+            raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e
+
+    def _stream(self, start: PushStart, sink: Sink) -> None:
+        pid, n = start.push_id, len(self._ring.buffers)
         stage = "stream"
         try:
             for k, bucket in enumerate(self._buckets):
@@ -106,12 +121,10 @@ class WeightReceiver:
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
         except RemoteError as e:  # the sender failed and told us
-            raise PushIncomplete(
-                start_msg.version, f"sender: {e.stage}", e.message, sink.undelivered()
-            ) from e
+            raise PushIncomplete(start.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:
             self._abort(pid, stage, e)
-            raise PushIncomplete(start_msg.version, stage, str(e), sink.undelivered()) from e
+            raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
 
     # --- set-up and layout -------------------------------------------------------------------------------------
     def _ensure_session(self) -> None:
@@ -119,9 +132,13 @@ class WeightReceiver:
             return
         self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
         info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
-        if info.buffer_bytes < self.config.align_bytes or info.buffer_bytes > 1 << 40:
-            raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
-        self._ring = registry.receiver_class(info.transport)(info)
+        try:
+            if not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
+                raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
+            self._ring = registry.receiver_class(info.transport)(info)
+        except Exception as e:  # tell the sender instead of letting it time out
+            self._abort(0, "handshake: map the ring", e)
+            raise
         self._channel.send(Attached(), "handshake: attached")
 
     def _wait_push(self, wait_s: float | None) -> PushStart:
@@ -132,10 +149,6 @@ class WeightReceiver:
             if isinstance(msg, Layout):
                 self._take_layout(msg)
             elif isinstance(msg, PushStart):
-                if self._layout is None or msg.layout_id != self._layout.layout_id:
-                    raise SchemaError(
-                        f"push {msg.push_id} names layout {msg.layout_id}, which was never sent"
-                    )
                 return msg
             elif isinstance(msg, Close):
                 raise SessionClosed(f"{self._channel.peer} closed the session")
@@ -146,15 +159,15 @@ class WeightReceiver:
 
     def _take_layout(self, layout: Layout) -> None:
         ring_bytes = self._ring.buffers[0].numel()
-        if (
-            layout.bucket_bytes > ring_bytes
-            or layout.align_bytes < 16
-            or layout.bucket_bytes % layout.align_bytes
-        ):
-            raise SchemaError(f"layout bucket_bytes={layout.bucket_bytes}, align_bytes={layout.align_bytes} do not "
-                              f"fit buffers of {ring_bytes} bytes")  # fmt: skip
-        self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
-        self._layout = layout
+        a = layout.align_bytes
+        if layout.bucket_bytes > ring_bytes or a < 16 or a & (a - 1) or layout.bucket_bytes % a:
+            self._layout, self._buckets = None, []
+            self._layout_error = SchemaError(
+                f"layout bucket_bytes={layout.bucket_bytes}, align_bytes={a} do not fit buffers of {ring_bytes} bytes"
+            )
+            return
+        self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, a)
+        self._layout, self._layout_error = layout, None
 
     def _abort(self, push_id: int, stage: str, error: BaseException) -> None:
         tb = "".join(traceback.format_exception(error))

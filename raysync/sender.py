@@ -72,9 +72,10 @@ class WeightSender:
         if not accept.skip:
             self._stream(sources, version)
             self._channel.expect(PushDone, self._push_id, "finish")
+        moved = not accept.skip
         report = PushReport(
-            version, self._ring.name, total_bytes(self._layout.tensors), len(self._buckets), len(sources),
-            time.perf_counter() - start, skipped=accept.skip,
+            version, self._ring.name, total_bytes(self._layout.tensors) * moved, len(self._buckets) * moved,
+            len(sources), time.perf_counter() - start, skipped=accept.skip,
         )  # fmt: skip
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
@@ -111,8 +112,11 @@ class WeightSender:
             return
         hello = self._channel.accept("handshake: waiting for the receiver's Hello")
         cfg = self.config
-        ring_cls = registry.sender_class(cfg.transport)
-        self._ring = ring_cls(cfg.num_buffers, cfg.bucket_bytes)
+        try:
+            self._ring = registry.sender_class(cfg.transport)(cfg.num_buffers, cfg.bucket_bytes)
+        except Exception as e:  # e.g. /dev/shm too small: tell the receiver instead of letting it time out
+            self._try_send(Abort(0, "handshake: ring", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            raise
         self._channel.send(self._ring.info(), "handshake: ring")
         self._channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring")
         self._ring.receiver_attached()

@@ -271,8 +271,9 @@ class FrameCodec:
         self._seen_seq = 0
 
     def encode(self, msg: Message) -> bytes:
-        self._sent_seq += 1
         body = dataclasses.asdict(msg)  # type: ignore[call-overload]
+        _build(type(msg), body, type(msg).__name__)  # never send what the peer would refuse (e.g. version -1)
+        self._sent_seq += 1
         payload = msgpack.packb([PROTOCOL, self._session_id, self._sent_seq, type(msg).__name__, body])
         if len(payload) + MAC_BYTES > self._max:
             raise FrameTooLarge(

@@ -16,12 +16,14 @@ from raysync import (
     PeerTimeout,
     PushIncomplete,
     RemoteError,
+    SessionClosed,
     SessionSecret,
+    ShmSpaceError,
     SyncConfig,
     WeightReceiver,
     WeightSender,
 )
-from raysync.errors import EndpointError
+from raysync.errors import EndpointError, SchemaError
 from raysync.wire import FrameCodec, Hello
 
 CFG = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False)
@@ -78,7 +80,8 @@ def test_same_version_twice_is_a_no_op(private_tmp, in_thread):
         in_thread(receiver.receive, into=dest)
         sender.push(model(1).items(), 1)
         got = in_thread(receiver.receive, into=dest)
-        assert sender.push(model(2).items(), 1).skipped
+        report = sender.push(model(2).items(), 1)
+        assert report.skipped and report.bytes == 0
         assert got.result(timeout=10).skipped
         assert same_bits(dest["embed.weight"], model(1)["embed.weight"])  # version 1 stays
 
@@ -246,3 +249,37 @@ def test_long_temp_dir_falls_back_to_tmp(private_tmp, monkeypatch, in_thread):
             sender.push(model(0).items(), 1)
             got.result(timeout=10)
     os.rmdir(long_dir)
+
+
+def test_a_sender_that_cannot_build_its_ring_fails_both_sides_at_once(private_tmp, in_thread):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    cfg = SyncConfig(bucket_bytes=(free // 2 + (1 << 20)) // 256 * 256, timeout_s=30, progress=False)
+    with session_pair(cfg) as (sender, receiver):
+        got = in_thread(receiver.receive, into={})
+        with pytest.raises(ShmSpaceError):
+            sender.push(model(0).items(), 1)
+        with pytest.raises(RemoteError, match="ShmSpaceError") as e:
+            got.result(timeout=10)  # told, not left to time out after 30 s
+        assert e.value.stage == "handshake: ring"
+
+
+def test_bad_versions_are_refused_before_sending(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, into=dest)
+        for bad in (-1, "7", 2**64):
+            with pytest.raises(SchemaError):
+                sender.push(model(1).items(), bad)
+        sender.push(model(1).items(), 1)  # the session is still fine
+        assert got.result(timeout=10).version == 1
+
+
+def test_close_ends_the_receivers_wait(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        got = in_thread(receiver.receive, into=dest)
+        sender.close()
+        with pytest.raises(SessionClosed):
+            got.result(timeout=10)
