@@ -19,10 +19,11 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 
 import zmq
 
-from raysync.errors import EndpointError, PeerLost, PeerTimeout, RemoteError, WireError
+from raysync.errors import EndpointError, PeerLost, PeerTimeout, RaysyncError, RemoteError, WireError
 from raysync.wire import Abort, FrameCodec, Hello, Message, SessionSecret
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,17 @@ class Channel:
             raise PeerTimeout(self.peer, stage, self.timeout_s) from None
         except zmq.ZMQError as e:
             raise PeerLost(self.peer, stage, str(e)) from None
+
+    def abort(self, push_id: int, stage: str, error: BaseException) -> None:
+        """Best effort: tell the peer that this push failed here (with our traceback), so it need not wait."""
+        tb = "".join(traceback.format_exception(error))
+        self.try_send(Abort(push_id, stage, f"{type(error).__name__}: {error}", tb))
+
+    def try_send(self, msg: Message) -> None:
+        try:
+            self.send(msg, "best-effort send")
+        except RaysyncError:
+            logger.debug("could not send %s to %s", type(msg).__name__, self.peer)
 
     def recv(self, stage: str, timeout_s: float | None = None) -> Message:
         """The next authenticated message from the peer. Raises PeerTimeout, or a WireError for a bad frame

@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import time
-import traceback
 from collections.abc import Mapping
 
 import torch
@@ -102,7 +101,7 @@ class WeightReceiver:
                 )
             return IntoTensors(specs, into) if into is not None else IntoLoadFn(specs, load_fn)
         except RaysyncError as e:
-            self._abort(start.push_id, "accept", e)
+            self._channel.abort(start.push_id, "accept", e)
             raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e
 
     def _stream(self, start: PushStart, sink: Sink) -> None:
@@ -123,7 +122,7 @@ class WeightReceiver:
         except RemoteError as e:  # the sender failed and told us
             raise PushIncomplete(start.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:
-            self._abort(pid, stage, e)
+            self._channel.abort(pid, stage, e)
             raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
 
     # --- set-up and layout -------------------------------------------------------------------------------------
@@ -137,7 +136,7 @@ class WeightReceiver:
                 raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
             self._ring = registry.receiver_class(info.transport)(info)
         except Exception as e:  # tell the sender instead of letting it time out
-            self._abort(0, "handshake: map the ring", e)
+            self._channel.abort(0, "handshake: map the ring", e)
             raise
         self._channel.send(Attached(), "handshake: attached")
 
@@ -168,13 +167,6 @@ class WeightReceiver:
             return
         self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, a)
         self._layout, self._layout_error = layout, None
-
-    def _abort(self, push_id: int, stage: str, error: BaseException) -> None:
-        tb = "".join(traceback.format_exception(error))
-        try:
-            self._channel.send(Abort(push_id, stage, f"{type(error).__name__}: {error}", tb), "abort")
-        except RaysyncError:
-            pass
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Iterable
 
 import torch
@@ -22,13 +21,12 @@ from tqdm import tqdm
 
 from raysync.config import SyncConfig
 from raysync.control import SenderChannel
-from raysync.errors import RaysyncError, RemoteError
+from raysync.errors import RemoteError
 from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.source import SourceTensor, pack_bucket, select
 from raysync.transport import registry
 from raysync.wire import (
-    Abort,
     Accept,
     Attached,
     BucketFreed,
@@ -101,7 +99,7 @@ class WeightSender:
         except RemoteError:
             raise
         except Exception as e:  # tell the receiver now, rather than let it wait for timeout_s
-            self._try_send(Abort(pid, stage, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            self._channel.abort(pid, stage, e)
             raise
         finally:
             bar.close()
@@ -115,7 +113,7 @@ class WeightSender:
         try:
             self._ring = registry.sender_class(cfg.transport)(cfg.num_buffers, cfg.bucket_bytes)
         except Exception as e:  # e.g. /dev/shm too small: tell the receiver instead of letting it time out
-            self._try_send(Abort(0, "handshake: ring", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            self._channel.abort(0, "handshake: ring", e)
             raise
         self._channel.send(self._ring.info(), "handshake: ring")
         self._channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring")
@@ -133,15 +131,9 @@ class WeightSender:
         self._channel.send(self._layout, "layout")
 
     # --- teardown ----------------------------------------------------------------------------------------------
-    def _try_send(self, msg) -> None:
-        try:
-            self._channel.send(msg, "abort")
-        except RaysyncError:
-            pass
-
     def close(self) -> None:
         if self._ring is not None:
-            self._try_send(Close())
+            self._channel.try_send(Close())
             self._ring.close()
             self._ring = None
         self._channel.close()
