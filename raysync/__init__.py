@@ -1,6 +1,7 @@
 """raysync: stream a model's weights from RL trainers into rollout engines, fast and safely."""
 
 from raysync.config import SyncConfig
+from raysync.coordinator import SyncError, SyncReport, WeightSync
 from raysync.errors import (
     LayoutError,
     PeerLost,
@@ -30,6 +31,9 @@ __all__ = [
     "SessionSecret",
     "ShmSpaceError",
     "SyncConfig",
+    "SyncError",
+    "SyncReport",
+    "WeightSync",
     "WeightReceiver",
     "WeightSender",
     "WireError",

@@ -1,0 +1,262 @@
+"""WeightSync: the driver-side coordinator. Finds where every endpoint runs, picks a transport per pair, runs
+push rounds across all pairs at once, and repairs pairs whose actor was restarted.
+
+    sync = WeightSync(senders=[trainer], receivers=[engine_a, engine_b], config=SyncConfig(...))
+    print(sync.plan)                  # who sends to whom, over what, and why
+    report = sync.push(version=1)     # every pair at once; raises SyncError naming the failed endpoints
+    sync.versions()                   # each receiver's last fully applied version
+    sync.close()                      # or use `with WeightSync(...) as sync:`
+
+Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
+receiver writes into ``actor.model``'s parameters; pass ``source=`` / ``sink=`` (functions of the actor) for
+anything else — a sink may return a dict of tensors or a ``load_weights``-style function.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from raysync import endpoint as ep
+from raysync.config import SyncConfig
+from raysync.errors import PeerTimeout, RaysyncError
+from raysync.placement import PairPlan, Placement, assign, choose, format_plan
+from raysync.transport import registry
+from raysync.wire import SessionSecret
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EndpointFailure:
+    endpoint: str  # "receiver #1 (node ..., pid ..., GPU ...)"
+    stage: str
+    error: str
+    traceback: str
+
+
+class SyncError(RaysyncError):
+    """A push round failed on one or more endpoints; each failure names the endpoint, stage and traceback."""
+
+    def __init__(self, version: int, failures: list[EndpointFailure]):
+        self.version, self.failures = version, failures
+        first = failures[0]
+        text = f"push of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at " \
+               f"stage '{first.stage}': {first.error}"  # fmt: skip
+        if first.traceback:
+            text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
+        super().__init__(text)
+
+
+@dataclass(frozen=True)
+class PairReport:
+    sender: int
+    receiver: int
+    transport: str
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    version: int
+    seconds: float
+    pairs: tuple[PairReport, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.pairs)
+
+    @property
+    def slowest(self) -> PairReport:
+        return max(self.pairs, key=lambda p: p.seconds)
+
+    def __str__(self) -> str:
+        lines = [f"version {self.version}: {len(self.pairs)} pair(s), {self.bytes / 1e6:.1f} MB in "
+                 f"{self.seconds * 1e3:.1f} ms"]  # fmt: skip
+        for p in self.pairs:
+            lines.append(f"  #{p.sender} -> #{p.receiver} over {p.transport}: {p.bytes / 1e6:.1f} MB, "
+                         f"{p.seconds * 1e3:.1f} ms, {p.gbps:.2f} GB/s")  # fmt: skip
+        return "\n".join(lines)
+
+
+class Plan(list):
+    """The per-pair plan; ``str(plan)`` is a table."""
+
+    def __init__(self, plans: list[PairPlan], senders: list[Placement], receivers: list[Placement]):
+        super().__init__(plans)
+        self._senders, self._receivers = senders, receivers
+
+    def __str__(self) -> str:
+        return format_plan(self, self._senders, self._receivers)
+
+
+class WeightSync:
+    def __init__(self, senders: Sequence[Any], receivers: Sequence[Any], config: SyncConfig | None = None, *,
+                 pairs: Sequence[tuple[int, int]] | None = None, source: ep.Source = ep.model_parameters,
+                 sink: ep.Sink = ep.model_destinations, transport: str | dict[tuple[int, int], str] | None = None,
+                 setup_timeout_s: float = 300.0, push_timeout_s: float = 3600.0):  # fmt: skip
+        """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
+        else on its node, else sender 0. ``transport`` overrides the plan globally or per pair."""
+        if not senders or not receivers:
+            raise ValueError("WeightSync needs at least one sender and one receiver")
+        self.senders, self.receivers = list(senders), list(receivers)
+        self.config = config or SyncConfig()
+        self._source, self._sink, self._override = source, sink, transport
+        self._setup_timeout_s, self._push_timeout_s = setup_timeout_s, push_timeout_s
+        self._sync_id = secrets.token_hex(8)
+        self._wanted_pairs = list(pairs) if pairs is not None else None
+        self._broken: set[tuple[int, int]] = set()
+        self._setup()
+
+    # --- set-up ------------------------------------------------------------------------------------------------
+    def _get(self, refs: Any, stage: str, timeout_s: float) -> Any:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PeerTimeout("Ray actors", stage, timeout_s) from None
+
+    def _setup(self) -> None:
+        calls = [a.__ray_call__.remote(ep.where) for a in self.senders + self.receivers]
+        placements = self._get(calls, "placement", self._setup_timeout_s)
+        self._sender_at, self._receiver_at = placements[: len(self.senders)], placements[len(self.senders) :]
+        pairs = self._wanted_pairs or assign(self._sender_at, self._receiver_at)
+        self.plan = Plan([self._choose(i, j) for i, j in pairs], self._sender_at, self._receiver_at)
+        for p in self.plan:
+            self._connect(p)
+        logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
+
+    def _choose(self, i: int, j: int) -> PairPlan:
+        o = self._override
+        override = o.get((i, j)) if isinstance(o, dict) else o
+        return choose(i, j, self._sender_at[i], self._receiver_at[j], registry.available(), override)
+
+    def _connect(self, p: PairPlan) -> None:
+        s = self._sender_at[p.sender]
+        same_host = s.host == self._receiver_at[p.receiver].host
+        endpoint = None if same_host else f"tcp://{s.ip}:*"
+        secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
+        cfg = self.config
+        address = self._get(self.senders[p.sender].__ray_call__.remote(
+            ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source),
+            f"connect sender #{p.sender}", self._setup_timeout_s)  # fmt: skip
+        self._get(self.receivers[p.receiver].__ray_call__.remote(
+            ep.receiver_connect, self._sync_id, cfg, address, secret, self._sink),
+            f"connect receiver #{p.receiver}", self._setup_timeout_s)  # fmt: skip
+
+    def _repair(self) -> None:
+        """Re-probe and reconnect the pairs of the last failed push (their actors may have been restarted)."""
+        if not self._broken:
+            return
+        broken, self._broken = sorted(self._broken), set()
+        for i, j in broken:
+            self._sender_at[i], self._receiver_at[j] = self._get(
+                [self.senders[i].__ray_call__.remote(ep.where), self.receivers[j].__ray_call__.remote(ep.where)],
+                "placement (repair)", self._setup_timeout_s)  # fmt: skip
+            k = next(n for n, p in enumerate(self.plan) if (p.sender, p.receiver) == (i, j))
+            self.plan[k] = self._choose(i, j)
+            self._connect(self.plan[k])
+            logger.info("re-planned pair #%d -> #%d: %s", i, j, self.plan[k].transport)
+
+    # --- push rounds -------------------------------------------------------------------------------------------
+    def push(self, version: int) -> SyncReport:
+        """One round: every sender pushes ``version`` to its receivers, all pairs at once."""
+
+        self._repair()
+        started = time.perf_counter()
+        by_sender: dict[int, list[int]] = {}
+        for p in self.plan:
+            by_sender.setdefault(p.sender, []).append(p.receiver)
+        refs = {self.senders[i].__ray_call__.remote(ep.sender_push, self._sync_id, version, js): ("sender", i)
+                for i, js in by_sender.items()}  # fmt: skip
+        refs.update({self.receivers[j].__ray_call__.remote(ep.receiver_receive, self._sync_id): ("receiver", j)
+                     for js in by_sender.values() for j in js})  # fmt: skip
+        results, failures = self._collect(refs, version)
+        pairs = []
+        for i, per_receiver in results.get("sender", {}).items():
+            for j, r in per_receiver.items():
+                if r["ok"]:
+                    transport = next(p.transport for p in self.plan if (p.sender, p.receiver) == (i, j))
+                    pairs.append(PairReport(i, j, transport, r["report"]["bytes"], r["report"]["seconds"]))
+                else:
+                    failures.append(self._failure("sender", i, r, f" (pushing to receiver #{j})"))
+                    self._broken.add((i, j))
+        for j, r in results.get("receiver", {}).items():
+            if not r["ok"]:
+                failures.append(self._failure("receiver", j, r))
+                self._broken.update((p.sender, p.receiver) for p in self.plan if p.receiver == j)
+        if failures:
+            raise SyncError(version, failures)
+        report = SyncReport(
+            version, time.perf_counter() - started, tuple(sorted(pairs, key=lambda p: p.receiver))
+        )
+        logger.info("%s", report)
+        return report
+
+    def _collect(self, refs: dict, version: int) -> tuple[dict, list[EndpointFailure]]:
+        """Wait for every endpoint (bounded by push_timeout_s), with a byte progress bar for long pushes."""
+        import ray
+
+        results: dict[str, dict[int, Any]] = {}
+        failures: list[EndpointFailure] = []
+        pending = list(refs)
+        deadline = time.monotonic() + self._push_timeout_s
+        bar = tqdm(total=len(pending), unit="endpoint", delay=1.0, desc=f"push v{version}",
+                   disable=not self.config.progress, leave=False)  # fmt: skip
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = [self._label(*refs[r]) for r in pending]
+                    raise PeerTimeout(", ".join(names), f"push v{version}", self._push_timeout_s)
+                done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+                for ref in done:
+                    role, index = refs[ref]
+                    bar.update(1)
+                    try:
+                        results.setdefault(role, {})[index] = ray.get(ref)
+                    except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
+                        failures.append(EndpointFailure(self._label(role, index), f"push v{version}",
+                                                        f"{type(e).__name__}: {e}".splitlines()[0], str(e)))  # fmt: skip
+                        self._broken.update((p.sender, p.receiver) for p in self.plan
+                                            if (p.sender if role == "sender" else p.receiver) == index)  # fmt: skip
+        finally:
+            bar.close()
+        return results, failures
+
+    def _label(self, role: str, index: int) -> str:
+        at = (self._sender_at if role == "sender" else self._receiver_at)[index]
+        return f"{role} #{index} ({at.label()})"
+
+    def _failure(self, role: str, index: int, r: dict, suffix: str = "") -> EndpointFailure:
+        return EndpointFailure(self._label(role, index) + suffix, r["stage"], r["error"], r["traceback"])
+
+    # --- state and teardown ------------------------------------------------------------------------------------
+    def versions(self) -> list[int | None]:
+        """Each receiver's last fully applied version (None: nothing yet, or restarted and not pushed since)."""
+        calls = [a.__ray_call__.remote(ep.receiver_version, self._sync_id) for a in self.receivers]
+        return self._get(calls, "versions", self._setup_timeout_s)
+
+    def close(self) -> None:
+        import ray
+
+        calls = [a.__ray_call__.remote(ep.close, self._sync_id) for a in self.receivers + self.senders]
+        ray.wait(calls, num_returns=len(calls), timeout=self.config.timeout_s)
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""What runs inside the user's actors, through Ray's ``__ray_call__`` (no base class, no mixin).
+
+Each function takes the actor instance first. The sessions of one WeightSync live in a dict on the actor
+(``_raysync_sessions[sync_id]``), so an actor restarted by Ray simply has none, and says so.
+Results are plain dicts: a failure carries its stage, message and traceback back to the driver.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from raysync.config import SyncConfig
+from raysync.errors import PushIncomplete, RemoteError
+from raysync.placement import Placement, probe
+from raysync.receiver import WeightReceiver
+from raysync.sender import WeightSender
+from raysync.wire import SessionSecret
+
+_STATE = "_raysync_sessions"
+
+Source = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
+Sink = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
+
+
+def model_parameters(actor: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """Default source: ``actor.model.named_parameters()``."""
+    return actor.model.named_parameters()
+
+
+def model_destinations(actor: Any) -> dict[str, torch.Tensor]:
+    """Default sink: the parameters of ``actor.model``, written in place."""
+    return dict(actor.model.named_parameters())
+
+
+@dataclass
+class _SenderSide:
+    source: Source
+    senders: dict[int, WeightSender] = field(default_factory=dict)
+
+
+@dataclass
+class _ReceiverSide:
+    sink: Sink
+    receiver: WeightReceiver
+
+
+def _sessions(actor: Any) -> dict:
+    return actor.__dict__.setdefault(_STATE, {})
+
+
+def _failure(stage: str, error: BaseException) -> dict:
+    if isinstance(error, RemoteError):
+        return {
+            "ok": False,
+            "stage": error.stage,
+            "error": error.message,
+            "traceback": error.remote_traceback,
+        }
+    stage = error.stage if isinstance(error, PushIncomplete) else stage
+    return {"ok": False, "stage": stage, "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error))}  # fmt: skip
+
+
+def where(actor: Any) -> Placement:
+    return probe()
+
+
+# --- sender side -------------------------------------------------------------------------------------------------
+def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, secret: SessionSecret,
+                   endpoint: str | None, source: Source) -> str:  # fmt: skip
+    """(Re)open the session for one receiver; returns the endpoint it must connect to."""
+    side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
+    old = side.senders.pop(receiver, None)
+    if old is not None:
+        old.close()
+    sender = WeightSender(secret, config, endpoint=endpoint)
+    side.senders[receiver] = sender
+    return sender.endpoint
+
+
+def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, dict]:
+    """Push ``version`` to every receiver of this sender at once (one thread per session)."""
+    side = _sessions(actor).get(sync_id)
+    if side is None or any(j not in side.senders for j in receivers):
+        lost = RuntimeError("this actor has no session for the receiver (restarted by Ray?)")
+        return {j: _failure("session", lost) for j in receivers}
+    try:
+        named = list(side.source(actor))  # once, shared by all sessions (read-only)
+    except Exception as e:
+        return {j: _failure("source", e) for j in receivers}
+
+    def one(j: int) -> dict:
+        try:
+            return {"ok": True, "report": asdict(side.senders[j].push(named, version))}
+        except Exception as e:
+            return _failure("push", e)
+
+    with ThreadPoolExecutor(max_workers=len(receivers)) as pool:
+        return dict(zip(receivers, pool.map(one, receivers), strict=True))
+
+
+# --- receiver side -----------------------------------------------------------------------------------------------
+def receiver_connect(actor: Any, sync_id: str, config: SyncConfig, endpoint: str, secret: SessionSecret,
+                     sink: Sink) -> None:  # fmt: skip
+    sessions = _sessions(actor)
+    old = sessions.pop(sync_id, None)
+    version = old.receiver.version if old is not None else None
+    if old is not None:
+        old.receiver.close()
+    receiver = WeightReceiver(endpoint, secret, config)
+    receiver.version = version  # a new session to the same engine keeps what it has applied
+    sessions[sync_id] = _ReceiverSide(sink, receiver)
+
+
+def receiver_receive(actor: Any, sync_id: str) -> dict:
+    side = _sessions(actor).get(sync_id)
+    if side is None:
+        return _failure("session", RuntimeError("this actor has no session (restarted by Ray?)"))
+    try:
+        target = side.sink(actor)
+        kind = {"load_fn": target} if callable(target) else {"into": target}
+        return {"ok": True, "report": asdict(side.receiver.receive(**kind)), "version": side.receiver.version}
+    except Exception as e:
+        return {**_failure("receive", e), "version": side.receiver.version}
+
+
+def receiver_version(actor: Any, sync_id: str) -> int | None:
+    side = _sessions(actor).get(sync_id)
+    return side.receiver.version if side is not None else None
+
+
+def close(actor: Any, sync_id: str) -> None:
+    side = _sessions(actor).pop(sync_id, None)
+    if isinstance(side, _SenderSide):
+        for sender in side.senders.values():
+            sender.close()
+    elif isinstance(side, _ReceiverSide):
+        side.receiver.close()
