@@ -84,3 +84,25 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
     )
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray for this module; the test helpers (tests/) are importable in its workers."""
+    ray = pytest.importorskip("ray")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[None]:
+    """Nothing raysync makes may stay in /dev/shm or the temp dir once the test is over."""
+    tmp = tempfile.gettempdir()
+    before = raysync_shm_entries(), {p for p in os.listdir(tmp) if p.startswith("raysync-")}
+    yield
+    after = raysync_shm_entries(), {p for p in os.listdir(tmp) if p.startswith("raysync-")}
+    assert after[0] - before[0] == set() and after[1] - before[1] == set()

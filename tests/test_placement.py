@@ -1,0 +1,64 @@
+"""The plan as pure functions: placement rules, fallbacks, overrides, topologies."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysync.placement import Placement, PlanError, assign, choose, format_plan, probe
+
+
+def at(node: str, gpu: str | None = None, *, host: str = "h1", ipc: bool = True, visible=("GPU-a", "GPU-b")):
+    if gpu is None:
+        return Placement(node, host, "10.0.0.1", 1, "cpu", (), None, None, False, ())
+    return Placement(
+        node, host, "10.0.0.1", 1, "cuda", visible, gpu, "0,1", ipc, ((True, True), (True, True))
+    )
+
+
+ALL = ["cuda_ipc", "shm", "collective"]
+
+
+@pytest.mark.parametrize(
+    "s, r, built, transport, why",
+    [
+        (at("n1", "GPU-a"), at("n1", "GPU-a"), ALL, "cuda_ipc", "same GPU"),
+        (at("n1", "GPU-a"), at("n1", "GPU-b"), ALL, "cuda_ipc", "peer access"),
+        (at("n1", "GPU-a", ipc=False), at("n1", "GPU-a"), ALL, "shm", "no CUDA IPC"),
+        (at("n1"), at("n1"), ALL, "shm", "same node"),
+        (at("n1"), at("n2", host="h2"), ALL, "collective", "other nodes"),
+        (at("n1", "GPU-a"), at("n1", "GPU-a"), ["shm"], "shm", "cuda_ipc not built yet, shm instead"),
+        (at("n1"), at("n2"), ["shm"], "shm", "collective not built yet, shm instead (same host)"),
+    ],
+)
+def test_rules_and_fallbacks(s, r, built, transport, why):
+    plan = choose(0, 1, s, r, built)
+    assert plan.transport == transport and why in plan.reason
+
+
+def test_gpus_are_matched_by_uuid_not_index():
+    # the receiver sees only GPU-b, as its device 0; the sender works on GPU-b too (its device 1)
+    s = at("n1", "GPU-b")
+    r = Placement("n1", "h1", "10.0.0.1", 2, "cuda", ("GPU-b",), "GPU-b", "1", True, ((True,),))
+    assert choose(0, 0, s, r, ALL).reason == "same GPU"
+
+
+def test_no_transport_for_other_hosts_is_a_clear_error():
+    with pytest.raises(PlanError, match=r"want collective \(other nodes\), built so far: \['shm'\]"):
+        choose(0, 0, at("n1"), at("n2", host="h2"), ["shm"])
+    with pytest.raises(PlanError, match="override 'shm' cannot serve"):
+        choose(0, 0, at("n1"), at("n2", host="h2"), ["shm"], override="shm")
+
+
+def test_assign_colocated_disaggregated_and_mixed():
+    trainers = [at("n1", "GPU-a"), at("n1", "GPU-b")]
+    engines = [at("n1", "GPU-b"), at("n1", "GPU-a"), at("n2", "GPU-a", host="h2")]
+    assert assign(trainers, engines) == [(1, 0), (0, 1), (0, 2)]  # same GPU first, else sender 0
+    assert assign([at("n1")], [at("n1"), at("n2")]) == [(0, 0), (0, 1)]
+
+
+def test_plan_table_and_probe():
+    table = format_plan([choose(0, 0, at("n1"), at("n1"), ["shm"])], [at("n1")], [at("n1")])
+    assert table.splitlines()[0].split() == ["sender", "receiver", "transport", "why"]
+    assert "shm" in table.splitlines()[2]
+    me = probe()
+    assert me.device == "cpu" and me.pid > 0 and me.ipc_ok is False
