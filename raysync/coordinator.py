@@ -117,6 +117,7 @@ class WeightSync:
         self._sync_id = secrets.token_hex(8)
         self._wanted_pairs = list(pairs) if pairs is not None else None
         self._broken: set[tuple[int, int]] = set()
+        self._pair_bytes: dict[tuple[int, int], int] = {}
         self._setup()
 
     # --- set-up ------------------------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class WeightSync:
         endpoint = None if same_host else f"tcp://{s.ip}:*"
         secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
         cfg = self.config
-        address = self._get(self.senders[p.sender].__ray_call__.remote(
+        address, self._pair_bytes[p.sender, p.receiver] = self._get(self.senders[p.sender].__ray_call__.remote(
             ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source),
             f"connect sender #{p.sender}", self._setup_timeout_s)  # fmt: skip
         self._get(self.receivers[p.receiver].__ray_call__.remote(
@@ -213,8 +214,8 @@ class WeightSync:
         failures: list[EndpointFailure] = []
         pending = list(refs)
         deadline = time.monotonic() + self._push_timeout_s
-        bar = tqdm(total=len(pending), unit="endpoint", delay=1.0, desc=f"push v{version}",
-                   disable=not self.config.progress, leave=False)  # fmt: skip
+        bar = tqdm(total=sum(self._pair_bytes.values()), unit="B", unit_scale=True, delay=1.0,
+                   desc=f"push v{version}", disable=not self.config.progress, leave=False)  # fmt: skip
         try:
             while pending:
                 left = deadline - time.monotonic()
@@ -224,9 +225,10 @@ class WeightSync:
                 done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
                 for ref in done:
                     role, index = refs[ref]
-                    bar.update(1)
                     try:
                         results.setdefault(role, {})[index] = ray.get(ref)
+                        if role == "sender":  # a sender's result arrives when all of its pairs are done
+                            bar.update(sum(b for (i, _), b in self._pair_bytes.items() if i == index))
                     except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
                         failures.append(EndpointFailure(self._label(role, index), f"push v{version}",
                                                         f"{type(e).__name__}: {e}".splitlines()[0], str(e)))  # fmt: skip

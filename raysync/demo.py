@@ -1,10 +1,6 @@
 """`raysync demo`: a local Ray, a trainer actor with a small model made locally, engine actors with their own
-copy, several pushes over the shm ring, and a check that every engine holds the trainer's weights bit for bit.
-
-Until the Ray coordinator lands, the demo wires the two halves by hand: the driver makes the session secret,
-the trainer binds a WeightSender, each engine connects a WeightReceiver, and the driver runs the push on the
-trainer and the receive on the engine at the same time.
-"""
+copy, WeightSync planning and running several pushes, and a check that every engine holds the trainer's
+weights bit for bit. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import hashlib
 
 import torch
 
-from raysync import PushReport, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import SyncConfig, WeightSync
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -38,12 +34,10 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 class Trainer:
-    def __init__(self, secrets: list[SessionSecret], config: SyncConfig):
-        self.model = make_model(seed=0)
-        self.senders = [WeightSender(s, config) for s in secrets]  # one session per engine
+    """A stand-in for a trainer rank: holds ``self.model`` (WeightSync's default source)."""
 
-    def endpoints(self) -> list[str]:
-        return [s.endpoint for s in self.senders]
+    def __init__(self) -> None:
+        self.model = make_model(seed=0)
 
     def step(self, version: int) -> str:
         """Stands in for an optimizer step: new weights, deterministic per version."""
@@ -53,27 +47,15 @@ class Trainer:
                 p.add_(torch.randn(p.shape, generator=g) * 0.01)
         return fingerprint(self.model)
 
-    def push(self, engine: int, version: int) -> PushReport:
-        return self.senders[engine].push(self.model.named_parameters(), version)
-
-    def close(self) -> None:
-        for s in self.senders:
-            s.close()
-
 
 class Engine:
-    def __init__(self, endpoint: str, secret: SessionSecret, config: SyncConfig):
-        self.model = make_model(seed=1)  # different weights until the first push
-        self.receiver = WeightReceiver(endpoint, secret, config)
+    """A stand-in for a rollout engine: holds ``self.model`` (WeightSync's default destination)."""
 
-    def receive(self) -> PushReport:
-        return self.receiver.receive(into=dict(self.model.named_parameters()))
+    def __init__(self) -> None:
+        self.model = make_model(seed=1)  # different weights until the first push
 
     def fingerprint(self) -> str:
         return fingerprint(self.model)
-
-    def close(self) -> None:
-        self.receiver.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,30 +69,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
-        config = SyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=60)
-        secrets = [SessionSecret.generate() for _ in range(args.engines)]
-        trainer = ray.remote(num_cpus=0.5)(Trainer).remote(secrets, config)
-        endpoints = ray.get(trainer.endpoints.remote())
-        engines = [
-            ray.remote(num_cpus=0.5)(Engine).remote(ep, s, config)
-            for ep, s in zip(endpoints, secrets, strict=True)
-        ]
-        print(
-            f"trainer + {args.engines} engine actors up; engines start at {ray.get(engines[0].fingerprint.remote())}"
-        )
+        trainer = ray.remote(num_cpus=0.25)(Trainer).remote()
+        engines = [ray.remote(num_cpus=0.25)(Engine).remote() for _ in range(args.engines)]
         ok = True
-        for version in range(1, args.pushes + 1):
-            expected = ray.get(trainer.step.remote(version))
-            for i, engine in enumerate(engines):
-                got = engine.receive.remote()
-                report = ray.get(trainer.push.remote(i, version))
-                ray.get(got)
-                actual = ray.get(engine.fingerprint.remote())
-                ok &= actual == expected
-                print(
-                    f"  engine {i}: {report}  weights {actual} {'==' if actual == expected else '!='} trainer"
-                )
-        ray.get([e.close.remote() for e in engines] + [trainer.close.remote()])
+        with WeightSync(
+            [trainer], engines, SyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=60)
+        ) as sync:
+            print(f"plan:\n{sync.plan}\n")
+            for version in range(1, args.pushes + 1):
+                expected = ray.get(trainer.step.remote(version))
+                print(sync.push(version))
+                got = ray.get([e.fingerprint.remote() for e in engines])
+                ok &= all(g == expected for g in got)
+                print(f"  trainer weights {expected}; engines {', '.join(got)}\n")
+            print(f"engine versions: {sync.versions()}")
         print("OK: every engine holds the trainer's weights, bit for bit" if ok else "FAILED: weights differ")
         return 0 if ok else 1
     finally:

@@ -20,6 +20,7 @@ from raysync.errors import PushIncomplete, RemoteError
 from raysync.placement import Placement, probe
 from raysync.receiver import WeightReceiver
 from raysync.sender import WeightSender
+from raysync.source import select
 from raysync.wire import SessionSecret
 
 _STATE = "_raysync_sessions"
@@ -73,15 +74,16 @@ def where(actor: Any) -> Placement:
 
 # --- sender side -------------------------------------------------------------------------------------------------
 def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, secret: SessionSecret,
-                   endpoint: str | None, source: Source) -> str:  # fmt: skip
-    """(Re)open the session for one receiver; returns the endpoint it must connect to."""
+                   endpoint: str | None, source: Source) -> tuple[str, int]:  # fmt: skip
+    """(Re)open the session for one receiver; returns the endpoint it must connect to, and the bytes a push
+    of the current source moves (for the driver's progress bar)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
     old = side.senders.pop(receiver, None)
     if old is not None:
         old.close()
     sender = WeightSender(secret, config, endpoint=endpoint)
     side.senders[receiver] = sender
-    return sender.endpoint
+    return sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config))
 
 
 def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, dict]:
