@@ -40,11 +40,12 @@ class Sink:
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _sync(self) -> None:
-        for (
-            device
-        ) in self._devices:  # host->device copies were non-blocking: finish before the buffer is reused
-            torch.cuda.current_stream(device).synchronize()
+    def _sync(self, buffer: torch.Tensor) -> None:
+        """Host -> device copies were issued non-blocking: finish them before the host buffer is reused.
+        Device -> device copies need nothing: they are ordered on the stream before any reuse."""
+        if buffer.device.type == "cpu":
+            for device in self._devices:
+                torch.cuda.current_stream(device).synchronize()
 
 
 class IntoTensors(Sink):
@@ -57,7 +58,7 @@ class IntoTensors(Sink):
         for c in bucket.chunks:
             dst = self._bytes[c.index][c.src_offset : c.src_offset + c.nbytes]
             dst.copy_(buffer[c.bucket_offset : c.bucket_offset + c.nbytes], non_blocking=dst.is_cuda)
-        self._sync()
+        self._sync(buffer)
         self.done.update(c.index for c in bucket.chunks if c.last)
 
 

@@ -80,3 +80,41 @@ def plain_sender(secret: SessionSecret, config: SyncConfig, out) -> None:
             except PushIncomplete:
                 return
             out.put(version)
+
+
+def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=None, bad_shape=False) -> None:
+    """A rank of a broadcast group: its own copy of the tiny model, ``pushes`` receives, digest after each.
+    ``die_at=(push, call)``: SIGKILL itself inside that load call. Reports ("ok"|error name, detail, seconds)."""
+    import os
+    import signal
+    import time
+
+    from raysync.models import tiny_qwen2
+    from raysync.transport.collective import CollectiveReceiver
+
+    model = tiny_qwen2(seed=99)
+    params = dict(model.named_parameters())
+    if bad_shape:
+        params["model.norm.weight"] = torch.zeros(3)
+    calls = []
+
+    def load(batch):
+        calls.append(1)
+        if die_at and (receiver.version or 0) + 1 == die_at[0] and len(calls) == die_at[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with torch.no_grad():
+            for name, t in batch:
+                params[name].copy_(t)
+
+    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver.join()
+    for _ in range(pushes):
+        calls.clear()
+        t0 = time.monotonic()
+        try:
+            report = receiver.receive(load_fn=load) if die_at else receiver.receive(into=params)
+        except Exception as e:
+            out.put((rank, type(e).__name__, str(e), time.monotonic() - t0))
+            return
+        out.put((rank, "ok", (report.version, digest(model.named_parameters())), time.monotonic() - t0))
+    receiver.close()

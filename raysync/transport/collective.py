@@ -1,0 +1,361 @@
+"""Collective transport: one sender broadcasts every bucket to all its receivers over a standalone torch
+process group (NCCL on GPUs, gloo on CPUs; "hccl" is accepted for Ascend but untested).
+
+    rank 0 (sender)                      ranks 1..N (receivers)
+    TCPStore master on host:port  <---   join the store, then the group (rendezvous, bounded by timeout_s)
+    signed frames in the store:          layout/<id>, <push>/start  ->  <push>/accept/<rank>
+                                         <push>/go (Accept = stream, Abort = nobody streams)
+    buckets: pack k into buffer k % N, broadcast (async); receivers post the broadcasts ahead, unpack k
+                                         <push>/done/<rank>
+
+The group is the sync's own: it never touches a default process group that the trainer or vLLM use. Every
+control value in the store is a signed raysync frame (wire.py): the store is plain TCP, so what is read from
+it is checked like anything else off a socket. Each rank signs with its own derived key.
+
+# Note [no hangs in a collective]
+# A collective only finishes when every rank takes part, so a rank that fails mid-push must not just stop:
+# it writes its error to the store and aborts the group, which makes the others' pending broadcasts fail at
+# once (gloo: "connection closed"; NCCL: the communicator is aborted). Every wait is bounded by timeout_s,
+# after which the waiting rank aborts the group itself. An aborted group is gone: the next push needs a new
+# one (WeightSync reconnects broken pairs before the next push).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from raysync.config import SyncConfig
+from raysync.errors import PeerTimeout, PushIncomplete, RaysyncError, RemoteError
+from raysync.plan import plan_buckets, total_bytes
+from raysync.report import PushReport
+from raysync.sink import IntoLoadFn, IntoTensors, LoadFn, Sink
+from raysync.source import pack_bucket, select
+from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushDone, PushStart, SessionSecret
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What a receiver needs to join: plain values, handed out by the coordinator."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str  # "gloo" | "nccl" | "hccl"
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class _Group:
+    """The store, the process group and the signed frames of one rank."""
+
+    def __init__(
+        self, secret: SessionSecret, config: SyncConfig, rank: int, rdv: Rendezvous, store: dist.Store
+    ):
+        self.rank, self.rdv, self.config, self.store = rank, rdv, config, store
+        self.timeout = datetime.timedelta(seconds=config.timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if rdv.backend == "nccl" else None
+        self._secret = secret
+        self._codecs: dict[str, FrameCodec] = {}
+        self.pg = None
+
+    def join(self) -> None:
+        """Create the process group: blocks until every rank has joined (bounded by timeout_s)."""
+        backend = self.rdv.backend
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.rdv.host)]
+            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.rdv.world_size, opts)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.rdv.world_size, opts)
+        elif backend == "hccl":  # pragma: no cover - Ascend, untested here
+            import torch_npu  # noqa: F401
+
+            self.pg = torch.distributed.ProcessGroupHCCL(
+                self.store, self.rank, self.rdv.world_size, self.timeout
+            )
+        else:
+            raise ValueError(f"unknown collective backend {backend!r} (gloo, nccl, hccl)")
+
+    # --- signed frames in the store ------------------------------------------------------------------------------
+    # Each (writer rank, stream) signs with its own derived key and numbers its frames, so a frame can be
+    # neither forged nor moved to another key of the store: see wire.FrameCodec.
+    def _signer(self, stream: str) -> FrameCodec:
+        role = f"rank{self.rank}/{stream}"
+        if role not in self._codecs:
+            self._codecs[role] = FrameCodec(self._secret, role, "-", self.config.max_frame_bytes)
+        return self._codecs[role]
+
+    def _verifier(self, writer: int, stream: str) -> FrameCodec:
+        role = f"rank{writer}/{stream}"
+        if "?" + role not in self._codecs:
+            self._codecs["?" + role] = FrameCodec(self._secret, "-", role, self.config.max_frame_bytes)
+        return self._codecs["?" + role]
+
+    def put(self, key: str, msg: Message, stream: str) -> None:
+        self.store.set(key, self._signer(stream).encode(msg))
+
+    def take(self, key: str, writer: int, stream: str, stage: str, timeout_s: float | None = None) -> Message:
+        """Wait for ``key`` (written by rank ``writer`` on ``stream``); check its signature and schema."""
+        wait = self.config.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=wait))
+            frame = self.store.get(key)
+        except Exception:  # DistStoreError on timeout, or the store's host (rank 0) is gone
+            raise PeerTimeout(f"rank {writer} of the {self.rdv.backend} group", stage, wait) from None
+        return self._verifier(writer, stream).decode(frame)
+
+    # --- collectives ---------------------------------------------------------------------------------------------
+    def broadcast(self, buffer: torch.Tensor):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.pg.broadcast([buffer], opts)
+
+    def wait(self, work, stage: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as e:
+            self.abort()
+            raise PeerTimeout(
+                "a rank of the group", f"{stage}: {str(e).splitlines()[0]}", self.config.timeout_s
+            ) from e
+        if ok is False:
+            self.abort()
+            raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
+
+    def abort(self) -> None:
+        """Note [no hangs in a collective]."""
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception:  # already broken
+                pass
+            self.pg = None
+
+
+def _store_listener(host: str) -> socket.socket:
+    """A listening socket on ``host`` only, for the TCPStore (which would otherwise listen on every interface)."""
+    if host in ("0.0.0.0", "::", "*", ""):
+        raise ValueError("give the collective group the address of one interface, not every interface")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
+
+
+def _buffers(config: SyncConfig, device: torch.device | None) -> list[torch.Tensor]:
+    return [
+        torch.empty(config.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(config.num_buffers)
+    ]
+
+
+class CollectiveSender:
+    """Rank 0 of a broadcast group: hosts the store, plans and packs, broadcasts every bucket.
+
+    Make it, hand ``rendezvous`` and the secret to the receivers, then call ``join()`` here and on every
+    receiver at the same time (it returns when all ranks are in), then ``push`` as often as needed."""
+
+    name = "collective"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return dist.is_available()
+
+    def __init__(self, secret: SessionSecret, config: SyncConfig, *, host: str, num_receivers: int,
+                 backend: str | None = None):  # fmt: skip
+        self.config = config
+        listener = _store_listener(host)
+        port = listener.getsockname()[1]
+        world = num_receivers + 1
+        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False, use_libuv=False,
+                              timeout=datetime.timedelta(seconds=config.timeout_s),
+                              master_listen_fd=listener.detach())  # the store owns the socket from here  # fmt: skip
+        self.rendezvous = Rendezvous(host, port, world, backend or default_backend())
+        self._group = _Group(secret, config, 0, self.rendezvous, store)
+        self._layout: Layout | None = None
+        self._buckets: list = []
+        self._push_id = 0
+
+    def join(self) -> None:
+        self._group.join()
+        self._buffers = _buffers(self.config, self._group.device)
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
+        g = self._group
+        if g.pg is None:
+            raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
+        sources = select(named_tensors, self.config)
+        specs = tuple(s.spec for s in sources)
+        started = time.perf_counter()
+        self._push_id += 1
+        pid = self._push_id
+        if self._layout is None or self._layout.tensors != specs:
+            layout_id = self._layout.layout_id + 1 if self._layout else 1
+            self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
+            self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
+            g.put(f"layout/{layout_id}", self._layout, "layout")
+        g.put(f"{pid}/start", PushStart(pid, version, self._layout.layout_id), "control")
+        ranks = range(1, self.rendezvous.world_size)
+        answers = {r: g.take(f"{pid}/accept/{r}", r, "control", "accept") for r in ranks}
+        refused = {r: a for r, a in answers.items() if isinstance(a, Abort)}
+        if refused:
+            r, a = next(iter(refused.items()))
+            g.put(f"{pid}/go", Abort(pid, "accept", f"rank {r} refused: {a.message}", ""), "control")
+            raise RemoteError(f"rank {r}", a.stage, a.message, a.traceback)
+        skip = all(a.skip for a in answers.values())
+        g.put(f"{pid}/go", Accept(pid, skip), "control")
+        if not skip:
+            self._stream(sources, pid)
+        for r in ranks:
+            done = g.take(f"{pid}/done/{r}", r, "control", "finish")
+            if isinstance(done, Abort):
+                raise RemoteError(f"rank {r}", done.stage, done.message, done.traceback)
+        nbytes = total_bytes(specs) * (not skip)
+        return PushReport(version, self.name, nbytes, len(self._buckets) * (not skip), len(specs),
+                          time.perf_counter() - started, skipped=skip)  # fmt: skip
+
+    def _stream(self, sources, pid: int) -> None:
+        g, n = self._group, len(self._buffers)
+        works: list = [None] * n
+        stage = "stream"
+        try:
+            for k, bucket in enumerate(self._buckets):
+                slot = k % n
+                stage = f"broadcast bucket {k}/{len(self._buckets)}"
+                if works[slot] is not None:
+                    g.wait(
+                        works[slot], stage
+                    )  # the buffer is free again (on GPU: a stream wait, not a host wait)
+                pack_bucket(bucket, sources, self._buffers[slot])
+                works[slot] = g.broadcast(self._buffers[slot][: bucket.nbytes])
+            stage = "finish"
+            for w in works:
+                if w is not None:
+                    g.wait(w, stage)
+        except Exception as e:
+            g.abort()  # Note [no hangs in a collective]
+            raise self._explain(pid, stage, e) from e
+
+    def _explain(self, pid: int, stage: str, error: Exception) -> Exception:
+        """A receiver that failed first left its reason in the store; prefer it to our own symptom."""
+        for r in range(1, self.rendezvous.world_size):
+            key = f"{pid}/done/{r}"
+            try:
+                if self._group.store.check([key]):
+                    msg = self._group.take(key, r, "control", stage, timeout_s=1)
+                    if isinstance(msg, Abort):
+                        return RemoteError(f"rank {r}", msg.stage, msg.message, msg.traceback)
+            except Exception:
+                continue
+        return error
+
+    def close(self) -> None:
+        self._group.abort()
+
+
+class CollectiveReceiver:
+    """Rank ``rank`` (>= 1) of a broadcast group; ``receive`` serves one push, like WeightReceiver's."""
+
+    name = "collective"
+
+    def __init__(self, secret: SessionSecret, config: SyncConfig, *, rank: int, rendezvous: Rendezvous):
+        self.config = config
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=config.timeout_s), use_libuv=False)  # fmt: skip
+        self._group = _Group(secret, config, rank, rendezvous, store)
+        self._layout: Layout | None = None
+        self._buckets: list = []
+        self._push_id = 0
+        self.version: int | None = None
+
+    def join(self) -> None:
+        self._group.join()
+        self._buffers = _buffers(self.config, self._group.device)
+
+    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                wait_s: float | None = None) -> PushReport:  # fmt: skip
+        if (into is None) == (load_fn is None):
+            raise TypeError(
+                "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
+            )
+        g, me = self._group, self._group.rank
+        if g.pg is None:
+            raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
+        pid = self._push_id + 1
+        start = g.take(f"{pid}/start", 0, "control", "waiting for a push", wait_s)
+        self._push_id = pid
+        started = time.perf_counter()
+        sink, refusal = self._accept(start, into, load_fn)
+        go = g.take(f"{pid}/go", 0, "control", "go")
+        if refusal is not None or isinstance(go, Abort):
+            names = [s.name for s in self._layout.tensors] if self._layout else []
+            raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
+        if not go.skip:
+            self._stream(start, sink)
+            self.version = start.version
+        g.put(f"{pid}/done/{me}", PushDone(pid, start.version), "control")
+        specs = self._layout.tensors
+        return PushReport(start.version, self.name, total_bytes(specs) * (not go.skip),
+                          len(self._buckets) * (not go.skip), len(specs), time.perf_counter() - started,
+                          skipped=go.skip)  # fmt: skip
+
+    def _accept(self, start: PushStart, into, load_fn) -> tuple[Sink | None, RaysyncError | None]:
+        """Check the layout and our destinations, tell the sender (who tells everyone whether to stream)."""
+        g = self._group
+        try:
+            if self._layout is None or start.layout_id != self._layout.layout_id:
+                layout = g.take(f"layout/{start.layout_id}", 0, "layout", "layout")
+                if layout.bucket_bytes > self.config.bucket_bytes:
+                    raise RaysyncError(f"the sender's bucket_bytes={layout.bucket_bytes} exceed this receiver's "
+                                       f"buffers ({self.config.bucket_bytes}); use one SyncConfig on both sides")  # fmt: skip
+                self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
+                self._layout = layout
+            sink = IntoTensors(self._layout.tensors, into) if into is not None else \
+                IntoLoadFn(self._layout.tensors, load_fn)  # fmt: skip
+        except RaysyncError as e:
+            g.put(f"{start.push_id}/accept/{g.rank}", Abort(start.push_id, "accept", str(e), ""), "control")
+            return None, e
+        g.put(
+            f"{start.push_id}/accept/{g.rank}",
+            Accept(start.push_id, start.version == self.version),
+            "control",
+        )
+        return sink, None
+
+    def _stream(self, start: PushStart, sink: Sink) -> None:
+        g, n, nb = self._group, len(self._buffers), len(self._buckets)
+        works = {k: g.broadcast(self._buffers[k % n][: self._buckets[k].nbytes]) for k in range(min(n, nb))}
+        stage = "stream"
+        try:
+            for k, bucket in enumerate(self._buckets):
+                stage = f"broadcast bucket {k}/{nb}"
+                g.wait(works.pop(k), stage)
+                stage = f"unpack bucket {k}/{nb}"
+                sink.write(bucket, self._buffers[k % n])
+                if k + n < nb:  # post the next broadcast into the buffer just read (stream-ordered on GPU)
+                    works[k + n] = g.broadcast(self._buffers[k % n][: self._buckets[k + n].nbytes])
+        except Exception as e:
+            try:  # leave the reason where the sender looks (the store lives in the sender's process)
+                g.put(f"{start.push_id}/done/{g.rank}", Abort(start.push_id, stage, f"{type(e).__name__}: {e}", ""),
+                      "control")  # fmt: skip
+            except Exception:
+                pass
+            g.abort()  # Note [no hangs in a collective]
+            raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
+
+    def close(self) -> None:
+        self._group.abort()
