@@ -135,8 +135,7 @@ class WeightSync:
         self._sender_at, self._receiver_at = placements[: len(self.senders)], placements[len(self.senders) :]
         pairs = self._wanted_pairs or assign(self._sender_at, self._receiver_at)
         self.plan = Plan([self._choose(i, j) for i, j in pairs], self._sender_at, self._receiver_at)
-        for p in self.plan:
-            self._connect(p)
+        self._connect({(p.sender, p.receiver) for p in self.plan})
         logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
 
     def _choose(self, i: int, j: int) -> PairPlan:
@@ -144,7 +143,21 @@ class WeightSync:
         override = o.get((i, j)) if isinstance(o, dict) else o
         return choose(i, j, self._sender_at[i], self._receiver_at[j], registry.available(), override)
 
-    def _connect(self, p: PairPlan) -> None:
+    def _connect(self, pairs: set[tuple[int, int]]) -> None:
+        """(Re)connect ``pairs``: a session per ring pair; a sender's whole broadcast group if any of its
+        collective pairs is among them (a group is made, and lost, as a whole)."""
+        for p in self.plan:
+            if (p.sender, p.receiver) in pairs and p.transport != "collective":
+                self._connect_ring(p)
+        groups = {
+            p.sender for p in self.plan if (p.sender, p.receiver) in pairs and p.transport == "collective"
+        }
+        for i in sorted(groups):
+            self._connect_group(
+                i, [p.receiver for p in self.plan if p.sender == i and p.transport == "collective"]
+            )
+
+    def _connect_ring(self, p: PairPlan) -> None:
         s = self._sender_at[p.sender]
         same_host = s.host == self._receiver_at[p.receiver].host
         endpoint = None if same_host else f"tcp://{s.ip}:*"
@@ -157,19 +170,48 @@ class WeightSync:
             ep.receiver_connect, self._sync_id, cfg, address, secret, self._sink),
             f"connect receiver #{p.receiver}", self._setup_timeout_s)  # fmt: skip
 
+    def _connect_group(self, i: int, receivers: list[int]) -> None:
+        secret, cfg = SessionSecret.generate(), self.config
+        rendezvous, nbytes = self._get(self.senders[i].__ray_call__.remote(
+            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source),
+            f"open the broadcast group of sender #{i}", self._setup_timeout_s)  # fmt: skip
+        self._pair_bytes.update({(i, j): nbytes for j in receivers})
+        joins = [self.senders[i].__ray_call__.remote(ep.collective_join, self._sync_id)]
+        joins += [self.receivers[j].__ray_call__.remote(ep.collective_connect, self._sync_id, cfg, rank, rendezvous,
+                                                        secret, self._sink)
+                  for rank, j in enumerate(receivers, start=1)]  # fmt: skip
+        self._get(joins, f"join the broadcast group of sender #{i}", self._setup_timeout_s)
+
+    def _where(self, actor: Any, stage: str) -> Placement:
+        """Probe one actor, waiting (up to setup_timeout_s) while Ray restarts it."""
+        import ray
+
+        deadline = time.monotonic() + self._setup_timeout_s
+        while True:
+            try:
+                return self._get(
+                    actor.__ray_call__.remote(ep.where), stage, max(1.0, deadline - time.monotonic())
+                )
+            except ray.exceptions.ActorUnavailableError:  # restarting: Ray answers at once, so ask again
+                if time.monotonic() > deadline:
+                    raise PeerTimeout("a restarting actor", stage, self._setup_timeout_s) from None
+                time.sleep(0.2)
+
     def _repair(self) -> None:
-        """Re-probe and reconnect the pairs of the last failed push (their actors may have been restarted)."""
+        """Re-probe, re-plan and reconnect the pairs of the last failed push (their actors may have been
+        restarted, maybe elsewhere)."""
         if not self._broken:
             return
-        broken, self._broken = sorted(self._broken), set()
-        for i, j in broken:
-            self._sender_at[i], self._receiver_at[j] = self._get(
-                [self.senders[i].__ray_call__.remote(ep.where), self.receivers[j].__ray_call__.remote(ep.where)],
-                "placement (repair)", self._setup_timeout_s)  # fmt: skip
-            k = next(n for n, p in enumerate(self.plan) if (p.sender, p.receiver) == (i, j))
-            self.plan[k] = self._choose(i, j)
-            self._connect(self.plan[k])
-            logger.info("re-planned pair #%d -> #%d: %s", i, j, self.plan[k].transport)
+        broken, self._broken = set(self._broken), set()
+        for i in {i for i, _ in broken}:
+            self._sender_at[i] = self._where(self.senders[i], f"placement of sender #{i}")
+        for j in {j for _, j in broken}:
+            self._receiver_at[j] = self._where(self.receivers[j], f"placement of receiver #{j}")
+        for k, p in enumerate(self.plan):
+            if (p.sender, p.receiver) in broken:
+                self.plan[k] = self._choose(p.sender, p.receiver)
+                logger.info("re-planned pair #%d -> #%d: %s", p.sender, p.receiver, self.plan[k].transport)
+        self._connect(broken)
 
     # --- push rounds -------------------------------------------------------------------------------------------
     def push(self, version: int) -> SyncReport:

@@ -21,6 +21,7 @@ from raysync.placement import Placement, probe
 from raysync.receiver import WeightReceiver
 from raysync.sender import WeightSender
 from raysync.source import select
+from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
 from raysync.wire import SessionSecret
 
 _STATE = "_raysync_sessions"
@@ -42,13 +43,17 @@ def model_destinations(actor: Any) -> dict[str, torch.Tensor]:
 @dataclass
 class _SenderSide:
     source: Source
-    senders: dict[int, WeightSender] = field(default_factory=dict)
+    senders: dict[int, WeightSender] = field(
+        default_factory=dict
+    )  # ring transports: one session per receiver
+    group: CollectiveSender | None = None  # the collective: one broadcast group for all its receivers
+    group_receivers: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _ReceiverSide:
     sink: Sink
-    receiver: WeightReceiver
+    receiver: WeightReceiver | CollectiveReceiver  # the same receive() either way
 
 
 def _sessions(actor: Any) -> dict:
@@ -86,10 +91,27 @@ def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, 
     return sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config))
 
 
+def collective_open(actor: Any, sync_id: str, config: SyncConfig, host: str, receivers: list[int],
+                    secret: SessionSecret, source: Source) -> tuple[Rendezvous, int]:  # fmt: skip
+    """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order)."""
+    side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
+    if side.group is not None:
+        side.group.close()
+    side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers))
+    side.group_receivers = list(receivers)
+    return side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config))
+
+
+def collective_join(actor: Any, sync_id: str) -> None:
+    _sessions(actor)[sync_id].group.join()  # returns when every rank has joined
+
+
 def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, dict]:
-    """Push ``version`` to every receiver of this sender at once (one thread per session)."""
+    """Push ``version`` to every receiver of this sender at once: one thread per ring session, one for the
+    broadcast group."""
     side = _sessions(actor).get(sync_id)
-    if side is None or any(j not in side.senders for j in receivers):
+    in_group = [j for j in receivers if side is not None and j in side.group_receivers]
+    if side is None or any(j not in side.senders and j not in in_group for j in receivers):
         lost = RuntimeError("this actor has no session for the receiver (restarted by Ray?)")
         return {j: _failure("session", lost) for j in receivers}
     try:
@@ -97,27 +119,41 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     except Exception as e:
         return {j: _failure("source", e) for j in receivers}
 
-    def one(j: int) -> dict:
+    def one(target: Any) -> dict:
         try:
-            return {"ok": True, "report": asdict(side.senders[j].push(named, version))}
+            return {"ok": True, "report": asdict(target.push(named, version))}
         except Exception as e:
             return _failure("push", e)
 
-    with ThreadPoolExecutor(max_workers=len(receivers)) as pool:
-        return dict(zip(receivers, pool.map(one, receivers), strict=True))
+    jobs = {(j,): side.senders[j] for j in receivers if j in side.senders}
+    if in_group:
+        jobs[tuple(in_group)] = side.group
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = dict(zip(jobs, pool.map(one, jobs.values()), strict=True))
+    return {j: r for js, r in results.items() for j in js}
 
 
 # --- receiver side -----------------------------------------------------------------------------------------------
 def receiver_connect(actor: Any, sync_id: str, config: SyncConfig, endpoint: str, secret: SessionSecret,
                      sink: Sink) -> None:  # fmt: skip
-    sessions = _sessions(actor)
-    old = sessions.pop(sync_id, None)
-    version = old.receiver.version if old is not None else None
+    _set_receiver(actor, sync_id, sink, WeightReceiver(endpoint, secret, config))
+
+
+def _set_receiver(
+    actor: Any, sync_id: str, sink: Sink, receiver: WeightReceiver | CollectiveReceiver
+) -> None:
+    old = _sessions(actor).pop(sync_id, None)
     if old is not None:
+        receiver.version = old.receiver.version  # a new session to the same engine keeps what it has applied
         old.receiver.close()
-    receiver = WeightReceiver(endpoint, secret, config)
-    receiver.version = version  # a new session to the same engine keeps what it has applied
-    sessions[sync_id] = _ReceiverSide(sink, receiver)
+    _sessions(actor)[sync_id] = _ReceiverSide(sink, receiver)
+
+
+def collective_connect(actor: Any, sync_id: str, config: SyncConfig, rank: int, rendezvous: Rendezvous,
+                       secret: SessionSecret, sink: Sink) -> None:  # fmt: skip
+    """Join the sender's broadcast group as ``rank`` (returns when every rank has joined)."""
+    _set_receiver(actor, sync_id, sink, CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous))
+    _sessions(actor)[sync_id].receiver.join()
 
 
 def receiver_receive(actor: Any, sync_id: str) -> dict:
@@ -142,5 +178,7 @@ def close(actor: Any, sync_id: str) -> None:
     if isinstance(side, _SenderSide):
         for sender in side.senders.values():
             sender.close()
+        if side.group is not None:
+            side.group.close()
     elif isinstance(side, _ReceiverSide):
         side.receiver.close()

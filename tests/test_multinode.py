@@ -1,19 +1,21 @@
-"""A two-node Ray cluster on this machine (ray.cluster_utils.Cluster): two raylets, distinct node ids."""
+"""A two-node Ray cluster on this machine (ray.cluster_utils.Cluster): two raylets, distinct node ids; shm
+inside a node, the collective (gloo) across nodes."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from actors import Engine, Trainer  # noqa: E402
+from actors import Engine, Trainer, engine_load  # noqa: E402
 
-from raysync import SyncConfig, WeightSync  # noqa: E402
+from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
 
-CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=10, progress=False)
+CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)
 
 
 @pytest.mark.slow
@@ -29,17 +31,30 @@ def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers):
         )
         on = {n: {"num_cpus": 0.25, "resources": {n: 1}} for n in ("node_a", "node_b")}
         trainer = ray.remote(**on["node_a"])(Trainer).remote()
-        engines = [ray.remote(**on["node_a"])(Engine).remote(), ray.remote(**on["node_b"])(Engine).remote()]
-        with WeightSync([trainer], engines, CFG) as sync:
+        engines = [ray.remote(**on["node_a"])(Engine).remote(),
+                   ray.remote(max_restarts=1, **on["node_b"])(Engine).remote()]  # fmt: skip
+        with WeightSync([trainer], engines, CFG, sink=engine_load) as sync:
             local, remote = sync.plan
             assert (local.transport, local.reason) == ("shm", "same node")
-            # the rules want the collective across nodes; until it is built the plan falls back, and says so
-            assert (remote.wanted, remote.transport) == ("collective", "shm")
-            assert "collective not built yet, shm instead (same host)" in str(sync.plan)
+            assert (remote.transport, remote.reason) == ("collective", "other nodes")  # gloo on CPUs
             for version in (1, 2):
                 expected = ray.get(trainer.step.remote(version))
-                sync.push(version)
+                report = sync.push(version)
                 assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
+            assert [p.transport for p in report.pairs] == ["shm", "collective"]
+
+            # the engine on the other node dies inside a push: typed error within timeout_s, then recovery
+            ray.get(engines[1].fail_at_call.remote(2, "die"))
+            ray.get(trainer.step.remote(3))
+            started = time.monotonic()
+            with pytest.raises(SyncError) as e:
+                sync.push(3)
+            assert time.monotonic() - started <= CFG.timeout_s + 3
+            assert any(f.endpoint.startswith("receiver #1") for f in e.value.failures), e.value
+            expected = ray.get(trainer.step.remote(4))
+            sync.push(4)  # the group is rebuilt with the restarted actor, which gets the full weights
+            assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
+            assert sync.versions() == [4, 4]
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -68,7 +68,7 @@ def test_receiver_refuses_what_it_did_not_expect(why, info):
 
 
 def test_registry_names_and_availability():
-    assert registry.available() == ["shm"]
+    assert registry.available() == ["shm", "collective"]
     assert registry.sender_class("shm") is ShmRingSender
     from raysync.errors import TransportUnavailable
 

@@ -9,6 +9,10 @@ from raysync.errors import TransportUnavailable
 
 _HALVES: dict[str, tuple[str, str]] = {
     "shm": ("raysync.transport.shm:ShmRingSender", "raysync.transport.shm:ShmRingReceiver"),
+    "collective": (
+        "raysync.transport.collective:CollectiveSender",
+        "raysync.transport.collective:CollectiveReceiver",
+    ),
 }
 
 
