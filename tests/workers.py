@@ -118,3 +118,18 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
             return
         out.put((rank, "ok", (report.version, digest(model.named_parameters())), time.monotonic() - t0))
     receiver.close()
+
+
+def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
+    """A GPU rank of an NCCL broadcast group (GPU ``rank``): receives into its own copy of the tiny model."""
+    from raysync.models import tiny_qwen2
+    from raysync.transport.collective import CollectiveReceiver
+
+    torch.cuda.set_device(rank)
+    model = tiny_qwen2(seed=99).cuda()
+    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver.join()
+    for _ in range(pushes):
+        report = receiver.receive(into=dict(model.named_parameters()))
+        out.put((rank, report.version, digest((n, p.cpu()) for n, p in model.named_parameters())))
+    receiver.close()

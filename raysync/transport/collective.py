@@ -125,7 +125,12 @@ class _Group:
         opts.rootRank = 0
         return self.pg.broadcast([buffer], opts)
 
-    def wait(self, work, stage: str) -> None:
+    def wait(self, work, stage: str, block: bool = True) -> None:
+        """Wait for a broadcast. ``block=False`` on NCCL only orders the current stream after it (no host
+        wait, so packing and unpacking keep the GPU busy); every push ends with a blocking, bounded wait."""
+        if not block and self.rdv.backend == "nccl":
+            work.wait()
+            return
         try:
             ok = work.wait(self.timeout)
         except Exception as e:
@@ -236,10 +241,9 @@ class CollectiveSender:
             for k, bucket in enumerate(self._buckets):
                 slot = k % n
                 stage = f"broadcast bucket {k}/{len(self._buckets)}"
+                # the buffer is free again once its last broadcast is done (NCCL: a stream wait, no host wait)
                 if works[slot] is not None:
-                    g.wait(
-                        works[slot], stage
-                    )  # the buffer is free again (on GPU: a stream wait, not a host wait)
+                    g.wait(works[slot], stage, block=False)
                 pack_bucket(bucket, sources, self._buffers[slot])
                 works[slot] = g.broadcast(self._buffers[slot][: bucket.nbytes])
             stage = "finish"
@@ -343,11 +347,15 @@ class CollectiveReceiver:
         try:
             for k, bucket in enumerate(self._buckets):
                 stage = f"broadcast bucket {k}/{nb}"
-                g.wait(works.pop(k), stage)
+                g.wait(
+                    works.pop(k), stage, block=k == nb - 1
+                )  # the last one bounds the whole push on the host
                 stage = f"unpack bucket {k}/{nb}"
                 sink.write(bucket, self._buffers[k % n])
                 if k + n < nb:  # post the next broadcast into the buffer just read (stream-ordered on GPU)
                     works[k + n] = g.broadcast(self._buffers[k % n][: self._buckets[k + n].nbytes])
+            if g.device is not None:
+                torch.cuda.current_stream().synchronize()  # applied means visible: the unpack copies are done
         except Exception as e:
             try:  # leave the reason where the sender looks (the store lives in the sender's process)
                 g.put(f"{start.push_id}/done/{g.rank}", Abort(start.push_id, stage, f"{type(e).__name__}: {e}", ""),

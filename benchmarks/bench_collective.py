@@ -1,0 +1,146 @@
+"""Benchmark: the collective transport (NCCL) from one sender GPU to receiver GPUs, 7B layout by default,
+each push landing in preallocated destination tensors; next to a raw NCCL broadcast of one 1 GiB buffer and a
+per-tensor broadcast of the same layout, measured in the same run over the same group.
+
+    python benchmarks/bench_collective.py --gpus 2 --bucket-mb 256 512 1024 --num-buffers 2 3
+
+Rank 0 (GPU 0) sends; ranks 1..gpus-1 receive. Every rank runs the same sequence (SPMD); rank 0 times the
+pushes end to end (push returns when every receiver has reported its version applied). Prints a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from raysync import SessionSecret, SyncConfig
+from raysync.models import LAYOUTS, allocate
+from raysync.transport.collective import CollectiveReceiver, CollectiveSender
+
+
+def _bcast(pg, t: torch.Tensor):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return pg.broadcast([t], opts)
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def floors(pg, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    one_gib = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+
+    def raw() -> None:
+        _bcast(pg, one_gib).wait()
+
+    def per_tensor() -> None:
+        works = [_bcast(pg, t) for t in tensors.values()]
+        for w in works:
+            w.wait()
+
+    return {"raw broadcast, 1 GiB": _timed(raw, repeats), "per-tensor broadcast": _timed(per_tensor, repeats)}
+
+
+def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
+    torch.cuda.set_device(rank)
+    tensors = allocate(args.layout, device="cuda", fill=rank == 0)
+    results = {"floors": None, "runs": []}
+    for nb in args.num_buffers:
+        for mb in args.bucket_mb:
+            config = SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=120, progress=False)
+            if rank == 0:
+                side = CollectiveSender(
+                    secret, config, host="127.0.0.1", num_receivers=world - 1, backend="nccl"
+                )
+                for q in queues:
+                    q.put(side.rendezvous)
+            else:
+                side = CollectiveReceiver(
+                    secret, config, rank=rank, rendezvous=queues[rank - 1].get(timeout=120)
+                )
+            side.join()
+            if results["floors"] is None:
+                results["floors"] = floors(side._group.pg, tensors, args.pushes)
+            times = []
+            for version in range(args.pushes + 1):  # the first push is the warm-up
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    side.push(tensors.items(), version)
+                else:
+                    side.receive(into=tensors)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            results["runs"].append({"bucket_mb": mb, "num_buffers": nb, "median_s": statistics.median(times[1:]),
+                                    "min_s": min(times[1:]), "peak_gib": peak})  # fmt: skip
+            side.close()
+    checksum = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum() for t in tensors.values()))
+    out.put((rank, results, checksum))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="qwen2.5-7b")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--num-buffers", type=int, nargs="+", default=[2])
+    ap.add_argument("--pushes", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    secret = SessionSecret.generate()
+    queues = [ctx.Queue() for _ in range(args.gpus - 1)]
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, args.gpus, args, secret, queues, out))
+        for r in range(args.gpus)
+    ]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert len({c for _, _, c in got}) == 1, "a receiver's tensors differ from the sender's"
+    sender = got[0][1]
+    nbytes = sum(math.prod(shape) * 2 for _, shape in LAYOUTS[args.layout].named_shapes())  # bf16
+    print(f"\n{args.layout}: {nbytes / 1e9:.2f} GB bf16, 1 sender GPU -> {args.gpus - 1} receiver GPU(s), "
+          f"{torch.cuda.get_device_name(0)}")  # fmt: skip
+    print(f"{'path':<34}{'bucket':>8}{'median ms':>11}{'GB/s':>8}{'peak GiB':>10}")
+    gib = 1 << 30
+    for name, sec in sender["floors"].items():
+        size = gib if name.startswith("raw") else nbytes
+        print(f"{'floor: ' + name:<34}{'-':>8}{sec * 1e3:>11.1f}{size / sec / 1e9:>8.1f}{'-':>10}")
+    for r in sender["runs"]:
+        r["gbps"] = nbytes / r["median_s"] / 1e9
+        path = f"collective ({r['num_buffers']} buffers)"
+        print(
+            f"{path:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.1f}{r['gbps']:>8.1f}{r['peak_gib']:>10.1f}"
+        )
+    result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "hardware": torch.cuda.get_device_name(0),
+              "floors_s": sender["floors"], "runs": sender["runs"]}  # fmt: skip
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
