@@ -56,9 +56,22 @@ class IntoTensors(Sink):
 
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         for c in bucket.chunks:
-            dst = self._bytes[c.index][c.src_offset : c.src_offset + c.nbytes]
+            dst = self.target(c)
             dst.copy_(buffer[c.bucket_offset : c.bucket_offset + c.nbytes], non_blocking=dst.is_cuda)
         self._sync(buffer)
+        self.landed(bucket)
+
+    def target(self, chunk: Chunk) -> torch.Tensor:
+        """The destination bytes of ``chunk``: a transport that can write there directly (a broadcast) skips
+        the buffer, then calls ``landed``."""
+        return self._bytes[chunk.index][chunk.src_offset : chunk.src_offset + chunk.nbytes]
+
+    def device_type(self) -> str:
+        """Where the destinations live ("cuda" or "cpu"; mixed destinations count as "mixed")."""
+        kinds = {t.device.type for t in self._bytes}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def landed(self, bucket: Bucket) -> None:
         self.done.update(c.index for c in bucket.chunks if c.last)
 
 

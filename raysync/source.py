@@ -85,3 +85,17 @@ def _write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
         region.view(wire).copy_(
             tensor.reshape(-1)[first : first + chunk.nbytes // wire.itemsize], non_blocking=non_blocking
         )
+
+
+def direct_bytes(src: SourceTensor, chunk: Chunk, device_type: str) -> torch.Tensor | None:
+    """The chunk's bytes, read in place from the trainer's tensor (no copy), when the tensor is contiguous,
+    keeps its dtype and lives on ``device_type``; None when it has to be packed."""
+    t = src.tensor
+    if t.dtype != DTYPES[src.spec.dtype] or not t.is_contiguous() or t.device.type != device_type:
+        return None
+    return t.reshape(-1).view(torch.uint8)[chunk.src_offset : chunk.src_offset + chunk.nbytes]
+
+
+def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
+    """Pack one chunk into ``region`` (cast and made contiguous on the way)."""
+    _write_chunk(src, chunk, region)

@@ -37,7 +37,7 @@ from raysync.errors import PeerTimeout, PushIncomplete, RaysyncError, RemoteErro
 from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import IntoLoadFn, IntoTensors, LoadFn, Sink
-from raysync.source import pack_bucket, select
+from raysync.source import direct_bytes, select, write_chunk
 from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushDone, PushStart, SessionSecret
 
 logger = logging.getLogger(__name__)
@@ -120,27 +120,33 @@ class _Group:
         return self._verifier(writer, stream).decode(frame)
 
     # --- collectives ---------------------------------------------------------------------------------------------
-    def broadcast(self, buffer: torch.Tensor):
+    def broadcast(self, views: list[torch.Tensor]) -> list:
+        """Broadcast every view (rank 0's bytes into everyone's), as one NCCL group launch where it can."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        return self.pg.broadcast([buffer], opts)
+        if self.rdv.backend != "nccl" or len(views) < 2:
+            return [self.pg.broadcast([v], opts) for v in views]
+        self.pg._start_coalescing(self.device)
+        for v in views:
+            self.pg.broadcast([v], opts)
+        return [self.pg._end_coalescing(self.device)]
 
-    def wait(self, work, stage: str, block: bool = True) -> None:
-        """Wait for a broadcast. ``block=False`` on NCCL only orders the current stream after it (no host
+    def wait(self, works: list, stage: str, block: bool = True) -> None:
+        """Wait for broadcasts. ``block=False`` on NCCL only orders the current stream after them (no host
         wait, so packing and unpacking keep the GPU busy); every push ends with a blocking, bounded wait."""
-        if not block and self.rdv.backend == "nccl":
-            work.wait()
-            return
-        try:
-            ok = work.wait(self.timeout)
-        except Exception as e:
-            self.abort()
-            raise PeerTimeout(
-                "a rank of the group", f"{stage}: {str(e).splitlines()[0]}", self.config.timeout_s
-            ) from e
-        if ok is False:
-            self.abort()
-            raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
+        for work in works:
+            if not block and self.rdv.backend == "nccl":
+                work.wait()
+                continue
+            try:
+                ok = work.wait(self.timeout)
+            except Exception as e:
+                self.abort()
+                why = f"{stage}: {str(e).splitlines()[0]}"
+                raise PeerTimeout("a rank of the group", why, self.config.timeout_s) from e
+            if ok is False:
+                self.abort()
+                raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
 
     def abort(self) -> None:
         """Note [no hangs in a collective]."""
@@ -234,22 +240,29 @@ class CollectiveSender:
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
 
     def _stream(self, sources, pid: int) -> None:
+        """Bucket by bucket, one broadcast per chunk (grouped into one launch): a contiguous tensor that keeps
+        its dtype is read in place; the others are packed into the bucket's buffer first."""
         g, n = self._group, len(self._buffers)
-        works: list = [None] * n
+        device_type = "cuda" if g.device is not None else "cpu"
+        works: list = [[] for _ in range(n)]
         stage = "stream"
         try:
             for k, bucket in enumerate(self._buckets):
-                slot = k % n
+                slot, buffer = k % n, self._buffers[k % n]
                 stage = f"broadcast bucket {k}/{len(self._buckets)}"
-                # the buffer is free again once its last broadcast is done (NCCL: a stream wait, no host wait)
-                if works[slot] is not None:
-                    g.wait(works[slot], stage, block=False)
-                pack_bucket(bucket, sources, self._buffers[slot])
-                works[slot] = g.broadcast(self._buffers[slot][: bucket.nbytes])
+                g.wait(works[slot], stage, block=False)  # its buffer is free again (NCCL: a stream wait)
+                views = []
+                for c in bucket.chunks:
+                    if c.nbytes:
+                        view = direct_bytes(sources[c.index], c, device_type)
+                        if view is None:
+                            view = buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
+                            write_chunk(sources[c.index], c, view)
+                        views.append(view)
+                works[slot] = g.broadcast(views)
             stage = "finish"
             for w in works:
-                if w is not None:
-                    g.wait(w, stage)
+                g.wait(w, stage)
         except Exception as e:
             g.abort()  # Note [no hangs in a collective]
             raise self._explain(pid, stage, e) from e
@@ -341,8 +354,18 @@ class CollectiveReceiver:
         return sink, None
 
     def _stream(self, start: PushStart, sink: Sink) -> None:
+        """Post the broadcasts of the next N buckets ahead; chunks land straight in destination tensors when
+        there are some on the group's device, else in the bucket's buffer, unpacked from there."""
         g, n, nb = self._group, len(self._buffers), len(self._buckets)
-        works = {k: g.broadcast(self._buffers[k % n][: self._buckets[k].nbytes]) for k in range(min(n, nb))}
+        device_type = "cuda" if g.device is not None else "cpu"
+        direct = isinstance(sink, IntoTensors) and sink.device_type() == device_type
+
+        def post(k: int) -> list:
+            buffer = self._buffers[k % n]
+            return g.broadcast([sink.target(c) if direct else buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
+                                for c in self._buckets[k].chunks if c.nbytes])  # fmt: skip
+
+        works = {k: post(k) for k in range(min(n, nb))}
         stage = "stream"
         try:
             for k, bucket in enumerate(self._buckets):
@@ -351,11 +374,14 @@ class CollectiveReceiver:
                     works.pop(k), stage, block=k == nb - 1
                 )  # the last one bounds the whole push on the host
                 stage = f"unpack bucket {k}/{nb}"
-                sink.write(bucket, self._buffers[k % n])
-                if k + n < nb:  # post the next broadcast into the buffer just read (stream-ordered on GPU)
-                    works[k + n] = g.broadcast(self._buffers[k % n][: self._buckets[k + n].nbytes])
+                if direct:
+                    sink.landed(bucket)
+                else:
+                    sink.write(bucket, self._buffers[k % n])
+                if k + n < nb:  # the buffer just read takes bucket k + n (stream-ordered on GPU)
+                    works[k + n] = post(k + n)
             if g.device is not None:
-                torch.cuda.current_stream().synchronize()  # applied means visible: the unpack copies are done
+                torch.cuda.current_stream().synchronize()  # applied means visible: every copy is done
         except Exception as e:
             try:  # leave the reason where the sender looks (the store lives in the sender's process)
                 g.put(f"{start.push_id}/done/{g.rank}", Abort(start.push_id, stage, f"{type(e).__name__}: {e}", ""),
