@@ -64,7 +64,7 @@ def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
     results = {"floors": None, "runs": []}
     for nb in args.num_buffers:
         for mb in args.bucket_mb:
-            config = SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=120, progress=False)
+            config = SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
             if rank == 0:
                 side = CollectiveSender(
                     secret, config, host="127.0.0.1", num_receivers=world - 1, backend="nccl"

@@ -126,10 +126,10 @@ class _Group:
         opts.rootRank = 0
         if self.rdv.backend != "nccl" or len(views) < 2:
             return [self.pg.broadcast([v], opts) for v in views]
-        self.pg._start_coalescing(self.device)
+        self.pg._start_coalescing()
         for v in views:
             self.pg.broadcast([v], opts)
-        return [self.pg._end_coalescing(self.device)]
+        return [self.pg._end_coalescing()]
 
     def wait(self, works: list, stage: str, block: bool = True) -> None:
         """Wait for broadcasts. ``block=False`` on NCCL only orders the current stream after them (no host
