@@ -78,19 +78,23 @@ def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
             side.join()
             if results["floors"] is None:
                 results["floors"] = floors(side._group.pg, tensors, args.pushes)
-            times = []
+            times, stages = [], []
             for version in range(args.pushes + 1):  # the first push is the warm-up
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if rank == 0:
                     side.push(tensors.items(), version)
+                    stages.append(side.last_stages_s)
                 else:
                     side.receive(into=tensors)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             peak = torch.cuda.max_memory_allocated() / 2**30
+            split = {
+                k: 1e3 * statistics.median(st[k] for st in stages[1:]) for k in (stages[0] if stages else {})
+            }
             results["runs"].append({"bucket_mb": mb, "num_buffers": nb, "median_s": statistics.median(times[1:]),
-                                    "min_s": min(times[1:]), "peak_gib": peak})  # fmt: skip
+                                    "min_s": min(times[1:]), "peak_gib": peak, "stages_ms": split})  # fmt: skip
             side.close()
     checksum = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum() for t in tensors.values()))
     out.put((rank, results, checksum))
@@ -131,9 +135,9 @@ def main() -> None:
     for r in sender["runs"]:
         r["gbps"] = nbytes / r["median_s"] / 1e9
         path = f"collective ({r['num_buffers']} buffers)"
-        print(
-            f"{path:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.1f}{r['gbps']:>8.1f}{r['peak_gib']:>10.1f}"
-        )
+        split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
+        line = f"{path:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.1f}{r['gbps']:>8.1f}{r['peak_gib']:>10.1f}"
+        print(f"{line}   ms: {split}")
     result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "hardware": torch.cuda.get_device_name(0),
               "floors_s": sender["floors"], "runs": sender["runs"]}  # fmt: skip
     print(json.dumps(result))

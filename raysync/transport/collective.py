@@ -200,6 +200,8 @@ class CollectiveSender:
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
+        # where the last push spent its time: accept, stream, finish
+        self.last_stages_s: dict[str, float] = {}
 
     def join(self) -> None:
         self._group.join()
@@ -229,12 +231,21 @@ class CollectiveSender:
             raise RemoteError(f"rank {r}", a.stage, a.message, a.traceback)
         skip = all(a.skip for a in answers.values())
         g.put(f"{pid}/go", Accept(pid, skip), "control")
+        accepted = time.perf_counter()
         if not skip:
             self._stream(sources, pid)
+        streamed = time.perf_counter()
         for r in ranks:
             done = g.take(f"{pid}/done/{r}", r, "control", "finish")
             if isinstance(done, Abort):
                 raise RemoteError(f"rank {r}", done.stage, done.message, done.traceback)
+        finished = time.perf_counter()
+        self.last_stages_s = {
+            "accept": accepted - started,
+            "stream": streamed - accepted,
+            "finish": finished - streamed,
+        }
+        logger.debug("push %d stages: %s", pid, self.last_stages_s)
         nbytes = total_bytes(specs) * (not skip)
         return PushReport(version, self.name, nbytes, len(self._buckets) * (not skip), len(specs),
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
