@@ -70,12 +70,22 @@ class _Group:
         self._codecs: dict[str, FrameCodec] = {}
         self.pg = None
 
-    def join(self) -> None:
-        """Create the process group: blocks until every rank has joined (bounded by timeout_s)."""
+    def join(self, timeout_s: float) -> None:
+        """Create the process group: blocks until every rank has joined (at most ``timeout_s``: ranks may take
+        a while to start, so this is the set-up limit, not the per-stage ``SyncConfig.timeout_s``)."""
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            self._create(datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise PeerTimeout(f"the other ranks of the {self.rdv.backend} group", "join", timeout_s) from e
+        finally:
+            self.store.set_timeout(self.timeout)
+
+    def _create(self, rendezvous_timeout: datetime.timedelta) -> None:
         backend = self.rdv.backend
-        if backend == "gloo":
+        if backend == "gloo":  # gloo connects every pair at creation: give it the set-up limit
             opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
+            opts._timeout = rendezvous_timeout
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.rdv.host)]
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.rdv.world_size, opts)
         elif backend == "nccl":
@@ -124,6 +134,7 @@ class _Group:
         """Broadcast every view (rank 0's bytes into everyone's), as one NCCL group launch where it can."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        opts.timeout = self.timeout
         if self.rdv.backend != "nccl" or len(views) < 2:
             return [self.pg.broadcast([v], opts) for v in views]
         self.pg._start_coalescing()
@@ -203,8 +214,9 @@ class CollectiveSender:
         # where the last push spent its time: accept, stream, finish
         self.last_stages_s: dict[str, float] = {}
 
-    def join(self) -> None:
-        self._group.join()
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Returns when every rank of the group has joined (all must call it at the same time)."""
+        self._group.join(timeout_s)
         self._buffers = _buffers(self.config, self._group.device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
@@ -310,8 +322,9 @@ class CollectiveReceiver:
         self._push_id = 0
         self.version: int | None = None
 
-    def join(self) -> None:
-        self._group.join()
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Returns when every rank of the group has joined (all must call it at the same time)."""
+        self._group.join(timeout_s)
         self._buffers = _buffers(self.config, self._group.device)
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
