@@ -25,7 +25,7 @@ from raysync.control import ReceiverChannel
 from raysync.errors import LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
 from raysync.plan import Bucket, plan_buckets, total_bytes
 from raysync.report import PushReport
-from raysync.sink import IntoLoadFn, IntoTensors, LoadFn, Sink
+from raysync.sink import LoadFn, Sink, Sinks
 from raysync.transport import registry
 from raysync.wire import (
     Abort,
@@ -58,6 +58,7 @@ class WeightReceiver:
                                         max_frame_bytes=self.config.max_frame_bytes)  # fmt: skip
         self._ring = None
         self._layout: Layout | None = None
+        self._sinks = Sinks()
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
         self.version: int | None = None  # the last version applied completely
@@ -99,7 +100,7 @@ class WeightReceiver:
                 raise SchemaError(
                     f"push {start.push_id} names layout {start.layout_id}, which was never sent"
                 )
-            return IntoTensors(specs, into) if into is not None else IntoLoadFn(specs, load_fn)
+            return self._sinks.make(self._layout.layout_id, specs, into, load_fn)
         except RaysyncError as e:
             self._channel.abort(start.push_id, "accept", e)
             raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e

@@ -53,6 +53,11 @@ class IntoTensors(Sink):
         super().__init__(specs)
         self._bytes = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
+        kinds = {t.device.type for t in self._bytes}
+        self.device_type = kinds.pop() if len(kinds) == 1 else "mixed"  # where the destinations live
+
+    def reset(self) -> None:
+        self.done = set()
 
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         for c in bucket.chunks:
@@ -65,11 +70,6 @@ class IntoTensors(Sink):
         """The destination bytes of ``chunk``: a transport that can write there directly (a broadcast) skips
         the buffer, then calls ``landed``."""
         return self._bytes[chunk.index][chunk.src_offset : chunk.src_offset + chunk.nbytes]
-
-    def device_type(self) -> str:
-        """Where the destinations live ("cuda" or "cpu"; mixed destinations count as "mixed")."""
-        kinds = {t.device.type for t in self._bytes}
-        return kinds.pop() if len(kinds) == 1 else "mixed"
 
     def landed(self, bucket: Bucket) -> None:
         self.done.update(c.index for c in bucket.chunks if c.last)
@@ -101,6 +101,29 @@ class IntoLoadFn(Sink):
     def _typed(self, chunk: Chunk, data: torch.Tensor) -> tuple[str, torch.Tensor]:
         spec = self.specs[chunk.index]
         return spec.name, data.view(DTYPES[spec.dtype]).reshape(spec.shape)
+
+
+class Sinks:
+    """Makes each push's sink. Checking 339 destinations and making their byte views costs milliseconds of
+    Python, so the checked views are kept while the layout and the destination tensors stay the same."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._into: IntoTensors | None = None
+
+    def make(self, layout_id: int, specs: Sequence[TensorSpec], into: Mapping[str, torch.Tensor] | None,
+             load_fn: LoadFn | None) -> Sink:  # fmt: skip
+        if into is None:
+            return IntoLoadFn(specs, load_fn)
+        try:
+            key = (layout_id, tuple((t.data_ptr(), t.dtype, t.shape) for t in (into[s.name] for s in specs)))
+        except KeyError:
+            key = None  # IntoTensors names the missing destination
+        if key is None or key != self._key:
+            self._into, self._key = IntoTensors(specs, into), key
+        else:
+            self._into.reset()
+        return self._into
 
 
 def _byte_view(spec: TensorSpec, dest: Mapping[str, torch.Tensor]) -> torch.Tensor:

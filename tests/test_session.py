@@ -283,3 +283,26 @@ def test_close_ends_the_receivers_wait(private_tmp, in_thread):
         sender.close()
         with pytest.raises(SessionClosed):
             got.result(timeout=10)
+
+
+def test_destinations_are_checked_again_when_they_change(private_tmp, in_thread):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        for version in (1, 2):  # the second push reuses the checked views
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(model(version).items(), version)
+            got.result(timeout=10)
+        assert same_bits(dest["embed.weight"], model(2)["embed.weight"])
+        dest["layer.0.weight"] = torch.zeros(32, 31)
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(RemoteError, match=r"float32\[32, 31\]"):
+            sender.push(model(3).items(), 3)
+        with pytest.raises(PushIncomplete):
+            got.result(timeout=10)
+        dest["layer.0.weight"] = torch.zeros(
+            32, 32
+        )  # a new tensor: its bytes must land in it, not the old one
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(model(4).items(), 4)
+        got.result(timeout=10)
+        assert same_bits(dest["layer.0.weight"], model(4)["layer.0.weight"])

@@ -36,7 +36,7 @@ from raysync.config import SyncConfig
 from raysync.errors import PeerTimeout, PushIncomplete, RaysyncError, RemoteError
 from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
-from raysync.sink import IntoLoadFn, IntoTensors, LoadFn, Sink
+from raysync.sink import IntoTensors, LoadFn, Sink, Sinks
 from raysync.source import direct_bytes, select, write_chunk
 from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushDone, PushStart, SessionSecret
 
@@ -317,6 +317,7 @@ class CollectiveReceiver:
         store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s), use_libuv=False)  # fmt: skip
         self._group = _Group(secret, config, rank, rendezvous, store)
+        self._sinks = Sinks()
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
@@ -365,8 +366,7 @@ class CollectiveReceiver:
                                        f"buffers ({self.config.bucket_bytes}); use one SyncConfig on both sides")  # fmt: skip
                 self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
                 self._layout = layout
-            sink = IntoTensors(self._layout.tensors, into) if into is not None else \
-                IntoLoadFn(self._layout.tensors, load_fn)  # fmt: skip
+            sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
         except RaysyncError as e:
             g.put(f"{start.push_id}/accept/{g.rank}", Abort(start.push_id, "accept", str(e), ""), "control")
             return None, e
@@ -382,7 +382,7 @@ class CollectiveReceiver:
         there are some on the group's device, else in the bucket's buffer, unpacked from there."""
         g, n, nb = self._group, len(self._buffers), len(self._buckets)
         device_type = "cuda" if g.device is not None else "cpu"
-        direct = isinstance(sink, IntoTensors) and sink.device_type() == device_type
+        direct = isinstance(sink, IntoTensors) and sink.device_type == device_type
 
         def post(k: int) -> list:
             buffer = self._buffers[k % n]
