@@ -2,10 +2,11 @@
 process group (NCCL on GPUs, gloo on CPUs; "hccl" is accepted for Ascend but untested).
 
     rank 0 (sender)                      ranks 1..N (receivers)
-    TCPStore master on host:port  <---   join the store, then the group (rendezvous, bounded by timeout_s)
+    TCPStore master on host:port  <---   join the store, then the group (rendezvous, bounded by a set-up limit)
     signed frames in the store:          layout/<id>, <push>/start  ->  <push>/accept/<rank>
                                          <push>/go (Accept = stream, Abort = nobody streams)
-    buckets: pack k into buffer k % N, broadcast (async); receivers post the broadcasts ahead, unpack k
+    per bucket: one broadcast per chunk, grouped into one launch; chunks are read from the trainer's tensors
+    and land in the destination tensors in place where they can, else they pass through the bucket's buffer
                                          <push>/done/<rank>
 
 The group is the sync's own: it never touches a default process group that the trainer or vLLM use. Every
@@ -14,9 +15,9 @@ it is checked like anything else off a socket. Each rank signs with its own deri
 
 # Note [no hangs in a collective]
 # A collective only finishes when every rank takes part, so a rank that fails mid-push must not just stop:
-# it writes its error to the store and aborts the group, which makes the others' pending broadcasts fail at
-# once (gloo: "connection closed"; NCCL: the communicator is aborted). Every wait is bounded by timeout_s,
-# after which the waiting rank aborts the group itself. An aborted group is gone: the next push needs a new
+# it writes its error to the store and aborts the group. With gloo the others' pending broadcasts then fail
+# at once ("connection closed"); with NCCL they fail at their next bounded wait. Every wait is bounded by
+# timeout_s, after which the waiting rank aborts the group itself. An aborted group is gone: the next push needs a new
 # one (WeightSync reconnects broken pairs before the next push).
 """
 
