@@ -216,7 +216,6 @@ class WeightSync:
     # --- push rounds -------------------------------------------------------------------------------------------
     def push(self, version: int) -> SyncReport:
         """One round: every sender pushes ``version`` to its receivers, all pairs at once."""
-
         self._repair()
         started = time.perf_counter()
         by_sender: dict[int, list[int]] = {}
@@ -262,6 +261,8 @@ class WeightSync:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    for ref in pending:  # whatever they were doing, their sessions are suspect now
+                        self._mark_broken(*refs[ref])
                     names = [self._label(*refs[r]) for r in pending]
                     raise PeerTimeout(", ".join(names), f"push v{version}", self._push_timeout_s)
                 done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
@@ -274,11 +275,15 @@ class WeightSync:
                     except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
                         failures.append(EndpointFailure(self._label(role, index), f"push v{version}",
                                                         f"{type(e).__name__}: {e}".splitlines()[0], str(e)))  # fmt: skip
-                        self._broken.update((p.sender, p.receiver) for p in self.plan
-                                            if (p.sender if role == "sender" else p.receiver) == index)  # fmt: skip
+                        self._mark_broken(role, index)
         finally:
             bar.close()
         return results, failures
+
+    def _mark_broken(self, role: str, index: int) -> None:
+        """Every pair of this endpoint is reconnected before the next push."""
+        self._broken.update((p.sender, p.receiver) for p in self.plan
+                            if (p.sender if role == "sender" else p.receiver) == index)  # fmt: skip
 
     def _label(self, role: str, index: int) -> str:
         at = (self._sender_at if role == "sender" else self._receiver_at)[index]
