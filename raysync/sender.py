@@ -65,7 +65,7 @@ class WeightSender:
         self._ensure_layout(sources)
         self._push_id += 1
         start = time.perf_counter()
-        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id), "accept")
+        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True), "accept")
         accept = self._channel.expect(Accept, self._push_id, "accept")
         if not accept.skip:
             self._stream(sources, version)

@@ -159,6 +159,8 @@ class PushStart:
     push_id: int
     version: int
     layout_id: int
+    confirm: bool  # receivers answer Accept / Abort before any data moves (always, except a collective's
+    # pushes that repeat the last layout after a push that every receiver accepted and applied)
 
 
 @dataclass(frozen=True)

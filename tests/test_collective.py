@@ -50,7 +50,7 @@ def test_broadcast_bit_exact_over_several_pushes(spawn, receivers):
 
 
 def test_a_manifest_mismatch_is_a_clear_error_on_every_rank(spawn):
-    sender, model, out = _group(spawn, 2, pushes=1, special={2: (None, True)})
+    sender, model, out = _group(spawn, 2, pushes=1, special={2: (None, 1)})
     try:
         started = time.monotonic()
         with pytest.raises(RemoteError, match=r"rank 2.*model.norm.weight.*float32\[128\].*float32\[3\]"):
@@ -76,5 +76,28 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_within_timeout(spawn):
         assert time.monotonic() - started <= CFG.timeout_s + 1
         rank, kind, detail, seconds = out.get(timeout=30)  # the survivor
         assert (rank, kind) == (1, "PushIncomplete") and seconds <= CFG.timeout_s + 1, detail
+    finally:
+        sender.close()
+
+
+def test_destinations_that_change_between_pushes_are_refused_without_touching_them(spawn):
+    """After pushes that everyone applied, receivers do not confirm first (Note [when receivers confirm]):
+    a receiver whose destinations stopped fitting takes part in the broadcast and reports at the end."""
+    sender, model, out = _group(spawn, 2, pushes=4, special={2: (None, 3)})
+    try:
+        for version in (1, 2):
+            perturb(model, version)
+            sender.push(model.named_parameters(), version)
+            assert sorted(r[1] for r in (out.get(timeout=60), out.get(timeout=60))) == ["ok", "ok"]
+        perturb(model, 3)
+        with pytest.raises(RemoteError, match=r"rank 2.*model.norm.weight"):
+            sender.push(model.named_parameters(), 3)
+        got = dict((r[0], r) for r in (out.get(timeout=60), out.get(timeout=60)))
+        assert got[1][1] == "ok" and got[1][2] == (3, digest(model.named_parameters()))  # rank 1 applied it
+        assert got[2][1] == "PushIncomplete" and "model.norm.weight" in got[2][2]
+        perturb(model, 4)  # the next push confirms first again: rank 2 refuses before any data moves
+        with pytest.raises(RemoteError, match="rank 2"):
+            sender.push(model.named_parameters(), 4)
+        assert sorted(r[1] for r in (out.get(timeout=60), out.get(timeout=60))) == ["PushIncomplete"] * 2
     finally:
         sender.close()

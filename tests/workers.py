@@ -82,9 +82,10 @@ def plain_sender(secret: SessionSecret, config: SyncConfig, out) -> None:
             out.put(version)
 
 
-def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=None, bad_shape=False) -> None:
+def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=None, bad_from=None) -> None:
     """A rank of a broadcast group: its own copy of the tiny model, ``pushes`` receives, digest after each.
-    ``die_at=(push, call)``: SIGKILL itself inside that load call. Reports ("ok"|error name, detail, seconds)."""
+    ``die_at=(push, call)``: SIGKILL itself inside that load call; ``bad_from=n``: from push n on, one
+    destination has the wrong shape. Reports (rank, "ok" | error name, detail, seconds) after each push."""
     import os
     import signal
     import time
@@ -94,8 +95,6 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
 
     model = tiny_qwen2(seed=99)
     params = dict(model.named_parameters())
-    if bad_shape:
-        params["model.norm.weight"] = torch.zeros(3)
     calls = []
 
     def load(batch):
@@ -108,14 +107,18 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
 
     receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
     receiver.join()
-    for _ in range(pushes):
+    for push in range(1, pushes + 1):
         calls.clear()
+        if bad_from == push:
+            params["model.norm.weight"] = torch.zeros(3)
         t0 = time.monotonic()
         try:
             report = receiver.receive(load_fn=load) if die_at else receiver.receive(into=params)
         except Exception as e:
             out.put((rank, type(e).__name__, str(e), time.monotonic() - t0))
-            return
+            if die_at or bad_from == 1:
+                return
+            continue
         out.put((rank, "ok", (report.version, digest(model.named_parameters())), time.monotonic() - t0))
     receiver.close()
 

@@ -212,8 +212,10 @@ class CollectiveSender:
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
-        # where the last push spent its time: accept, stream, finish
-        self.last_stages_s: dict[str, float] = {}
+        self._applied: dict[int, int] = {}  # rank -> the version it last reported applied
+        self._all_applied = False  # the last push succeeded on every rank: Note [when receivers confirm]
+        self._selected: tuple = (None, [])
+        self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Returns when every rank of the group has joined (all must call it at the same time)."""
@@ -221,47 +223,79 @@ class CollectiveSender:
         self._buffers = _buffers(self.config, self._group.device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
+        """Broadcast ``version`` to every receiver; returns when all of them applied it.
+
+        # Note [when receivers confirm]
+        # Receivers check the layout and their destinations and answer before any data moves on the first
+        # push, whenever the layout changes, and after any push that did not succeed everywhere. Otherwise
+        # the layout is one they all accepted and applied, so the sender says go at once (one store round
+        # trip less). A receiver whose destinations no longer fit then takes part in the broadcasts into its
+        # own buffers, touches nothing, and reports the mismatch at the end: an error, never a hang."""
         g = self._group
         if g.pg is None:
             raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
-        sources = select(named_tensors, self.config)
-        specs = tuple(s.spec for s in sources)
         started = time.perf_counter()
+        sources = self._select(named_tensors)
+        specs = tuple(s.spec for s in sources)
         self._push_id += 1
         pid = self._push_id
+        confirm = not self._all_applied
         if self._layout is None or self._layout.tensors != specs:
             layout_id = self._layout.layout_id + 1 if self._layout else 1
             self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             g.put(f"layout/{layout_id}", self._layout, "layout")
-        g.put(f"{pid}/start", PushStart(pid, version, self._layout.layout_id), "control")
+            confirm = True
+        self._all_applied = False
+        g.put(f"{pid}/start", PushStart(pid, version, self._layout.layout_id, confirm), "control")
         ranks = range(1, self.rendezvous.world_size)
-        answers = {r: g.take(f"{pid}/accept/{r}", r, "control", "accept") for r in ranks}
-        refused = {r: a for r, a in answers.items() if isinstance(a, Abort)}
-        if refused:
-            r, a = next(iter(refused.items()))
-            g.put(f"{pid}/go", Abort(pid, "accept", f"rank {r} refused: {a.message}", ""), "control")
-            raise RemoteError(f"rank {r}", a.stage, a.message, a.traceback)
-        skip = all(a.skip for a in answers.values())
+        skip = all(self._applied.get(r) == version for r in ranks)
+        if confirm:
+            skip = self._confirm(pid, ranks)
         g.put(f"{pid}/go", Accept(pid, skip), "control")
         accepted = time.perf_counter()
         if not skip:
             self._stream(sources, pid)
         streamed = time.perf_counter()
+        failures = []
         for r in ranks:
             done = g.take(f"{pid}/done/{r}", r, "control", "finish")
             if isinstance(done, Abort):
-                raise RemoteError(f"rank {r}", done.stage, done.message, done.traceback)
-        finished = time.perf_counter()
-        self.last_stages_s = {
-            "accept": accepted - started,
-            "stream": streamed - accepted,
-            "finish": finished - streamed,
-        }
-        logger.debug("push %d stages: %s", pid, self.last_stages_s)
+                failures.append(RemoteError(f"rank {r}", done.stage, done.message, done.traceback))
+            else:
+                self._applied[r] = done.version
+        if failures:
+            raise failures[0]
+        self._all_applied = True
+        self.last_stages_s = {"select+accept": accepted - started, "stream": streamed - accepted,
+                              "finish": time.perf_counter() - streamed}  # fmt: skip
         nbytes = total_bytes(specs) * (not skip)
         return PushReport(version, self.name, nbytes, len(self._buckets) * (not skip), len(specs),
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
+
+    def _confirm(self, pid: int, ranks: range) -> bool:
+        """Every receiver's Accept (returns whether all have this version already), or an Abort for all."""
+        answers = {r: self._group.take(f"{pid}/accept/{r}", r, "control", "accept") for r in ranks}
+        refused = {r: a for r, a in answers.items() if isinstance(a, Abort)}
+        if refused:
+            r, a = next(iter(refused.items()))
+            self._group.put(
+                f"{pid}/go", Abort(pid, "accept", f"rank {r} refused: {a.message}", ""), "control"
+            )
+            raise RemoteError(f"rank {r}", a.stage, a.message, a.traceback)
+        return all(a.skip for a in answers.values())
+
+    def _select(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list:
+        """``source.select``, kept while the trainer hands over the same tensors (same storage, dtype, shape,
+        strides): selecting 339 tensors costs about a millisecond of Python."""
+        named = list(named_tensors)
+        try:
+            key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in named)
+        except (RuntimeError, AttributeError, TypeError):  # not a dense tensor: select() says what is wrong
+            key = None
+        if key is None or key != self._selected[0]:
+            self._selected = (key, select(named, self.config))
+        return self._selected[1]
 
     def _stream(self, sources, pid: int) -> None:
         """Bucket by bucket, one broadcast per chunk (grouped into one launch): a contiguous tensor that keeps
@@ -342,22 +376,34 @@ class CollectiveReceiver:
         start = g.take(f"{pid}/start", 0, "control", "waiting for a push", wait_s)
         self._push_id = pid
         started = time.perf_counter()
-        sink, refusal = self._accept(start, into, load_fn)
+        sink, refusal = self._check(start, into, load_fn)
+        if start.confirm:  # Note [when receivers confirm]
+            answer = (
+                Abort(pid, "accept", str(refusal), "")
+                if refusal
+                else Accept(pid, start.version == self.version)
+            )
+            g.put(f"{pid}/accept/{me}", answer, "control")
         go = g.take(f"{pid}/go", 0, "control", "go")
-        if refusal is not None or isinstance(go, Abort):
-            names = [s.name for s in self._layout.tensors] if self._layout else []
+        names = [s.name for s in self._layout.tensors] if self._layout else []
+        if isinstance(go, Abort) or (refusal is not None and start.confirm):
             raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
         if not go.skip:
-            self._stream(start, sink)
+            self._stream(
+                start, sink
+            )  # with sink None (refused, unconfirmed): into our buffers, touching nothing
+            if refusal is not None:
+                g.put(f"{pid}/done/{me}", Abort(pid, "accept", str(refusal), ""), "control")
+                raise PushIncomplete(start.version, "accept", str(refusal), names) from refusal
             self.version = start.version
-        g.put(f"{pid}/done/{me}", PushDone(pid, start.version), "control")
+        g.put(f"{pid}/done/{me}", PushDone(pid, self.version), "control")  # skipped: we had it already
         specs = self._layout.tensors
         return PushReport(start.version, self.name, total_bytes(specs) * (not go.skip),
                           len(self._buckets) * (not go.skip), len(specs), time.perf_counter() - started,
                           skipped=go.skip)  # fmt: skip
 
-    def _accept(self, start: PushStart, into, load_fn) -> tuple[Sink | None, RaysyncError | None]:
-        """Check the layout and our destinations, tell the sender (who tells everyone whether to stream)."""
+    def _check(self, start: PushStart, into, load_fn) -> tuple[Sink | None, RaysyncError | None]:
+        """Take a new layout if there is one, and check our destinations against it."""
         g = self._group
         try:
             if self._layout is None or start.layout_id != self._layout.layout_id:
@@ -367,23 +413,16 @@ class CollectiveReceiver:
                                        f"buffers ({self.config.bucket_bytes}); use one SyncConfig on both sides")  # fmt: skip
                 self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
                 self._layout = layout
-            sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
+            return self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn), None
         except RaysyncError as e:
-            g.put(f"{start.push_id}/accept/{g.rank}", Abort(start.push_id, "accept", str(e), ""), "control")
             return None, e
-        g.put(
-            f"{start.push_id}/accept/{g.rank}",
-            Accept(start.push_id, start.version == self.version),
-            "control",
-        )
-        return sink, None
 
-    def _stream(self, start: PushStart, sink: Sink) -> None:
+    def _stream(self, start: PushStart, sink: Sink | None) -> None:
         """Post the broadcasts of the next N buckets ahead; chunks land straight in destination tensors when
         there are some on the group's device, else in the bucket's buffer, unpacked from there."""
         g, n, nb = self._group, len(self._buffers), len(self._buckets)
         device_type = "cuda" if g.device is not None else "cpu"
-        direct = isinstance(sink, IntoTensors) and sink.device_type == device_type
+        direct = isinstance(sink, IntoTensors) and sink.device_type == device_type  # else via our buffers
 
         def post(k: int) -> list:
             buffer = self._buffers[k % n]
@@ -401,7 +440,7 @@ class CollectiveReceiver:
                 stage = f"unpack bucket {k}/{nb}"
                 if direct:
                     sink.landed(bucket)
-                else:
+                elif sink is not None:
                     sink.write(bucket, self._buffers[k % n])
                 if k + n < nb:  # the buffer just read takes bucket k + n (stream-ordered on GPU)
                     works[k + n] = post(k + n)
@@ -414,7 +453,8 @@ class CollectiveReceiver:
             except Exception:
                 pass
             g.abort()  # Note [no hangs in a collective]
-            raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
+            undelivered = sink.undelivered() if sink is not None else [s.name for s in self._layout.tensors]
+            raise PushIncomplete(start.version, stage, str(e), undelivered) from e
 
     def close(self) -> None:
         self._group.abort()
