@@ -7,7 +7,7 @@ process group (NCCL on GPUs, gloo on CPUs; "hccl" is accepted for Ascend but unt
                                          <push>/go (Accept = stream, Abort = nobody streams)
     per bucket: one broadcast per chunk, grouped into one launch; chunks are read from the trainer's tensors
     and land in the destination tensors in place where they can, else they pass through the bucket's buffer
-                                         <push>/done/<rank>
+    finish: one all-reduce (MIN) of an ok flag; a rank that failed first leaves its reason in <push>/done/<rank>
 
 The group is the sync's own: it never touches a default process group that the trainer or vLLM use. Every
 control value in the store is a signed raysync frame (wire.py): the store is plain TCP, so what is read from
@@ -39,7 +39,7 @@ from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import IntoTensors, LoadFn, Sink, Sinks
 from raysync.source import direct_bytes, select, write_chunk
-from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushDone, PushStart, SessionSecret
+from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushStart, SessionSecret
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,16 @@ class _Group:
         for v in views:
             self.pg.broadcast([v], opts)
         return [self.pg._end_coalescing()]
+
+    def agree(self, ok: bool, stage: str) -> bool:
+        """True if every rank says ok: one tiny all-reduce (MIN) over the group, far cheaper than a round trip
+        through the store. Bounded by timeout_s like every other wait."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        opts.timeout = self.timeout
+        self.wait([self.pg.allreduce([flag], opts)], stage)
+        return bool(flag.item())
 
     def wait(self, works: list, stage: str, block: bool = True) -> None:
         """Wait for broadcasts. ``block=False`` on NCCL only orders the current stream after them (no host
@@ -257,21 +267,24 @@ class CollectiveSender:
         if not skip:
             self._stream(sources, pid)
         streamed = time.perf_counter()
-        failures = []
-        for r in ranks:
-            done = g.take(f"{pid}/done/{r}", r, "control", "finish")
-            if isinstance(done, Abort):
-                failures.append(RemoteError(f"rank {r}", done.stage, done.message, done.traceback))
-            else:
-                self._applied[r] = done.version
-        if failures:
-            raise failures[0]
+        if not g.agree(True, "finish"):  # every rank applied it, or someone left its reason in the store
+            raise self._failure(pid, ranks)
+        self._applied = dict.fromkeys(ranks, version)
         self._all_applied = True
         self.last_stages_s = {"select+accept": accepted - started, "stream": streamed - accepted,
                               "finish": time.perf_counter() - streamed}  # fmt: skip
         nbytes = total_bytes(specs) * (not skip)
         return PushReport(version, self.name, nbytes, len(self._buckets) * (not skip), len(specs),
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
+
+    def _failure(self, pid: int, ranks: range) -> RemoteError:
+        for r in ranks:
+            key = f"{pid}/done/{r}"
+            if self._group.store.check([key]):
+                done = self._group.take(key, r, "control", "finish")
+                if isinstance(done, Abort):
+                    return RemoteError(f"rank {r}", done.stage, done.message, done.traceback)
+        return RemoteError("a rank", "finish", "reported failure without a reason")
 
     def _confirm(self, pid: int, ranks: range) -> bool:
         """Every receiver's Accept (returns whether all have this version already), or an Abort for all."""
@@ -389,14 +402,14 @@ class CollectiveReceiver:
         if isinstance(go, Abort) or (refusal is not None and start.confirm):
             raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
         if not go.skip:
-            self._stream(
-                start, sink
-            )  # with sink None (refused, unconfirmed): into our buffers, touching nothing
+            # with sink None (refused, unconfirmed) the bytes go into our buffers and touch nothing
+            self._stream(start, sink)
             if refusal is not None:
                 g.put(f"{pid}/done/{me}", Abort(pid, "accept", str(refusal), ""), "control")
+                g.agree(False, "finish")
                 raise PushIncomplete(start.version, "accept", str(refusal), names) from refusal
             self.version = start.version
-        g.put(f"{pid}/done/{me}", PushDone(pid, self.version), "control")  # skipped: we had it already
+        g.agree(True, "finish")
         specs = self._layout.tensors
         return PushReport(start.version, self.name, total_bytes(specs) * (not go.skip),
                           len(self._buckets) * (not go.skip), len(specs), time.perf_counter() - started,
