@@ -37,7 +37,7 @@ def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
 
 @pytest.mark.parametrize("receivers", [2, 3])
 def test_broadcast_bit_exact_over_several_pushes(spawn, receivers):
-    sender, model, out = _group(spawn, receivers, pushes=3)
+    sender, model, out = _group(spawn, receivers, pushes=4)
     try:
         for version in (1, 2, 3):
             perturb(model, version)
@@ -45,6 +45,9 @@ def test_broadcast_bit_exact_over_several_pushes(spawn, receivers):
             assert report.transport == "collective" and report.buckets > 4
             got = [out.get(timeout=60) for _ in range(receivers)]
             assert all(r[1] == "ok" and r[2] == (version, digest(model.named_parameters())) for r in got), got
+        assert sender.push(model.named_parameters(), 3).skipped  # every receiver has version 3 already
+        got = [out.get(timeout=60) for _ in range(receivers)]
+        assert all(r[1] == "ok" and r[2][0] == 3 for r in got), got
     finally:
         sender.close()
 

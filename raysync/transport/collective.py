@@ -238,8 +238,8 @@ class CollectiveSender:
         # Note [when receivers confirm]
         # Receivers check the layout and their destinations and answer before any data moves on the first
         # push, whenever the layout changes, and after any push that did not succeed everywhere. Otherwise
-        # the layout is one they all accepted and applied, so the sender says go at once (one store round
-        # trip less). A receiver whose destinations no longer fit then takes part in the broadcasts into its
+        # the layout is one they all accepted and applied, so the start itself says go (two store round trips
+        # less). Pushing a version that every receiver has already is always confirmed (it is skipped). A receiver whose destinations no longer fit then takes part in the broadcasts into its
         # own buffers, touches nothing, and reports the mismatch at the end: an error, never a hang."""
         g = self._group
         if g.pg is None:
@@ -256,13 +256,14 @@ class CollectiveSender:
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             g.put(f"layout/{layout_id}", self._layout, "layout")
             confirm = True
+        ranks = range(1, self.rendezvous.world_size)
+        confirm = confirm or all(self._applied.get(r) == version for r in ranks)  # a skip is always confirmed
         self._all_applied = False
         g.put(f"{pid}/start", PushStart(pid, version, self._layout.layout_id, confirm), "control")
-        ranks = range(1, self.rendezvous.world_size)
-        skip = all(self._applied.get(r) == version for r in ranks)
-        if confirm:
+        skip = False
+        if confirm:  # else the start itself says go
             skip = self._confirm(pid, ranks)
-        g.put(f"{pid}/go", Accept(pid, skip), "control")
+            g.put(f"{pid}/go", Accept(pid, skip), "control")
         accepted = time.perf_counter()
         if not skip:
             self._stream(sources, pid)
@@ -390,14 +391,12 @@ class CollectiveReceiver:
         self._push_id = pid
         started = time.perf_counter()
         sink, refusal = self._check(start, into, load_fn)
-        if start.confirm:  # Note [when receivers confirm]
-            answer = (
-                Abort(pid, "accept", str(refusal), "")
-                if refusal
-                else Accept(pid, start.version == self.version)
-            )
-            g.put(f"{pid}/accept/{me}", answer, "control")
-        go = g.take(f"{pid}/go", 0, "control", "go")
+        go = Accept(pid, False)  # unconfirmed: the start itself says go (Note [when receivers confirm])
+        if start.confirm:
+            skip = start.version == self.version
+            g.put(f"{pid}/accept/{me}", Abort(pid, "accept", str(refusal), "") if refusal else Accept(pid, skip),
+                  "control")  # fmt: skip
+            go = g.take(f"{pid}/go", 0, "control", "go")
         names = [s.name for s in self._layout.tensors] if self._layout else []
         if isinstance(go, Abort) or (refusal is not None and start.confirm):
             raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
