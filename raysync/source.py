@@ -63,14 +63,15 @@ def pack_bucket(bucket: Bucket, sources: Sequence[SourceTensor], buffer: torch.T
     for chunk in bucket.chunks:
         src = sources[chunk.index]
         region = buffer[chunk.bucket_offset : chunk.bucket_offset + chunk.nbytes]
-        _write_chunk(src, chunk, region)
+        write_chunk(src, chunk, region)
         if src.tensor.device.type == "cuda" and buffer.device.type == "cpu":
             devices.add(src.tensor.device)
     for device in devices:
         torch.cuda.current_stream(device).synchronize()  # this stream only, never the whole device
 
 
-def _write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
+def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
+    """Pack one chunk into ``region`` (cast and made contiguous on the way)."""
     if chunk.nbytes == 0:
         return
     tensor, wire = src.tensor, DTYPES[src.spec.dtype]
@@ -94,8 +95,3 @@ def direct_bytes(src: SourceTensor, chunk: Chunk, device_type: str) -> torch.Ten
     if t.dtype != DTYPES[src.spec.dtype] or not t.is_contiguous() or t.device.type != device_type:
         return None
     return t.reshape(-1).view(torch.uint8)[chunk.src_offset : chunk.src_offset + chunk.nbytes]
-
-
-def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
-    """Pack one chunk into ``region`` (cast and made contiguous on the way)."""
-    _write_chunk(src, chunk, region)
