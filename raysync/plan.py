@@ -94,10 +94,5 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: in
     return buckets
 
 
-def tensors_in(buckets: Sequence[Bucket], first: int) -> set[int]:
-    """Indices of the tensors that are completed in bucket ``first`` or later (i.e. not delivered before it)."""
-    return {c.index for b in buckets[first:] for c in b.chunks if c.last}
-
-
 def total_bytes(specs: Sequence[TensorSpec]) -> int:
     return sum(s.nbytes for s in specs)

@@ -310,11 +310,4 @@ class FrameCodec:
         return msg  # type: ignore[return-value]
 
 
-def layout_digest(layout: Layout) -> str:
-    """A digest of the layout (names, dtypes, shapes, bucket size): equal digests mean equal bucket plans."""
-    body = dataclasses.asdict(layout)
-    body.pop("layout_id")
-    return hashlib.sha256(msgpack.packb(body)).hexdigest()
-
-
 SHM_NAME = re.compile(r"raysync-[0-9a-f]{32}")

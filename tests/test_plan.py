@@ -66,7 +66,7 @@ def test_plan_invariants(items, bucket_units):
         for c in b.chunks:
             assert c.bucket_offset % ALIGN == 0 and c.bucket_offset >= end  # aligned, no overlap
             end = c.bucket_offset + c.nbytes
-            assert end <= bucket_bytes == bucket_bytes and end <= b.nbytes
+            assert end <= b.nbytes <= bucket_bytes
             covered[c.index].append(c)
     for i, s in enumerate(specs):
         chunks = covered[i]

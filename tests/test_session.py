@@ -306,3 +306,14 @@ def test_destinations_are_checked_again_when_they_change(private_tmp, in_thread)
         sender.push(model(4).items(), 4)
         got.result(timeout=10)
         assert same_bits(dest["layer.0.weight"], model(4)["layer.0.weight"])
+
+
+def test_config_checks_and_environment(monkeypatch):
+    with pytest.raises(ValueError, match="multiple of align_bytes"):
+        SyncConfig(bucket_bytes=1000)
+    with pytest.raises(TypeError, match="tuple of names"):
+        SyncConfig(keep_dtype="*.norm")
+    monkeypatch.setenv("RAYSYNC_BUCKET_BYTES", str(1 << 20))
+    monkeypatch.setenv("RAYSYNC_TIMEOUT_S", "7.5")
+    cfg = SyncConfig.from_env(num_buffers=3)
+    assert (cfg.bucket_bytes, cfg.timeout_s, cfg.num_buffers) == (1 << 20, 7.5, 3)

@@ -74,3 +74,5 @@ def test_registry_names_and_availability():
 
     with pytest.raises(TransportUnavailable, match="built so far"):
         registry.sender_class("carrier-pigeon")
+    with pytest.raises(TransportUnavailable, match="not a ring"):
+        registry.receiver_class("collective")  # a name off the wire never builds a group half

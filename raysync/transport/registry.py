@@ -32,8 +32,24 @@ def _halves(name: str) -> tuple[str, str]:
         raise TransportUnavailable(f"unknown transport {name!r}; built so far: {names()}") from None
 
 
+_RINGS = {
+    "shm"
+}  # the transports a WeightSender / WeightReceiver pair can use (collective: a group, not a pair)
+
+
+def _ring(name: str) -> tuple[str, str]:
+    halves = _halves(name)
+    if name not in _RINGS:
+        raise TransportUnavailable(
+            f"transport {name!r} is a broadcast group, not a ring for one sender and one receiver: use "
+            f"WeightSync (or CollectiveSender / CollectiveReceiver); rings: {sorted(_RINGS)}"
+        )
+    return halves
+
+
 def sender_class(name: str) -> type:
-    cls = _load(_halves(name)[0])
+    """The sending half of ring transport ``name``."""
+    cls = _load(_ring(name)[0])
     if not cls.is_available():
         raise TransportUnavailable(
             f"transport {name!r} cannot run on this machine ({cls.__doc__.splitlines()[0]})"
@@ -42,7 +58,8 @@ def sender_class(name: str) -> type:
 
 
 def receiver_class(name: str) -> type:
-    return _load(_halves(name)[1])
+    """The receiving half of ring transport ``name`` (the name arrives off the wire: rings only)."""
+    return _load(_ring(name)[1])
 
 
 def available() -> list[str]:
