@@ -9,7 +9,10 @@ push rounds across all pairs at once, and repairs pairs whose actor was restarte
 
 Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
 receiver writes into ``actor.model``'s parameters; pass ``source=`` / ``sink=`` (functions of the actor) for
-anything else — a sink may return a dict of tensors or a ``load_weights``-style function.
+anything else — a sink may return a dict of tensors or a ``load_weights``-style function. A receiver may also
+be an engine adapter (``raysync.vllm.VllmEngine(actor)``): one receiver per engine worker, each loading
+through the engine's own path. ``plan``, ``versions()`` and reports number receivers that way: an engine of
+two workers is two receivers.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ class WeightSync:
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair."""
         if not senders or not receivers:
             raise ValueError("WeightSync needs at least one sender and one receiver")
-        self.senders, self.receivers = list(senders), list(receivers)
+        self.senders = list(senders)
+        self.receivers = [ep.as_endpoint(r) for r in receivers]  # each serves one or more receivers ("slots")
         self.config = config or SyncConfig()
         self._source, self._sink, self._override = source, sink, transport
         self._setup_timeout_s, self._push_timeout_s = setup_timeout_s, push_timeout_s
@@ -130,13 +134,31 @@ class WeightSync:
             raise PeerTimeout("Ray actors", stage, timeout_s) from None
 
     def _setup(self) -> None:
-        calls = [a.__ray_call__.remote(ep.where) for a in self.senders + self.receivers]
+        calls = [a.__ray_call__.remote(ep.where) for a in self.senders]
+        calls += [e.call(ep.where) for e in self.receivers]
         placements = self._get(calls, "placement", self._setup_timeout_s)
-        self._sender_at, self._receiver_at = placements[: len(self.senders)], placements[len(self.senders) :]
+        self._sender_at = placements[: len(self.senders)]
+        self._slots: list[tuple[int, int]] = []  # receiver j -> (endpoint, slot)
+        self._receiver_at: list[Placement] = []
+        for e, by_slot in enumerate(placements[len(self.senders) :]):
+            for slot in sorted(by_slot):
+                self._slots.append((e, slot))
+                self._receiver_at.append(by_slot[slot])
         pairs = self._wanted_pairs or assign(self._sender_at, self._receiver_at)
         self.plan = Plan([self._choose(i, j) for i, j in pairs], self._sender_at, self._receiver_at)
         self._connect({(p.sender, p.receiver) for p in self.plan})
         logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
+
+    def _on_receivers(self, fn: Any, args: dict[int, tuple]) -> dict[Any, int]:
+        """Run ``fn`` for receivers j (args per j), one Ray call per endpoint; returns ref -> endpoint."""
+        by_endpoint: dict[int, dict[int, tuple]] = {}
+        for j, a in args.items():
+            e, slot = self._slots[j]
+            by_endpoint.setdefault(e, {})[slot] = a
+        return {self.receivers[e].call(fn, per_slot): e for e, per_slot in by_endpoint.items()}
+
+    def _by_receiver(self, e: int, by_slot: dict[int, Any]) -> dict[int, Any]:
+        return {self._slots.index((e, slot)): r for slot, r in by_slot.items()}
 
     def _choose(self, i: int, j: int) -> PairPlan:
         o = self._override
@@ -166,8 +188,8 @@ class WeightSync:
         address, self._pair_bytes[p.sender, p.receiver] = self._get(self.senders[p.sender].__ray_call__.remote(
             ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source),
             f"connect sender #{p.sender}", self._setup_timeout_s)  # fmt: skip
-        self._get(self.receivers[p.receiver].__ray_call__.remote(
-            ep.receiver_connect, self._sync_id, cfg, address, secret, self._sink),
+        self._get(list(self._on_receivers(ep.receiver_connect, {p.receiver: (
+            self._sync_id, cfg, address, secret, self._sink)})),
             f"connect receiver #{p.receiver}", self._setup_timeout_s)  # fmt: skip
 
     def _connect_group(self, i: int, receivers: list[int]) -> None:
@@ -177,21 +199,20 @@ class WeightSync:
             f"open the broadcast group of sender #{i}", self._setup_timeout_s)  # fmt: skip
         self._pair_bytes.update({(i, j): nbytes for j in receivers})
         joins = [self.senders[i].__ray_call__.remote(ep.collective_join, self._sync_id)]
-        joins += [self.receivers[j].__ray_call__.remote(ep.collective_connect, self._sync_id, cfg, rank, rendezvous,
-                                                        secret, self._sink)
-                  for rank, j in enumerate(receivers, start=1)]  # fmt: skip
+        joins += list(self._on_receivers(ep.collective_connect, {j: (self._sync_id, cfg, rank, rendezvous, secret,
+                                                                     self._sink)
+                                                                 for rank, j in enumerate(receivers, start=1)}))  # fmt: skip
         self._get(joins, f"join the broadcast group of sender #{i}", self._setup_timeout_s)
 
-    def _where(self, actor: Any, stage: str) -> Placement:
-        """Probe one actor, waiting (up to setup_timeout_s) while Ray restarts it."""
+    def _where(self, call: Any, stage: str) -> Any:
+        """Probe one endpoint (``call()`` makes the Ray call), waiting (up to setup_timeout_s) while Ray
+        restarts it."""
         import ray
 
         deadline = time.monotonic() + self._setup_timeout_s
         while True:
             try:
-                return self._get(
-                    actor.__ray_call__.remote(ep.where), stage, max(1.0, deadline - time.monotonic())
-                )
+                return self._get(call(), stage, max(1.0, deadline - time.monotonic()))
             except ray.exceptions.ActorUnavailableError:  # restarting: Ray answers at once, so ask again
                 if time.monotonic() > deadline:
                     raise PeerTimeout("a restarting actor", stage, self._setup_timeout_s) from None
@@ -204,9 +225,14 @@ class WeightSync:
             return
         broken, self._broken = set(self._broken), set()
         for i in {i for i, _ in broken}:
-            self._sender_at[i] = self._where(self.senders[i], f"placement of sender #{i}")
-        for j in {j for _, j in broken}:
-            self._receiver_at[j] = self._where(self.receivers[j], f"placement of receiver #{j}")
+            self._sender_at[i] = self._where(lambda a=self.senders[i]: a.__ray_call__.remote(ep.where),
+                                             f"placement of sender #{i}")  # fmt: skip
+        for e in {self._slots[j][0] for _, j in broken}:
+            at = self._where(
+                lambda e=e: self.receivers[e].call(ep.where), f"placement of receiver endpoint #{e}"
+            )
+            for j, p in self._by_receiver(e, at).items():
+                self._receiver_at[j] = p
         for k, p in enumerate(self.plan):
             if (p.sender, p.receiver) in broken:
                 self.plan[k] = self._choose(p.sender, p.receiver)
@@ -223,9 +249,13 @@ class WeightSync:
             by_sender.setdefault(p.sender, []).append(p.receiver)
         refs = {self.senders[i].__ray_call__.remote(ep.sender_push, self._sync_id, version, js): ("sender", i)
                 for i, js in by_sender.items()}  # fmt: skip
-        refs.update({self.receivers[j].__ray_call__.remote(ep.receiver_receive, self._sync_id): ("receiver", j)
-                     for js in by_sender.values() for j in js})  # fmt: skip
+        receiving = {j: (self._sync_id,) for js in by_sender.values() for j in js}
+        refs.update(
+            {ref: ("receiver", e) for ref, e in self._on_receivers(ep.receiver_receive, receiving).items()}
+        )
         results, failures = self._collect(refs, version)
+        results["receiver"] = {j: r for e, by_slot in results.get("receiver", {}).items()
+                               for j, r in self._by_receiver(e, by_slot).items()}  # fmt: skip
         pairs = []
         for i, per_receiver in results.get("sender", {}).items():
             for j, r in per_receiver.items():
@@ -281,27 +311,40 @@ class WeightSync:
         return results, failures
 
     def _mark_broken(self, role: str, index: int) -> None:
-        """Every pair of this endpoint is reconnected before the next push."""
+        """Every pair of this sender or receiver endpoint is reconnected before the next push."""
         self._broken.update((p.sender, p.receiver) for p in self.plan
-                            if (p.sender if role == "sender" else p.receiver) == index)  # fmt: skip
+                            if (p.sender == index if role == "sender" else self._slots[p.receiver][0] == index))  # fmt: skip
 
     def _label(self, role: str, index: int) -> str:
-        at = (self._sender_at if role == "sender" else self._receiver_at)[index]
-        return f"{role} #{index} ({at.label()})"
+        """``index``: a sender, or a receiver endpoint (an engine adapter names all of its workers)."""
+        if role == "sender":
+            return f"sender #{index} ({self._sender_at[index].label()})"
+        js = [j for j, (e, _) in enumerate(self._slots) if e == index]
+        return ", ".join(f"receiver #{j} ({self._receiver_at[j].label()})" for j in js)
 
     def _failure(self, role: str, index: int, r: dict, suffix: str = "") -> EndpointFailure:
-        return EndpointFailure(self._label(role, index) + suffix, r["stage"], r["error"], r["traceback"])
+        """``index``: a sender, or a receiver j."""
+        at = (self._sender_at if role == "sender" else self._receiver_at)[index]
+        return EndpointFailure(
+            f"{role} #{index} ({at.label()}){suffix}", r["stage"], r["error"], r["traceback"]
+        )
 
     # --- state and teardown ------------------------------------------------------------------------------------
     def versions(self) -> list[int | None]:
         """Each receiver's last fully applied version (None: nothing yet, or restarted and not pushed since)."""
-        calls = [a.__ray_call__.remote(ep.receiver_version, self._sync_id) for a in self.receivers]
-        return self._get(calls, "versions", self._setup_timeout_s)
+        refs = self._on_receivers(ep.receiver_version, {j: (self._sync_id,) for j in range(len(self._slots))})
+        versions: dict[int, int | None] = {}
+        for by_slot, e in zip(
+            self._get(list(refs), "versions", self._setup_timeout_s), refs.values(), strict=True
+        ):
+            versions.update(self._by_receiver(e, by_slot))
+        return [versions[j] for j in range(len(self._slots))]
 
     def close(self) -> None:
         import ray
 
-        calls = [a.__ray_call__.remote(ep.close, self._sync_id) for a in self.receivers + self.senders]
+        calls = [e.call(ep.close, (self._sync_id,)) for e in self.receivers]
+        calls += [a.__ray_call__.remote(ep.close, self._sync_id) for a in self.senders]
         ray.wait(calls, num_returns=len(calls), timeout=self.config.timeout_s)
 
     def __enter__(self) -> WeightSync:

@@ -1,6 +1,6 @@
 """What runs inside the user's actors, through Ray's ``__ray_call__`` (no base class, no mixin).
 
-Each function takes the actor instance first. The sessions of one WeightSync live in a dict on the actor
+Each function takes the actor instance first (for a vLLM engine: the worker, see raysync.vllm). The sessions of one WeightSync live in a dict on the actor
 (``_raysync_sessions[sync_id]``), so an actor restarted by Ray simply has none, and says so.
 Results are plain dicts: a failure carries its stage, message and traceback back to the driver.
 """
@@ -25,6 +25,7 @@ from raysync.transport.collective import CollectiveReceiver, CollectiveSender, R
 from raysync.wire import SessionSecret
 
 _STATE = "_raysync_sessions"
+_APPLIED = "_raysync_version"  # the last version applied by any session
 
 Source = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
 Sink = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
@@ -73,8 +74,39 @@ def _failure(stage: str, error: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(error))}  # fmt: skip
 
 
-def where(actor: Any) -> Placement:
-    return probe()
+def where(actor: Any, node: tuple[str, str] | None = None) -> Placement:
+    return probe(node)
+
+
+# --- how the driver reaches an endpoint ---------------------------------------------------------------------------
+class ActorEndpoint:
+    """One of the user's Ray actors: one receiver. An engine adapter (raysync.vllm.VllmEngine) has the same
+    ``call`` and serves one receiver per engine worker ("slots")."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def call(self, fn: Callable, args: tuple | dict[int, tuple] = ()) -> Any:
+        """Run ``fn(actor, *args)`` on every slot (args a tuple) or on the slots given (a dict slot -> args);
+        returns a Ray ObjectRef of {slot: result}."""
+        return self.actor.__ray_call__.remote(_on_slots, fn, args if isinstance(args, dict) else {0: args})
+
+
+def _on_slots(actor: Any, fn: Callable, args: dict[int, tuple]) -> dict[int, Any]:
+    return {slot: fn(actor, *a) for slot, a in args.items()}
+
+
+def as_endpoint(receiver: Any) -> Any:
+    """A Ray actor handle becomes an ActorEndpoint; an adapter (raysync.vllm.VllmEngine) stays as it is."""
+    import ray
+
+    if isinstance(receiver, ray.actor.ActorHandle):
+        return ActorEndpoint(receiver)
+    if not callable(getattr(receiver, "call", None)):
+        raise TypeError(
+            f"a receiver must be a Ray actor handle or an engine adapter, got {type(receiver).__name__}"
+        )
+    return receiver
 
 
 # --- sender side -------------------------------------------------------------------------------------------------
@@ -163,9 +195,16 @@ def receiver_receive(actor: Any, sync_id: str) -> dict:
     try:
         target = side.sink(actor)
         kind = {"load_fn": target} if callable(target) else {"into": target}
-        return {"ok": True, "report": asdict(side.receiver.receive(**kind)), "version": side.receiver.version}
+        report = side.receiver.receive(**kind)
+        actor.__dict__[_APPLIED] = side.receiver.version
+        return {"ok": True, "report": asdict(report), "version": side.receiver.version}
     except Exception as e:
         return {**_failure("receive", e), "version": side.receiver.version}
+
+
+def applied_version(actor: Any) -> int | None:
+    """The last version this actor (or engine worker) applied completely, by any session."""
+    return actor.__dict__.get(_APPLIED)
 
 
 def receiver_version(actor: Any, sync_id: str) -> int | None:

@@ -45,11 +45,12 @@ class Placement:
         return where + (f", GPU {self.current_gpu}" if self.current_gpu else "")
 
 
-def probe() -> Placement:
-    """This process's Placement (call it inside the endpoint's process)."""
+def probe(node: tuple[str, str] | None = None) -> Placement:
+    """This process's Placement (call it inside the endpoint's process). ``node`` (Ray node id, ip) stands in
+    where Ray is not initialized in this process: a vLLM worker started by its engine inside a Ray actor."""
     import torch
 
-    node_id, ip = socket.gethostname(), "127.0.0.1"
+    node_id, ip = node or (socket.gethostname(), "127.0.0.1")
     try:
         import ray
 

@@ -4,6 +4,7 @@
     layout    when a Layout arrives: check it, plan the buckets (the same pure function as the sender)
     accept    PushStart -> check every destination before a single byte moves; answer Accept or Abort
     stream    for bucket k: wait for BucketReady, unpack into the destinations, say BucketFreed
+    apply     a staging load function applies the whole push (most sinks have nothing to do here)
     finish    record the version as applied, say PushDone
 
 A push that fails part-way raises PushIncomplete naming the tensors not delivered, and ``version`` stays at
@@ -120,6 +121,8 @@ class WeightReceiver:
                 sink.write(bucket, self._ring.buffers[ready.slot])
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
+            stage = "apply"
+            sink.finish()
         except RemoteError as e:  # the sender failed and told us
             raise PushIncomplete(start.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:

@@ -6,7 +6,9 @@ Two kinds of destination, chosen by the caller of ``WeightReceiver.receive``:
   straight into its destination; a tensor sliced over several buckets is reassembled in place.
 * ``load_fn``: called once per bucket with a list of (name, tensor), the contract of vLLM's
   ``model.load_weights``. Whole tensors are zero-copy views of the ring buffer; a sliced tensor is gathered
-  into one staging tensor of its own size and handed over in the bucket that completes it.
+  into one staging tensor of its own size and handed over in the bucket that completes it. If the load
+  function has a ``finish()`` method, it is called once after the last bucket of a complete push, before the
+  version counts as applied (a loader that stages a push and applies it as a whole, see raysync.vllm).
 
 # Note [ring buffer views]
 # The views given to ``load_fn`` point into a ring buffer that the sender overwrites as soon as the call
@@ -39,6 +41,9 @@ class Sink:
 
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def finish(self) -> None:
+        """Every bucket has landed: apply what was staged (nothing for most sinks)."""
 
     def _sync(self, buffer: torch.Tensor) -> None:
         """Host -> device copies were issued non-blocking: finish them before the host buffer is reused.
@@ -97,6 +102,11 @@ class IntoLoadFn(Sink):
         if batch:
             self._load_fn(batch)  # Note [ring buffer views]
         self.done.update(c.index for c in bucket.chunks if c.last)
+
+    def finish(self) -> None:
+        finish = getattr(self._load_fn, "finish", None)
+        if finish is not None:
+            finish()
 
     def _typed(self, chunk: Chunk, data: torch.Tensor) -> tuple[str, torch.Tensor]:
         spec = self.specs[chunk.index]

@@ -51,3 +51,53 @@ class Engine:
 def engine_load(actor: Engine):
     """A sink that hands each bucket to the engine's own loader."""
     return actor.load
+
+
+ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=160, max_num_seqs=4,
+                   max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, block_size=32,
+                   enable_prefix_caching=True)  # fmt: skip
+
+
+def greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy continuations from a transformers model."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+class Policy(Trainer):
+    """A trainer that can also say what its weights generate (the reference for the engines)."""
+
+    def greedy(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        return greedy(self.model, prompts, tokens)
+
+
+class VllmHost:
+    """A user's rollout actor holding a vLLM engine made with raysync's worker extension."""
+
+    def __init__(self, model_dir: str, **overrides):
+        from vllm import LLM
+
+        self.llm = LLM(
+            model_dir, worker_extension_cls="raysync.vllm.WorkerExtension", **{**ENGINE_ARGS, **overrides}
+        )
+
+    def generate(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def weight_version(self) -> int | None:
+        from raysync.vllm import weight_version
+
+        return weight_version(self.llm)
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()  # else vLLM's own /dev/shm segments stay behind

@@ -458,6 +458,9 @@ class CollectiveReceiver:
                     works[k + n] = post(k + n)
             if g.device is not None:
                 torch.cuda.current_stream().synchronize()  # applied means visible: every copy is done
+            stage = "apply"
+            if sink is not None:
+                sink.finish()
         except Exception as e:
             try:  # leave the reason where the sender looks (the store lives in the sender's process)
                 g.put(f"{start.push_id}/done/{g.rank}", Abort(start.push_id, stage, f"{type(e).__name__}: {e}", ""),
