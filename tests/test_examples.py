@@ -42,3 +42,14 @@ def test_ray_quickstart_runs_under_ray_job_submit(no_leftovers, tmp_path):
         assert "equal to the trainer's: True" in run.stdout and "succeeded" in run.stdout + run.stderr
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_cpu_example_runs_as_a_script(no_leftovers):
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "examples/vllm_cpu.py"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "vLLM generates with the pushed weights: True; changed: True" in run.stdout

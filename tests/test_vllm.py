@@ -48,14 +48,15 @@ def engine(model_dir: str, runtime_env: dict | None = None):
     return ray.remote(num_cpus=0.5)(VllmHost).options(runtime_env=runtime_env).remote(model_dir)
 
 
+@pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_one_engine_generates_with_the_pushed_weights(
-    ray_local, model_dir, no_leftovers, vllm_segments_cleaned
+    transport, ray_local, model_dir, no_leftovers, vllm_segments_cleaned
 ):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote()
     host = engine(model_dir, ONE_PROCESS)
     try:
-        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
-            assert [p.transport for p in sync.plan] == ["shm"]
+        with WeightSync([trainer], [VllmEngine(host)], CFG, transport=transport) as sync:
+            assert [p.transport for p in sync.plan] == [transport]  # collective: a gloo group beside vLLM's
             before = ray.get(host.generate.remote(PROMPTS, TOKENS))
             assert ray.get(host.weight_version.remote()) is None
             for version in (1, 2):  # the second push goes through the CPU reload path again
@@ -95,3 +96,28 @@ def test_two_engines_one_in_vllms_multiprocess_layout(
         ray.get([h.shutdown.remote() for h in hosts])
         for h in hosts:
             ray.kill(h)
+
+
+def test_a_tensor_parallel_engine_is_one_receiver_per_worker(
+    ray_local, model_dir, no_leftovers, vllm_segments_cleaned
+):
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=7)
+    bind = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per worker (one NUMA node here)
+    host = (
+        ray.remote(num_cpus=0.5)(VllmHost).options(runtime_env=bind).remote(model_dir, tensor_parallel_size=2)
+    )
+    try:
+        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+            assert [(p.sender, p.receiver) for p in sync.plan] == [
+                (0, 0),
+                (0, 1),
+            ]  # each worker loads its shard
+            ray.get(trainer.step.remote(1))
+            expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+            report = sync.push(1)
+            assert [p.receiver for p in report.pairs] == [0, 1]
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected
+            assert sync.versions() == [1, 1] and ray.get(host.weight_version.remote()) == 1
+    finally:
+        ray.get(host.shutdown.remote())
+        ray.kill(host)
