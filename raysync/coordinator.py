@@ -17,6 +17,7 @@ two workers is two receivers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -163,7 +164,9 @@ class WeightSync:
     def _choose(self, i: int, j: int) -> PairPlan:
         o = self._override
         override = o.get((i, j)) if isinstance(o, dict) else o
-        return choose(i, j, self._sender_at[i], self._receiver_at[j], registry.available(), override)
+        # every built transport: what works for a pair is the endpoints' to say (their placements), not the
+        # driver's, which may have no GPU at all
+        return choose(i, j, self._sender_at[i], self._receiver_at[j], registry.names(), override)
 
     def _connect(self, pairs: set[tuple[int, int]]) -> None:
         """(Re)connect ``pairs``: a session per ring pair; a sender's whole broadcast group if any of its
@@ -184,7 +187,7 @@ class WeightSync:
         same_host = s.host == self._receiver_at[p.receiver].host
         endpoint = None if same_host else f"tcp://{s.ip}:*"
         secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
-        cfg = self.config
+        cfg = dataclasses.replace(self.config, transport=p.transport)
         address, self._pair_bytes[p.sender, p.receiver] = self._get(self.senders[p.sender].__ray_call__.remote(
             ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source),
             f"connect sender #{p.sender}", self._setup_timeout_s)  # fmt: skip

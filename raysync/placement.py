@@ -37,7 +37,7 @@ class Placement:
     gpu_uuids: tuple[str, ...]  # visible GPUs, in this process's numbering
     current_gpu: str | None  # UUID of the GPU this process works on
     cuda_visible_devices: str | None
-    ipc_ok: bool  # CUDA IPC verified by a probe (False until the cuda_ipc transport exists)
+    ipc_ok: bool  # CUDA IPC verified by a probe (an export opened by a child process)
     peer_access: tuple[tuple[bool, ...], ...]
 
     def label(self) -> str:
@@ -63,8 +63,11 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
     current = None
     peers: tuple[tuple[bool, ...], ...] = ()
     device = "cpu"
+    ipc_ok = False
     if torch.cuda.is_available():
-        device = "cuda"
+        from raysync.transport.cuda_ipc import ipc_works
+
+        device, ipc_ok = "cuda", ipc_works()
         n = torch.cuda.device_count()
         uuids = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(n))
         current = uuids[torch.cuda.current_device()] if n else None
@@ -74,7 +77,7 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
     elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - Ascend, untested here
         device = "npu"
     return Placement(node_id, socket.gethostname(), ip, os.getpid(), device, uuids, current,
-                     os.environ.get("CUDA_VISIBLE_DEVICES"), False, peers)  # fmt: skip
+                     os.environ.get("CUDA_VISIBLE_DEVICES"), ipc_ok, peers)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,11 @@ def _wanted(s: Placement, r: Placement) -> tuple[str, str]:
 
 
 def _works(transport: str, s: Placement, r: Placement) -> bool:
+    same_host = s.node_id == r.node_id and s.host == r.host
     if transport == "shm":
-        return s.host == r.host and s.ip == r.ip
+        return same_host and s.ip == r.ip
+    if transport == "cuda_ipc":
+        return same_host and s.ipc_ok and r.ipc_ok and s.current_gpu in r.gpu_uuids
     return True
 
 

@@ -31,7 +31,6 @@ from raysync.transport import registry
 from raysync.wire import (
     Abort,
     Accept,
-    Attached,
     BucketFreed,
     BucketReady,
     Close,
@@ -118,9 +117,12 @@ class WeightReceiver:
                         f"bucket {ready.bucket} in buffer {ready.slot}, expected {k} in {k % n}"
                     )
                 stage = f"unpack bucket {k}/{len(self._buckets)}"
+                self._ring.before_unpack(ready.slot)
                 sink.write(bucket, self._ring.buffers[ready.slot])
+                self._ring.after_unpack(ready.slot)
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
+            self._ring.end_push()  # Note [ordering GPU buffers]
             stage = "apply"
             sink.finish()
         except RemoteError as e:  # the sender failed and told us
@@ -142,7 +144,7 @@ class WeightReceiver:
         except Exception as e:  # tell the sender instead of letting it time out
             self._channel.abort(0, "handshake: map the ring", e)
             raise
-        self._channel.send(Attached(), "handshake: attached")
+        self._channel.send(self._ring.attached(), "handshake: attached")
 
     def _wait_push(self, wait_s: float | None) -> PushStart:
         """Wait for the next PushStart, taking a new Layout on the way; skip leftovers of failed pushes."""

@@ -90,7 +90,9 @@ class WeightSender:
                     stage = f"wait for buffer {k % n} (bucket {k}/{len(self._buckets)})"
                     self._channel.expect(BucketFreed, pid, stage)
                 stage = f"pack bucket {k}/{len(self._buckets)}"
+                self._ring.before_pack(k % n)
                 pack_bucket(bucket, sources, self._ring.buffers[k % n])
+                self._ring.after_pack(k % n)
                 self._channel.send(BucketReady(pid, k, k % n), stage)
                 bar.update(sum(c.nbytes for c in bucket.chunks))
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
@@ -116,8 +118,8 @@ class WeightSender:
             self._channel.abort(0, "handshake: ring", e)
             raise
         self._channel.send(self._ring.info(), "handshake: ring")
-        self._channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring")
-        self._ring.receiver_attached()
+        attached = self._channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring")
+        self._ring.receiver_attached(attached)
         logger.info("session up with %s (pid %d): %s ring, %d x %d bytes", self._channel.peer, hello.pid,
                     self._ring.name, cfg.num_buffers, cfg.bucket_bytes)  # fmt: skip
 

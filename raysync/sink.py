@@ -94,7 +94,8 @@ class IntoLoadFn(Sink):
                 batch.append(self._typed(c, region))
                 continue
             if c.src_offset == 0:
-                self._staging[c.index] = torch.empty(self.specs[c.index].nbytes, dtype=torch.uint8)
+                nbytes = self.specs[c.index].nbytes
+                self._staging[c.index] = torch.empty(nbytes, dtype=torch.uint8, device=buffer.device)
             staging = self._staging[c.index]
             staging[c.src_offset : c.src_offset + c.nbytes].copy_(region)
             if c.last:

@@ -124,18 +124,41 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class CudaBuffer:
+    """One GPU ring buffer as plain values: the CUDA IPC handle of its allocation and where the buffer lies in
+    it, the GPU it lives on (by UUID: indices differ between processes), and the IPC handle of the event the
+    sender records when it has packed the buffer."""
+
+    device_uuid: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    tensor_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes  # the allocation's own event (torch's), b"" when none
+    event_sync_required: bool
+    packed_event: bytes
+
+
+@dataclass(frozen=True)
 class RingInfo:
-    """sender -> receiver: where the buffers are. ``handles`` are transport-specific names (shm segment names)."""
+    """sender -> receiver: where the buffers are. ``handles`` are shm segment names; ``cuda`` describes GPU
+    buffers (cuda_ipc)."""
 
     transport: str
     num_buffers: int
     buffer_bytes: int
     handles: tuple[str, ...]
+    cuda: tuple[CudaBuffer, ...] = ()
 
 
 @dataclass(frozen=True)
 class Attached:
-    """receiver -> sender: every buffer is mapped (the sender may now forget the names)."""
+    """receiver -> sender: every buffer is mapped (the sender may now forget the names). ``events``: the IPC
+    handles of the events the receiver records when it has read a buffer (cuda_ipc only)."""
+
+    events: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

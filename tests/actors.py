@@ -12,8 +12,8 @@ from raysync.models import tiny_qwen2
 
 
 class Trainer:
-    def __init__(self, seed: int = 0):
-        self.model = tiny_qwen2(seed)
+    def __init__(self, seed: int = 0, on_gpu: bool = False):
+        self.model = tiny_qwen2(seed).to("cuda" if on_gpu else "cpu")
 
     def step(self, version: int) -> dict[str, str]:
         perturb(self.model, version)
@@ -21,8 +21,8 @@ class Trainer:
 
 
 class Engine:
-    def __init__(self, seed: int = 1):
-        self.model = tiny_qwen2(seed)
+    def __init__(self, seed: int = 1, on_gpu: bool = False):
+        self.model = tiny_qwen2(seed).to("cuda" if on_gpu else "cpu")
         self.params = dict(self.model.named_parameters())
         self.fail_at: tuple[int, str] | None = None
         self.calls = 0

@@ -86,16 +86,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """A local Ray for this module; the test helpers (tests/) are importable in its workers."""
+def _local_ray(**resources: object) -> Iterator[None]:
     ray = pytest.importorskip("ray")
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    ray.init(include_dashboard=False, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}},
+             **resources)  # fmt: skip
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray for this module; the test helpers (tests/) are importable in its workers."""
+    yield from _local_ray(num_cpus=2)
+
+
+@pytest.fixture(scope="module")
+def ray_gpu() -> Iterator[None]:
+    """A local Ray with this machine's GPUs."""
+    yield from _local_ray(num_cpus=4, num_gpus=torch.cuda.device_count())
 
 
 @pytest.fixture

@@ -71,3 +71,95 @@ def perturb_on_gpu(model, version: int) -> None:
         g = torch.Generator(device="cuda").manual_seed(version)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, device="cuda"))
+
+
+# --- cuda_ipc ----------------------------------------------------------------------------------------------------
+IPC = SyncConfig(
+    transport="cuda_ipc", timeout_s=120, progress=False
+)  # 2 x 512 MiB: the 7B embedding is sliced
+
+
+def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None, layout: str, pushes: int):
+    """Sender here on ``sender_gpu``, receiver spawned; returns the receiver's messages and the sender's
+    reserved memory after each push."""
+    from workers import digest, ipc_receiver
+
+    from raysync import SessionSecret, WeightSender
+    from raysync.models import allocate
+
+    torch.cuda.set_device(sender_gpu)
+    src = allocate(layout, device="cuda")
+    secret = SessionSecret.generate()
+    out = spawn.ctx.Queue()
+    reserved = []
+    with WeightSender(secret, IPC) as sender:
+        spawn(ipc_receiver, sender.endpoint, secret, IPC, receiver_gpu, visible, layout, pushes, out)
+        digests = {}
+        for version in range(1, pushes + 1):
+            if version in (1, pushes):
+                for i, t in enumerate(src.values()):
+                    t.add_(version + i % 3)
+                digests[version - 1] = digest((n, t.cpu()) for n, t in src.items())
+            sender.push(src.items(), version)
+            reserved.append(torch.cuda.memory_reserved())
+        got = [out.get(timeout=600) for _ in range(3 if pushes > 1 else 2)]
+    return got, digests, reserved
+
+
+def test_ipc_same_gpu_7b_bit_exact_memory_flat_over_200_pushes(spawn, no_leftovers):
+    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b",
+                                       pushes=200)  # fmt: skip
+    received = {i: d for kind, i, d in got[:-1]}
+    assert received == digests  # bit-exact after the first and the last push
+    _, ring_gpu, receiver_gpu, receiver_reserved = got[-1]
+    assert ring_gpu == receiver_gpu
+    for side in (reserved, receiver_reserved):
+        assert max(side[1:]) - min(side[1:]) <= IPC.bucket_bytes, side[:3] + side[-3:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ipc_devices_matched_by_uuid_across_visible_devices(spawn, no_leftovers):
+    """Sender sees "0,1" and works on GPU 1; the receiver sees only "1" (its GPU 0): same physical GPU."""
+    got, digests, _ = _ipc_push(
+        spawn, sender_gpu=1, receiver_gpu=0, visible="1", layout="qwen2.5-0.5b", pushes=1
+    )
+    assert got[0][2] == digests[0]
+    _, ring_gpu, receiver_gpu, _ = got[-1]
+    assert ring_gpu == receiver_gpu == str(torch.cuda.get_device_properties(1).uuid)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ipc_ring_on_a_gpu_the_receiver_cannot_see_is_a_clear_error(spawn, no_leftovers):
+    from raysync import RemoteError
+
+    with pytest.raises(RemoteError, match="cannot see") as e:
+        _ipc_push(spawn, sender_gpu=1, receiver_gpu=0, visible="0", layout="qwen2.5-0.5b", pushes=1)
+    assert str(torch.cuda.get_device_properties(1).uuid) in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ipc_cross_gpu_pair_reads_the_ring_over_nvlink(spawn, no_leftovers):
+    got, digests, _ = _ipc_push(
+        spawn, sender_gpu=0, receiver_gpu=1, visible=None, layout="qwen2.5-1.5b", pushes=3
+    )
+    assert {i: d for _, i, d in got[:-1]} == digests
+    _, ring_gpu, receiver_gpu, _ = got[-1]
+    assert ring_gpu == str(torch.cuda.get_device_properties(0).uuid) != receiver_gpu
+
+
+def test_ipc_probe_and_plan(ray_gpu):
+    """Two Ray actors sharing one GPU (num_gpus=0.5) through WeightSync: planned over cuda_ipc, bit-exact."""
+    import ray
+    from actors import Engine, Trainer
+
+    from raysync import WeightSync
+
+    opts = {"num_gpus": 0.5, "num_cpus": 0.25}
+    trainer = ray.remote(**opts)(Trainer).remote(on_gpu=True)
+    engine = ray.remote(**opts)(Engine).remote(on_gpu=True)
+    with WeightSync([trainer], [engine], SyncConfig(bucket_bytes=64 << 10, progress=False)) as sync:
+        assert [(p.transport, p.reason) for p in sync.plan] == [("cuda_ipc", "same GPU")], str(sync.plan)
+        for version in (1, 2):
+            expected = ray.get(trainer.step.remote(version))
+            sync.push(version)
+            assert ray.get(engine.digest.remote()) == expected

@@ -10,7 +10,7 @@ from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, W
 
 
 def digest(named) -> dict[str, str]:
-    return {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for n, t in named}  # fmt: skip
 
 
@@ -19,7 +19,7 @@ def perturb(model, version: int) -> None:
     g = torch.Generator().manual_seed(1000 + version)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
 
 
 def model_receiver(
@@ -136,3 +136,26 @@ def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
         report = receiver.receive(into=dict(model.named_parameters()))
         out.put((rank, report.version, digest((n, p.cpu()) for n, p in model.named_parameters())))
     receiver.close()
+
+
+def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: int, visible: str | None,
+                 layout: str, pushes: int, out) -> None:  # fmt: skip
+    """A receiver on ``gpu`` (its own numbering) under its own CUDA_VISIBLE_DEVICES: reports the UUID of the
+    GPU it sees the ring on, a digest of its destinations after each push, and its reserved memory."""
+    import os
+
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    from raysync.models import allocate
+
+    torch.cuda.set_device(gpu)
+    dest = allocate(layout, device="cuda", fill=False)
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        reserved = []
+        for i in range(pushes):
+            receiver.receive(into=dest)
+            reserved.append(torch.cuda.memory_reserved())
+            if i == 0 or i == pushes - 1:
+                out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
+        ring_gpu = str(torch.cuda.get_device_properties(receiver._ring.buffers[0].device).uuid)
+        out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))

@@ -8,6 +8,10 @@ import importlib
 from raysync.errors import TransportUnavailable
 
 _HALVES: dict[str, tuple[str, str]] = {
+    "cuda_ipc": (
+        "raysync.transport.cuda_ipc:CudaIpcRingSender",
+        "raysync.transport.cuda_ipc:CudaIpcRingReceiver",
+    ),
     "shm": ("raysync.transport.shm:ShmRingSender", "raysync.transport.shm:ShmRingReceiver"),
     "collective": (
         "raysync.transport.collective:CollectiveSender",
@@ -33,7 +37,8 @@ def _halves(name: str) -> tuple[str, str]:
 
 
 _RINGS = {
-    "shm"
+    "cuda_ipc",
+    "shm",
 }  # the transports a WeightSender / WeightReceiver pair can use (collective: a group, not a pair)
 
 

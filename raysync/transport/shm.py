@@ -28,7 +28,8 @@ from typing import ClassVar
 import torch
 
 from raysync.errors import LayoutError, ShmSpaceError
-from raysync.wire import SHM_NAME, RingInfo
+from raysync.transport.base import HostRing
+from raysync.wire import SHM_NAME, Attached, RingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _check_free_space(nbytes: int) -> None:
         )
 
 
-class ShmRingSender:
+class ShmRingSender(HostRing):
     """POSIX shared memory: needs a writable /dev/shm."""
 
     name: ClassVar[str] = "shm"
@@ -138,7 +139,7 @@ class ShmRingSender:
     def info(self) -> RingInfo:
         return RingInfo(self.name, len(self._names), self.buffer_bytes, tuple(self._names))
 
-    def receiver_attached(self) -> None:
+    def receiver_attached(self, attached: Attached | None = None) -> None:
         for name in self._names:
             _unlink(name)
 
@@ -149,7 +150,7 @@ class ShmRingSender:
         self._maps, self.buffers = [], []
 
 
-class ShmRingReceiver:
+class ShmRingReceiver(HostRing):
     name: ClassVar[str] = "shm"
 
     def __init__(self, info: RingInfo, pin: bool = True):

@@ -1,0 +1,159 @@
+"""Benchmark: a model's parameter layout pushed over the CUDA IPC ring, next to plain device copies.
+
+    python benchmarks/bench_ipc.py                                    # 1 GPU: Qwen2.5-7B and 1.5B layouts
+    python benchmarks/bench_ipc.py --receiver-gpu 1                   # 2 GPUs: the ring on GPU 0, read from GPU 1
+
+The sender runs in this process on GPU 0, the receiver in a spawned process on --receiver-gpu; the session is
+set up once (one warm-up push), then every push is timed in full: PushStart to PushDone, the receiver's bytes
+in its preallocated destination tensors (its stream synchronized) before the sender's push returns.
+Floors, measured in the same run on the sender's GPU with the same tensors: one copy of every tensor into
+its destination; two copies through one staging bucket of --bucket-mb (pack, then unpack) per bucket.
+With --receiver-gpu 1 the floor is a peer copy of every tensor from GPU 0 into GPU 1. Prints a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.models import allocate
+from raysync.plan import plan_buckets
+from raysync.source import select
+
+
+def receiver_main(endpoint, secret, config, layout, gpu, pushes, out) -> None:
+    torch.cuda.set_device(gpu)
+    dest = allocate(layout, device="cuda", fill=False)
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        for _ in range(pushes):
+            receiver.receive(into=dest)
+        out.put(checksum(dest))
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> float:
+    return float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum().item() for t in tensors.values()))
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def floors(
+    src: dict[str, torch.Tensor], bucket_bytes: int, receiver_gpu: int, repeats: int
+) -> dict[str, float]:
+    dst = {k: torch.empty_like(v) for k, v in src.items()}
+    flat_src = {k: v.view(-1).view(torch.uint8) for k, v in src.items()}
+    flat_dst = {k: v.view(-1).view(torch.uint8) for k, v in dst.items()}
+    sources = select(src.items(), SyncConfig(bucket_bytes=bucket_bytes))
+    buckets = plan_buckets(tuple(s.spec for s in sources), bucket_bytes, 256)
+    names = list(src)
+    staging = torch.empty(bucket_bytes, dtype=torch.uint8, device=src[names[0]].device)
+
+    def one_copy() -> None:
+        for k in src:
+            dst[k].copy_(src[k])
+
+    def two_copies() -> None:
+        for b in buckets:
+            for c in b.chunks:
+                staging[c.bucket_offset : c.bucket_offset + c.nbytes].copy_(
+                    flat_src[names[c.index]][c.src_offset : c.src_offset + c.nbytes])  # fmt: skip
+            for c in b.chunks:
+                flat_dst[names[c.index]][c.src_offset : c.src_offset + c.nbytes].copy_(
+                    staging[c.bucket_offset : c.bucket_offset + c.nbytes])  # fmt: skip
+
+    out = {
+        "one copy per tensor": timed(one_copy, repeats),
+        f"two copies via a {bucket_bytes >> 20} MB bucket": timed(two_copies, repeats),
+    }
+    if receiver_gpu != torch.cuda.current_device():
+        peer = {k: torch.empty_like(v, device=f"cuda:{receiver_gpu}") for k, v in src.items()}
+        out[f"peer copy per tensor to GPU {receiver_gpu}"] = timed(
+            lambda: [peer[k].copy_(v, non_blocking=True) for k, v in src.items()], repeats
+        )
+    return out
+
+
+def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes) -> dict:
+    ctx = mp.get_context("spawn")
+    config = SyncConfig(transport="cuda_ipc", bucket_bytes=bucket_mb << 20, num_buffers=num_buffers,
+                        timeout_s=120, progress=False)  # fmt: skip
+    secret = SessionSecret.generate()
+    out = ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        proc = ctx.Process(target=receiver_main,
+                           args=(sender.endpoint, secret, config, layout, receiver_gpu, pushes + 1, out))  # fmt: skip
+        proc.start()
+        t0 = time.perf_counter()
+        sender.push(src.items(), 0)  # warm-up: session set-up (allocate, export, open: once)
+        setup = time.perf_counter() - t0
+        times = []
+        for version in range(1, pushes + 1):
+            t0 = time.perf_counter()
+            sender.push(src.items(), version)
+            times.append(time.perf_counter() - t0)
+        got = out.get(timeout=300)
+        proc.join(timeout=60)
+    assert got == checksum(src), "receiver's tensors differ from the sender's"
+    return {"layout": layout, "bucket_mb": bucket_mb, "num_buffers": num_buffers, "first_push_s": setup,
+            "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", nargs="+", default=["qwen2.5-7b", "qwen2.5-1.5b"])
+    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--num-buffers", type=int, nargs="+", default=[2])
+    ap.add_argument("--receiver-gpu", type=int, default=0)
+    ap.add_argument("--pushes", type=int, default=20)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    torch.cuda.set_device(0)
+    hw = torch.cuda.get_device_name()
+    result = {"hardware": hw, "receiver_gpu": args.receiver_gpu, "torch": torch.__version__, "layouts": []}
+    for layout in args.layout:
+        src = allocate(layout, device="cuda")
+        nbytes = sum(t.nbytes for t in src.values())
+        floor = floors(src, 512 << 20, args.receiver_gpu, repeats=10)
+        torch.cuda.empty_cache()  # the floors' destinations go back before the receiver allocates its own
+        rows = [bench(src, layout, mb, nb, args.receiver_gpu, args.pushes)
+                for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+        print(
+            f"\n{layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB bf16, {hw}, receiver on GPU {args.receiver_gpu}"
+        )
+        print(f"{'path':<40}{'bucket':>8}{'median ms':>11}{'min ms':>8}{'GB/s':>8}")
+        for name, sec in floor.items():
+            print(f"{'floor: ' + name:<40}{'-':>8}{sec * 1e3:>11.2f}{'':>8}{nbytes / sec / 1e9:>8.1f}")
+        for r in rows:
+            r["gbps"] = nbytes / r["median_s"] / 1e9
+            path = f"cuda_ipc ring ({r['num_buffers']} buffers)"
+            print(
+                f"{path:<40}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}{r['gbps']:>8.1f}"
+            )
+        result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),
+                                  "floors_s": floor, "runs": rows})  # fmt: skip
+        del src
+        torch.cuda.empty_cache()
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

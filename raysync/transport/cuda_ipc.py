@@ -1,0 +1,218 @@
+"""CUDA IPC ring: sender and receiver on one node, the receiver able to see the sender's GPU (the same GPU, or
+another one with peer access over NVLink / PCIe).
+
+    sender process (GPU a)                                       receiver process (GPU a, or b with peer access)
+    params --pack (device copy)--> [ buffer 0 ][ buffer 1 ] on GPU a --read in place--> unpack --> model
+
+Everything costly happens once per session: the buffers are allocated and exported once, the receiver opens
+each handle once (the first open in a process costs ~0.15 s) and keeps the mapping; a push allocates nothing,
+exports nothing, and never synchronizes a device: the two processes' streams are ordered by interprocess
+CUDA events (Note [ordering GPU buffers] in transport/base.py).
+
+# Note [rebuilding a buffer without pickle]
+# torch shares a CUDA tensor as (rebuild_cuda_tensor, args): the args carry the IPC handle of the allocation,
+# the buffer's place in it and a reference count that keeps the allocation alive for the consumer. raysync
+# sends the args that matter as plain fields of a CudaBuffer (bytes and integers, no callable), and the
+# receiver calls rebuild_cuda_tensor itself, passing every argument by name after checking that the names are
+# the ones it knows: the layout of that tuple is private to torch and has changed between releases, so a
+# layout raysync does not recognise is a clear error, never a misplaced device index. The device is the
+# receiver's own index of the sender's GPU, found by UUID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+import subprocess
+import sys
+from typing import ClassVar
+
+import msgpack
+import torch
+from torch.multiprocessing import reductions
+
+from raysync.errors import LayoutError, TransportUnavailable
+from raysync.wire import Attached, CudaBuffer, RingInfo
+
+logger = logging.getLogger(__name__)
+
+# what raysync passes to rebuild_cuda_tensor, by name (Note [rebuilding a buffer without pickle])
+_REBUILD_ARGS = frozenset({
+    "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype", "storage_device",
+    "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
+    "ref_counter_offset", "event_handle", "event_sync_required",
+})  # fmt: skip
+
+
+def uuid_of(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_index(uuid: str, peer_uuids: tuple[str, ...] = ()) -> int:
+    """This process's index of the GPU ``uuid`` (each process numbers GPUs after its CUDA_VISIBLE_DEVICES)."""
+    mine = [uuid_of(i) for i in range(torch.cuda.device_count())]
+    if uuid not in mine:
+        raise LayoutError(
+            f"the ring lives on GPU {uuid}, which this process cannot see (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; visible here: {mine}; the sender's: {list(peer_uuids)})"
+        )
+    return mine.index(uuid)
+
+
+def export(buffer: torch.Tensor, packed: torch.cuda.Event) -> CudaBuffer:
+    """One GPU buffer as plain values (called once per session)."""
+    fn, args = reductions.reduce_tensor(buffer)
+    named = inspect.signature(fn).bind(*args).arguments
+    if fn is not reductions.rebuild_cuda_tensor or set(named) != _REBUILD_ARGS:
+        raise TransportUnavailable(
+            f"torch {torch.__version__} shares CUDA tensors as {getattr(fn, '__name__', fn)}{tuple(named)}, "
+            f"a layout raysync does not know; use the shm transport"
+        )
+    return CudaBuffer(
+        device_uuid=uuid_of(named["storage_device"]), handle=named["storage_handle"],
+        storage_bytes=named["storage_size_bytes"], storage_offset_bytes=named["storage_offset_bytes"],
+        tensor_offset=named["tensor_offset"], ref_counter_handle=named["ref_counter_handle"],
+        ref_counter_offset=named["ref_counter_offset"], event_handle=named["event_handle"] or b"",
+        event_sync_required=bool(named["event_sync_required"]), packed_event=packed.ipc_handle(),
+    )  # fmt: skip
+
+
+def rebuild(b: CudaBuffer, nbytes: int, device: int) -> torch.Tensor:
+    """The receiver's view of one exported buffer, made by a function it picks itself."""
+    expected = set(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    if expected != _REBUILD_ARGS:
+        raise TransportUnavailable(
+            f"torch {torch.__version__}'s rebuild_cuda_tensor takes {sorted(expected)}, a layout raysync does "
+            f"not know; use the shm transport"
+        )
+    if b.tensor_offset + nbytes > b.storage_bytes:
+        raise LayoutError(
+            f"a buffer of {nbytes} bytes at {b.tensor_offset} does not fit its {b.storage_bytes}"
+        )
+    return reductions.rebuild_cuda_tensor(
+        tensor_cls=torch.Tensor, tensor_size=(nbytes,), tensor_stride=(1,), tensor_offset=b.tensor_offset,
+        storage_cls=torch.UntypedStorage, dtype=torch.uint8, storage_device=device, storage_handle=b.handle,
+        storage_size_bytes=b.storage_bytes, storage_offset_bytes=b.storage_offset_bytes, requires_grad=False,
+        ref_counter_handle=b.ref_counter_handle, ref_counter_offset=b.ref_counter_offset,
+        event_handle=b.event_handle or None, event_sync_required=b.event_sync_required,
+    )  # fmt: skip
+
+
+class CudaIpcRingSender:
+    """CUDA IPC: needs a CUDA GPU (and a receiver that can open its handles: see ``ipc_works``)."""
+
+    name: ClassVar[str] = "cuda_ipc"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def __init__(self, num_buffers: int, buffer_bytes: int, pin: bool = True):
+        self.device = torch.cuda.current_device()
+        self.buffer_bytes = buffer_bytes
+        self.buffers = [
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)
+        ]
+        self._packed = [torch.cuda.Event(interprocess=True, disable_timing=True) for _ in self.buffers]
+        for e in self._packed:
+            e.record()  # created on this device now (an event gets its device at its first record)
+        self._exports = [export(b, e) for b, e in zip(self.buffers, self._packed, strict=True)]
+        self._freed: list[torch.cuda.Event] = []
+        logger.debug(
+            "cuda_ipc ring: %d x %d bytes on GPU %s", num_buffers, buffer_bytes, uuid_of(self.device)
+        )
+
+    def info(self) -> RingInfo:
+        return RingInfo(self.name, len(self.buffers), self.buffer_bytes, (), tuple(self._exports))
+
+    def receiver_attached(self, attached: Attached) -> None:
+        if len(attached.events) != len(self.buffers):
+            raise LayoutError(
+                f"the receiver sent {len(attached.events)} events for {len(self.buffers)} buffers"
+            )
+        self._freed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in attached.events]
+
+    def before_pack(self, slot: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self._freed[slot])
+
+    def after_pack(self, slot: int) -> None:
+        self._packed[slot].record(torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        """Teardown is the one place that releases: the allocation goes back once the receiver's reference
+        is dropped too (torch's IPC reference count), and ipc_collect frees what is left."""
+        self.buffers, self._exports, self._packed, self._freed = [], [], [], []
+        torch.cuda.ipc_collect()
+
+
+class CudaIpcRingReceiver:
+    name: ClassVar[str] = "cuda_ipc"
+
+    def __init__(self, info: RingInfo, pin: bool = True):
+        if info.transport != self.name or not 1 <= info.num_buffers == len(info.cuda) <= 64:
+            raise LayoutError(f"ring description does not fit the cuda_ipc transport: {info.transport}, "
+                              f"{info.num_buffers} buffers, {len(info.cuda)} described")  # fmt: skip
+        peer_uuids = tuple(dict.fromkeys(b.device_uuid for b in info.cuda))
+        self.device = torch.cuda.current_device()
+        self.buffers = [
+            rebuild(b, info.buffer_bytes, local_index(b.device_uuid, peer_uuids)) for b in info.cuda
+        ]
+        self._packed = [torch.cuda.Event.from_ipc_handle(local_index(b.device_uuid), b.packed_event)
+                        for b in info.cuda]  # fmt: skip
+        self._freed = [torch.cuda.Event(interprocess=True, disable_timing=True) for _ in info.cuda]
+        for e in self._freed:
+            e.record()
+
+    def attached(self) -> Attached:
+        return Attached(tuple(e.ipc_handle() for e in self._freed))
+
+    def before_unpack(self, slot: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self._packed[slot])
+
+    def after_unpack(self, slot: int) -> None:
+        self._freed[slot].record(torch.cuda.current_stream(self.device))
+
+    def end_push(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()  # applied means in place: this stream, once
+
+    def close(self) -> None:
+        self.buffers, self._packed, self._freed = [], [], []
+
+
+# --- does CUDA IPC work here? ------------------------------------------------------------------------------------
+@functools.cache
+def ipc_works(timeout_s: float = 120.0) -> bool:
+    """Export a small buffer and let a child process (same CUDA_VISIBLE_DEVICES) open it and read it back.
+    False where IPC is refused: containers without the needed capabilities, allocators whose memory cannot
+    be exported (expandable segments), devices that are not CUDA. Once per process."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        probe = torch.arange(256, dtype=torch.uint8, device="cuda")
+        event = torch.cuda.Event(interprocess=True, disable_timing=True)
+        event.record()
+        shared = export(probe, event)
+        torch.cuda.current_stream().synchronize()
+        payload = msgpack.packb(dataclasses.astuple(shared))
+        child = subprocess.run([sys.executable, "-c", "from raysync.transport.cuda_ipc import _probe_child; "
+                                "_probe_child()"], input=payload, capture_output=True, timeout=timeout_s)  # fmt: skip
+        ok = child.returncode == 0 and child.stdout.strip().endswith(b"ipc ok")
+        if not ok:
+            logger.info("CUDA IPC refused here: %s", child.stderr.decode(errors="replace")[-500:])
+        del probe
+        torch.cuda.ipc_collect()
+        return ok
+    except Exception as e:  # any failure means: do not plan IPC here
+        logger.info("CUDA IPC probe failed: %s: %s", type(e).__name__, e)
+        return False
+
+
+def _probe_child() -> None:
+    fields = msgpack.unpackb(sys.stdin.buffer.read(), use_list=False)
+    shared = CudaBuffer(*fields)
+    view = rebuild(shared, 256, local_index(shared.device_uuid))
+    expected = torch.arange(256, dtype=torch.uint8, device=view.device)
+    print("ipc ok" if torch.equal(view, expected) else "ipc read wrong bytes", flush=True)
