@@ -116,7 +116,7 @@ class CudaIpcRingSender:
         self.buffers = [
             torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)
         ]
-        self._packed = [torch.cuda.Event(interprocess=True, disable_timing=True) for _ in self.buffers]
+        self._packed = [torch.cuda.Event(interprocess=True) for _ in self.buffers]
         for e in self._packed:
             e.record()  # created on this device now (an event gets its device at its first record)
         self._exports = [export(b, e) for b, e in zip(self.buffers, self._packed, strict=True)]
@@ -162,7 +162,7 @@ class CudaIpcRingReceiver:
         ]
         self._packed = [torch.cuda.Event.from_ipc_handle(local_index(b.device_uuid), b.packed_event)
                         for b in info.cuda]  # fmt: skip
-        self._freed = [torch.cuda.Event(interprocess=True, disable_timing=True) for _ in info.cuda]
+        self._freed = [torch.cuda.Event(interprocess=True) for _ in info.cuda]
         for e in self._freed:
             e.record()
 
@@ -192,7 +192,7 @@ def ipc_works(timeout_s: float = 120.0) -> bool:
         return False
     try:
         probe = torch.arange(256, dtype=torch.uint8, device="cuda")
-        event = torch.cuda.Event(interprocess=True, disable_timing=True)
+        event = torch.cuda.Event(interprocess=True)
         event.record()
         shared = export(probe, event)
         torch.cuda.current_stream().synchronize()
