@@ -101,16 +101,18 @@ def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes) -> dict:
         t0 = time.perf_counter()
         sender.push(src.items(), 0)  # warm-up: session set-up (allocate, export, open: once)
         setup = time.perf_counter() - t0
-        times = []
+        times, stages = [], []
         for version in range(1, pushes + 1):
             t0 = time.perf_counter()
             sender.push(src.items(), version)
             times.append(time.perf_counter() - t0)
+            stages.append(sender.last_stages_s)
         got = out.get(timeout=300)
         proc.join(timeout=60)
     assert got == checksum(src), "receiver's tensors differ from the sender's"
     return {"layout": layout, "bucket_mb": bucket_mb, "num_buffers": num_buffers, "first_push_s": setup,
-            "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}  # fmt: skip
+            "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]}}  # fmt: skip
 
 
 def main() -> None:
@@ -142,9 +144,9 @@ def main() -> None:
         for r in rows:
             r["gbps"] = nbytes / r["median_s"] / 1e9
             path = f"cuda_ipc ring ({r['num_buffers']} buffers)"
-            print(
-                f"{path:<40}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}{r['gbps']:>8.1f}"
-            )
+            split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
+            print(f"{path:<40}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
+                  f"{r['gbps']:>8.1f}   ms: {split}")  # fmt: skip
         result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),
                                   "floors_s": floor, "runs": rows})  # fmt: skip
         del src

@@ -56,20 +56,26 @@ class WeightSender:
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
+        self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     # --- the push ----------------------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
+        start = time.perf_counter()
         sources = select(named_tensors, self.config)
         self._ensure_session()
         self._ensure_layout(sources)
         self._push_id += 1
-        start = time.perf_counter()
+        selected = time.perf_counter()
         self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True), "accept")
         accept = self._channel.expect(Accept, self._push_id, "accept")
+        accepted = streamed = time.perf_counter()
         if not accept.skip:
             self._stream(sources, version)
+            streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
+        self.last_stages_s = {"select": selected - start, "accept": accepted - selected,
+                              "stream": streamed - accepted, "finish": time.perf_counter() - streamed}  # fmt: skip
         moved = not accept.skip
         report = PushReport(
             version, self._ring.name, total_bytes(self._layout.tensors) * moved, len(self._buckets) * moved,
