@@ -24,7 +24,7 @@ from raysync.control import SenderChannel
 from raysync.errors import RemoteError
 from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
-from raysync.source import SourceTensor, pack_bucket, select
+from raysync.source import Packer, SourceTensor, select
 from raysync.transport import registry
 from raysync.wire import (
     Accept,
@@ -56,22 +56,26 @@ class WeightSender:
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
+        self._sources: list[SourceTensor] = []
+        self._sources_key: tuple | None = None
+        self._packer: Packer | None = None
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     # --- the push ----------------------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
         start = time.perf_counter()
-        sources = select(named_tensors, self.config)
+        sources = self._select(named_tensors)
         self._ensure_session()
         self._ensure_layout(sources)
         self._push_id += 1
         selected = time.perf_counter()
         self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True), "accept")
+        ahead = self._pack_ahead()  # while the receiver checks its destinations
         accept = self._channel.expect(Accept, self._push_id, "accept")
         accepted = streamed = time.perf_counter()
         if not accept.skip:
-            self._stream(sources, version)
+            self._stream(version, ahead)
             streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
         self.last_stages_s = {"select": selected - start, "accept": accepted - selected,
@@ -84,7 +88,25 @@ class WeightSender:
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
 
-    def _stream(self, sources: list[SourceTensor], version: int) -> None:
+    def _pack_ahead(self) -> int:
+        """Pack the first buckets before the receiver accepts: every buffer is free between pushes (the last
+        push ended with every BucketFreed), and nothing is signalled until Accept arrives."""
+        ahead = min(len(self._ring.buffers), len(self._buckets))
+        try:
+            for k in range(ahead):
+                self._pack(k)
+        except Exception as e:
+            self._channel.abort(self._push_id, f"pack bucket {k}/{len(self._buckets)}", e)
+            raise
+        return ahead
+
+    def _pack(self, k: int) -> None:
+        slot = k % len(self._ring.buffers)
+        self._ring.before_pack(slot)
+        self._packer.pack(k)
+        self._ring.after_pack(slot)
+
+    def _stream(self, version: int, packed_ahead: int) -> None:
         n = len(self._ring.buffers)
         pid = self._push_id
         bar = tqdm(total=total_bytes(self._layout.tensors), unit="B", unit_scale=True, delay=1.0,
@@ -96,9 +118,8 @@ class WeightSender:
                     stage = f"wait for buffer {k % n} (bucket {k}/{len(self._buckets)})"
                     self._channel.expect(BucketFreed, pid, stage)
                 stage = f"pack bucket {k}/{len(self._buckets)}"
-                self._ring.before_pack(k % n)
-                pack_bucket(bucket, sources, self._ring.buffers[k % n])
-                self._ring.after_pack(k % n)
+                if k >= packed_ahead:
+                    self._pack(k)
                 self._channel.send(BucketReady(pid, k, k % n), stage)
                 bar.update(sum(c.nbytes for c in bucket.chunks))
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
@@ -129,14 +150,24 @@ class WeightSender:
         logger.info("session up with %s (pid %d): %s ring, %d x %d bytes", self._channel.peer, hello.pid,
                     self._ring.name, cfg.num_buffers, cfg.bucket_bytes)  # fmt: skip
 
+    def _select(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
+        """select(), skipped while the trainer pushes the same tensors (updated in place) as last time."""
+        named = list(named_tensors)
+        key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in named)
+        if key != self._sources_key:
+            self._sources, self._sources_key, self._packer = select(named, self.config), key, None
+        return self._sources
+
     def _ensure_layout(self, sources: list[SourceTensor]) -> None:
         specs = tuple(s.spec for s in sources)
-        if self._layout is not None and self._layout.tensors == specs:
-            return
-        layout_id = self._layout.layout_id + 1 if self._layout else 1
-        self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
-        self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
-        self._channel.send(self._layout, "layout")
+        if self._layout is None or self._layout.tensors != specs:
+            layout_id = self._layout.layout_id + 1 if self._layout else 1
+            self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
+            self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
+            self._channel.send(self._layout, "layout")
+            self._packer = None
+        if self._packer is None:  # the copies of every bucket, made once for these tensors and this ring
+            self._packer = Packer(self._buckets, sources, self._ring.buffers)
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raysync.config import SyncConfig
+from raysync.copies import CopyList
 from raysync.errors import LayoutError
 from raysync.plan import Bucket, Chunk
 from raysync.wire import DTYPES, TensorSpec, dtype_name
@@ -57,17 +58,54 @@ def select(named_tensors: Iterable[tuple[str, torch.Tensor]], config: SyncConfig
 
 
 def pack_bucket(bucket: Bucket, sources: Sequence[SourceTensor], buffer: torch.Tensor) -> None:
-    """Write every chunk of ``bucket`` into ``buffer`` (a uint8 tensor). Device copies into host memory are
-    issued non-blocking; the current stream of every device involved is synchronized once, at the end."""
-    devices: set[torch.device] = set()
-    for chunk in bucket.chunks:
-        src = sources[chunk.index]
-        region = buffer[chunk.bucket_offset : chunk.bucket_offset + chunk.nbytes]
-        write_chunk(src, chunk, region)
-        if src.tensor.device.type == "cuda" and buffer.device.type == "cpu":
-            devices.add(src.tensor.device)
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()  # this stream only, never the whole device
+    """Write every chunk of ``bucket`` into ``buffer`` (a uint8 tensor), once (Packer replays it)."""
+    Packer([bucket], sources, [buffer]).pack(0)
+
+
+class Packer:
+    """Packs the buckets of one layout from one set of source tensors into one ring, its copies made once
+    (raysync.copies) and replayed each push. Device copies into host memory are issued non-blocking; the
+    current stream of every device involved is synchronized once per bucket, at its end."""
+
+    def __init__(
+        self, buckets: Sequence[Bucket], sources: Sequence[SourceTensor], buffers: Sequence[torch.Tensor]
+    ):
+        self._plans: list[tuple[CopyList, list[tuple[SourceTensor, Chunk, torch.Tensor]], set]] = []
+        for k, bucket in enumerate(buckets):
+            buffer = buffers[k % len(buffers)]
+            pairs, packed_each_time = [], []
+            for c in bucket.chunks:
+                src, region = sources[c.index], buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
+                view = _source_view(src, c)
+                if view is None:  # not contiguous: made contiguous at each push
+                    packed_each_time.append((src, c, region))
+                elif c.nbytes:
+                    pairs.append(
+                        (region if view.dtype == torch.uint8 else region.view(DTYPES[src.spec.dtype]), view)
+                    )
+            host_sync = {sources[c.index].tensor.device for c in bucket.chunks
+                         if sources[c.index].tensor.is_cuda and buffer.device.type == "cpu"}  # fmt: skip
+            self._plans.append((CopyList(pairs), packed_each_time, host_sync))
+
+    def pack(self, k: int) -> None:
+        copies, packed_each_time, host_sync = self._plans[k]
+        copies.run()
+        for src, chunk, region in packed_each_time:
+            write_chunk(src, chunk, region)
+        for device in host_sync:
+            torch.cuda.current_stream(device).synchronize()  # this stream only, never the whole device
+
+
+def _source_view(src: SourceTensor, chunk: Chunk) -> torch.Tensor | None:
+    """The chunk in the source tensor: its bytes when it keeps its dtype, else its elements (the cast happens
+    in the copy, into the region viewed as the wire dtype). None when the tensor is not contiguous."""
+    t, wire = src.tensor, DTYPES[src.spec.dtype]
+    if not t.is_contiguous():
+        return None
+    if t.dtype == wire:
+        return t.reshape(-1).view(torch.uint8)[chunk.src_offset : chunk.src_offset + chunk.nbytes]
+    first = chunk.src_offset // wire.itemsize
+    return t.reshape(-1)[first : first + chunk.nbytes // wire.itemsize]
 
 
 def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
