@@ -122,7 +122,7 @@ class WeightReceiver:
                 self._ring.after_unpack(ready.slot)
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
-            self._ring.end_push()  # Note [ordering GPU buffers]
+            self._ring.end_push(self.config.timeout_s)  # Note [ordering GPU buffers]
             stage = "apply"
             sink.finish()
         except RemoteError as e:  # the sender failed and told us

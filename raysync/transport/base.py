@@ -11,7 +11,7 @@ finished reading, and only then is that buffer written again. Nothing about flow
 #     sender    wait(freed[s]) -> pack into buffer s -> record(packed[s]) -> BucketReady
 #     receiver  BucketReady -> wait(packed[s]) -> unpack buffer s -> record(freed[s]) -> BucketFreed
 # A stream that waits on an event waits for the record that preceded the wait call, and each record here
-# precedes the message that lets the peer wait. ``end_push`` on the receiver synchronizes its own stream
+# precedes the message that lets the peer wait. ``end_push`` on the receiver waits (bounded) for its streams
 # once, so a push counts as applied only when its bytes are in place. Host rings inherit the no-op hooks.
 """
 
@@ -56,7 +56,7 @@ class RingReceiver(Protocol):
 
     def after_unpack(self, slot: int) -> None: ...
 
-    def end_push(self) -> None: ...
+    def end_push(self, timeout_s: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -79,5 +79,5 @@ class HostRing:
     def after_unpack(self, slot: int) -> None:
         pass
 
-    def end_push(self) -> None:
+    def end_push(self, timeout_s: float) -> None:
         pass

@@ -28,13 +28,14 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from typing import ClassVar
 
 import msgpack
 import torch
 from torch.multiprocessing import reductions
 
-from raysync.errors import LayoutError, TransportUnavailable
+from raysync.errors import LayoutError, PeerTimeout, TransportUnavailable
 from raysync.wire import Attached, CudaBuffer, RingInfo
 
 logger = logging.getLogger(__name__)
@@ -149,34 +150,51 @@ class CudaIpcRingSender:
 
 
 class CudaIpcRingReceiver:
+    """Reads the ring in place. Every event lives on the ring's GPU and is recorded and waited on that GPU's
+    stream in this process, which is where torch runs a copy out of it (a copy between GPUs runs on the
+    source device's stream, fenced against the destination's)."""
+
     name: ClassVar[str] = "cuda_ipc"
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or not 1 <= info.num_buffers == len(info.cuda) <= 64:
             raise LayoutError(f"ring description does not fit the cuda_ipc transport: {info.transport}, "
                               f"{info.num_buffers} buffers, {len(info.cuda)} described")  # fmt: skip
-        peer_uuids = tuple(dict.fromkeys(b.device_uuid for b in info.cuda))
+        uuids = {b.device_uuid for b in info.cuda}
+        if len(uuids) != 1:
+            raise LayoutError(f"a ring lives on one GPU; this one names {sorted(uuids)}")
+        self.ring_device = local_index(uuids.pop())
         self.device = torch.cuda.current_device()
-        self.buffers = [
-            rebuild(b, info.buffer_bytes, local_index(b.device_uuid, peer_uuids)) for b in info.cuda
-        ]
-        self._packed = [torch.cuda.Event.from_ipc_handle(local_index(b.device_uuid), b.packed_event)
-                        for b in info.cuda]  # fmt: skip
+        self.buffers = [rebuild(b, info.buffer_bytes, self.ring_device) for b in info.cuda]
+        self._packed = [torch.cuda.Event.from_ipc_handle(self.ring_device, b.packed_event) for b in info.cuda]
         self._freed = [torch.cuda.Event(interprocess=True) for _ in info.cuda]
         for e in self._freed:
-            e.record()
+            e.record(self._stream())  # made on the ring's GPU, so the sender can wait on it there
+
+    def _stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.ring_device)
 
     def attached(self) -> Attached:
         return Attached(tuple(e.ipc_handle() for e in self._freed))
 
     def before_unpack(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._packed[slot])
+        self._stream().wait_event(self._packed[slot])
 
     def after_unpack(self, slot: int) -> None:
-        self._freed[slot].record(torch.cuda.current_stream(self.device))
+        self._freed[slot].record(self._stream())
 
-    def end_push(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()  # applied means in place: this stream, once
+    def end_push(self, timeout_s: float) -> None:
+        """Applied means in place: wait (bounded) until this process's streams have run every copy."""
+        done = []
+        for device in {self.ring_device, self.device}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            done.append(event)
+        deadline = time.monotonic() + timeout_s
+        while not all(e.query() for e in done):
+            if time.monotonic() > deadline:
+                raise PeerTimeout("this GPU", "apply: waiting for the copies out of the ring", timeout_s)
+            time.sleep(0)
 
     def close(self) -> None:
         self.buffers, self._packed, self._freed = [], [], []
