@@ -143,8 +143,8 @@ def test_ipc_cross_gpu_pair_reads_the_ring_over_nvlink(spawn, no_leftovers):
         spawn, sender_gpu=0, receiver_gpu=1, visible=None, layout="qwen2.5-1.5b", pushes=3
     )
     assert {i: d for _, i, d in got[:-1]} == digests
-    _, ring_gpu, receiver_gpu, _ = got[-1]
-    assert ring_gpu == str(torch.cuda.get_device_properties(0).uuid) != receiver_gpu
+    _, ring_gpu, receiver_gpu, _ = got[-1]  # the ring lives on GPU 0, mapped into GPU 1 (a peer mapping)
+    assert ring_gpu == receiver_gpu == str(torch.cuda.get_device_properties(1).uuid)
 
 
 def test_ipc_probe_and_plan(ray_gpu):

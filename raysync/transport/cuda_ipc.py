@@ -2,7 +2,7 @@
 another one with peer access over NVLink / PCIe).
 
     sender process (GPU a)                                       receiver process (GPU a, or b with peer access)
-    params --pack (device copy)--> [ buffer 0 ][ buffer 1 ] on GPU a --read in place--> unpack --> model
+    params --pack (device copy)--> [ buffer 0 ][ buffer 1 ] on GPU a --read in place (b: over NVLink)--> model
 
 Everything costly happens once per session: the buffers are allocated and exported once, the receiver opens
 each handle once (the first open in a process costs ~0.15 s) and keeps the mapping; a push allocates nothing,
@@ -150,9 +150,11 @@ class CudaIpcRingSender:
 
 
 class CudaIpcRingReceiver:
-    """Reads the ring in place. Every event lives on the ring's GPU and is recorded and waited on that GPU's
-    stream in this process, which is where torch runs a copy out of it (a copy between GPUs runs on the
-    source device's stream, fenced against the destination's)."""
+    """Reads the ring in place, mapped into this process's own GPU: on the same GPU that is the ring itself;
+    on another GPU it is a peer mapping, so the copies out of the ring run on this GPU and pull over NVLink
+    while the sender's GPU packs the next bucket (measured: a copy issued on the ring's GPU instead shares
+    that GPU with the packing and serializes with it). Every event is recorded and waited on this GPU's
+    current stream, the one the copies run on."""
 
     name: ClassVar[str] = "cuda_ipc"
 
@@ -163,16 +165,20 @@ class CudaIpcRingReceiver:
         uuids = {b.device_uuid for b in info.cuda}
         if len(uuids) != 1:
             raise LayoutError(f"a ring lives on one GPU; this one names {sorted(uuids)}")
-        self.ring_device = local_index(uuids.pop())
+        ring_gpu = local_index(uuids.pop())  # the UUID check: this process must see the ring's GPU
         self.device = torch.cuda.current_device()
-        self.buffers = [rebuild(b, info.buffer_bytes, self.ring_device) for b in info.cuda]
-        self._packed = [torch.cuda.Event.from_ipc_handle(self.ring_device, b.packed_event) for b in info.cuda]
+        if ring_gpu != self.device and not torch.cuda.can_device_access_peer(self.device, ring_gpu):
+            raise LayoutError(
+                f"GPU {uuid_of(self.device)} has no peer access to the ring's GPU {uuid_of(ring_gpu)}"
+            )
+        self.buffers = [rebuild(b, info.buffer_bytes, self.device) for b in info.cuda]
+        self._packed = [torch.cuda.Event.from_ipc_handle(self.device, b.packed_event) for b in info.cuda]
         self._freed = [torch.cuda.Event(interprocess=True) for _ in info.cuda]
         for e in self._freed:
-            e.record(self._stream())  # made on the ring's GPU, so the sender can wait on it there
+            e.record(self._stream())
 
     def _stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.ring_device)
+        return torch.cuda.current_stream(self.device)
 
     def attached(self) -> Attached:
         return Attached(tuple(e.ipc_handle() for e in self._freed))
@@ -185,13 +191,10 @@ class CudaIpcRingReceiver:
 
     def end_push(self, timeout_s: float) -> None:
         """Applied means in place: wait (bounded) until this process's streams have run every copy."""
-        done = []
-        for device in {self.ring_device, self.device}:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            done.append(event)
+        done = torch.cuda.Event()
+        done.record(self._stream())
         deadline = time.monotonic() + timeout_s
-        while not all(e.query() for e in done):
+        while not done.query():
             if time.monotonic() > deadline:
                 raise PeerTimeout("this GPU", "apply: waiting for the copies out of the ring", timeout_s)
             time.sleep(0)
