@@ -1,22 +1,28 @@
-"""The `raysync` command. Subcommands: demo (doctor and bench follow)."""
+"""The `raysync` command: demo, doctor, bench (each takes --help)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+COMMANDS = {
+    "demo": ("raysync.demo", "a local Ray, a trainer and engines (vLLM when installed), pushes, a check"),
+    "doctor": ("raysync.doctor", "what this machine / cluster supports and which transport each pair gets"),
+    "bench": ("raysync.bench", "every transport here x bucket sizes x model layouts, next to copy floors"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: raysync demo [--engines N] [--pushes N] [--bucket-mb MB]")
+        print("usage: raysync {demo,doctor,bench} [--help]\n")
+        print("\n".join(f"  {name:<8}{text}" for name, (_, text) in COMMANDS.items()))
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from raysync.demo import main as demo
-
-        return demo(rest)
-    print(f"raysync: unknown command {command!r} (try: raysync demo)", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"raysync: unknown command {command!r} (try: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[command][0]).main(rest)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ LAYOUTS: dict[str, Qwen2Shape] = {
     "qwen2.5-0.5b": Qwen2Shape(896, 4864, 24, 14, 2, 151936, tied=True),
     "qwen2.5-1.5b": Qwen2Shape(1536, 8960, 28, 12, 2, 151936, tied=True),
     "qwen2.5-7b": Qwen2Shape(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "qwen2-tiny": Qwen2Shape(128, 256, 2, 4, 2, 512, tied=False),  # tiny_qwen2()'s shapes, for quick runs
 }
 
 

@@ -103,9 +103,9 @@ def _wanted(s: Placement, r: Placement) -> tuple[str, str]:
 
 
 def _works(transport: str, s: Placement, r: Placement) -> bool:
-    same_host = s.node_id == r.node_id and s.host == r.host
+    same_host = s.host == r.host and s.ip == r.ip  # (Ray's simulated nodes of one host share its memory)
     if transport == "shm":
-        return same_host and s.ip == r.ip
+        return same_host
     if transport == "cuda_ipc":
         return same_host and s.ipc_ok and r.ipc_ok and s.current_gpu in r.gpu_uuids
     return True

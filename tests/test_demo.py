@@ -14,3 +14,14 @@ def test_demo_pushes_bit_exact_through_ray_actors(private_tmp, capsys):
     assert main(["--engines", "1", "--pushes", "2", "--bucket-mb", "1"]) == 0
     out = capsys.readouterr().out
     assert "engine versions: [2]" in out and "OK: every engine" in out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_demo_with_vllm_engines_generates_the_trainers_tokens(private_tmp, capsys):
+    pytest.importorskip("vllm")
+    from raysync.demo import main
+
+    assert main(["--engine", "vllm", "--engines", "1", "--pushes", "2", "--bucket-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "engine versions: [2]" in out and "OK: every engine generates the trainer's tokens" in out
