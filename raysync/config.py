@@ -25,8 +25,12 @@ class SyncConfig:
     keep_dtype      names or fnmatch patterns of tensors that are never cast (e.g. "*.norm.weight")
     include         names or fnmatch patterns to send (empty: all)
     exclude         names or fnmatch patterns never to send
-    transport       "shm" (the only one built yet)
+    transport       ring transport of a WeightSender: "shm" or "cuda_ipc" (WeightSync plans per pair)
     progress        show a tqdm bar (bytes) for pushes longer than about a second
+    staged          receiver: land a push in a copy of the destination tensors and apply it after the last
+                    bucket, so a push that fails part-way leaves the weights as they were (one more copy of
+                    the weights in memory, one more copy per push). Load functions stage themselves (see
+                    raysync.vllm's StagedReload)
     """
 
     bucket_bytes: int = 512 * MiB
@@ -40,6 +44,7 @@ class SyncConfig:
     exclude: tuple[str, ...] = ()
     transport: str = "shm"
     progress: bool = True
+    staged: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_dtype", "include", "exclude"):

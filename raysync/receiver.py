@@ -58,7 +58,7 @@ class WeightReceiver:
                                         max_frame_bytes=self.config.max_frame_bytes)  # fmt: skip
         self._ring = None
         self._layout: Layout | None = None
-        self._sinks = Sinks()
+        self._sinks = Sinks(self.config.staged)
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
         self.version: int | None = None  # the last version applied completely

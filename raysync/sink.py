@@ -55,9 +55,16 @@ class Sink:
 
 
 class IntoTensors(Sink):
-    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor]):
+    """``staged``: every byte lands in a copy of the destinations first (allocated once, kept while the
+    destinations stay) and is copied into them by ``finish``, after the last bucket: a push that fails
+    part-way leaves the destinations as they were, never half old and half new. Costs one more copy of the
+    weights in memory and one more copy per push."""
+
+    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor], staged: bool = False):
         super().__init__(specs)
-        self._bytes = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
+        final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
+        self._bytes = [torch.empty_like(t) for t in final] if staged else final
+        self._apply = CopyList(list(zip(final, self._bytes, strict=True))) if staged else None
         self._copies: dict[tuple[int, int], CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
         kinds = {t.device.type for t in self._bytes}
@@ -77,6 +84,12 @@ class IntoTensors(Sink):
         copies.run()
         self._sync(buffer)
         self.landed(bucket)
+
+    def finish(self) -> None:
+        if self._apply is not None:
+            self._apply.run()
+            for device in self._devices:
+                torch.cuda.current_stream(device).synchronize()  # applied means in place
 
     def target(self, chunk: Chunk) -> torch.Tensor:
         """The destination bytes of ``chunk``: a transport that can write there directly (a broadcast) skips
@@ -125,7 +138,8 @@ class Sinks:
     """Makes each push's sink. Checking 339 destinations and making their byte views costs milliseconds of
     Python, so the checked views are kept while the layout and the destination tensors stay the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, staged: bool = False) -> None:
+        self._staged = staged
         self._key: tuple | None = None
         self._into: IntoTensors | None = None
 
@@ -138,7 +152,7 @@ class Sinks:
         except KeyError:
             key = None  # IntoTensors names the missing destination
         if key is None or key != self._key:
-            self._into, self._key = IntoTensors(specs, into), key
+            self._into, self._key = IntoTensors(specs, into, self._staged), key
         else:
             self._into.reset()
         return self._into

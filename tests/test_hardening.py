@@ -27,3 +27,82 @@ def test_hostile_frames_are_all_refused_and_nothing_runs(seed):
     assert r["pickle_side_effect"] is False and r["receiver_usable_after"] is True
     assert len(r["rejections"]) == 14 and sum(sum(k.values()) for k in r["rejections"].values()) == 1400
     assert r["rss_growth_bytes"] < 64 << 20
+
+
+# --- atomicity: a failed push never leaves a mix (SyncConfig.staged) -----------------------------------------------
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_push_that_fails_part_way_leaves_no_mix_when_staged(private_tmp, in_thread, staged, fail_at):
+    """A "model" whose output reveals a mix: every tensor of version v is filled with v, and the output is the
+    set of values in the weights. Without staging the failed push leaves {1, 2} behind; staged, {1}."""
+    import torch
+    from conftest import session_pair
+
+    from raysync import PushIncomplete, RemoteError, SyncConfig
+
+    config = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False, staged=staged)
+    names = [f"w{i}" for i in range(6)]  # 6 tensors of 4 KB: one bucket each
+
+    def weights(v: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full((1024,), v) for n in names}
+
+    def output(dest: dict[str, torch.Tensor]) -> set[float]:
+        return set(torch.cat(list(dest.values())).unique().tolist())
+
+    with session_pair(config) as (sender, receiver):
+        dest = weights(0.0)
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(weights(1.0).items(), 1)
+        got.result(timeout=10)
+        assert output(dest) == {1.0}
+        bad = weights(2.0)
+        bad[names[fail_at + 2]] = torch.empty(1024, device="meta")  # packing fails at that bucket
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(NotImplementedError):
+            sender.push(bad.items(), 2)
+        with pytest.raises(PushIncomplete) as e:
+            got.result(timeout=10)
+        assert isinstance(e.value.__cause__, RemoteError) and receiver.version == 1
+        assert output(dest) == ({1.0} if staged else {1.0, 2.0})
+        got = in_thread(receiver.receive, into=dest)  # and the next complete push applies all of it
+        sender.push(weights(3.0).items(), 3)
+        got.result(timeout=10)
+        assert output(dest) == {3.0} and receiver.version == 3
+
+
+# --- hostile layouts: refused before any byte moves -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "why, specs",
+    [
+        ("duplicate names", [("w", "float32", (4,)), ("w", "float32", (4,))]),
+        ("unknown dtype", [("w", "float128", (4,))]),
+        ("negative dimension", [("w", "float32", (-4,))]),
+        ("absurd size", [("w", "float32", (1 << 40, 1 << 20))]),
+    ],
+)
+def test_hostile_layouts_are_refused_before_anything_is_touched(why, specs):
+    from raysync.errors import WireError
+    from raysync.wire import FrameCodec, Layout, SessionSecret, TensorSpec
+
+    secret = SessionSecret.generate()
+    tx = FrameCodec(secret, "sender", "receiver", 1 << 16)
+    rx = FrameCodec(secret, "receiver", "sender", 1 << 16)
+    with pytest.raises((WireError, ValueError)):  # refused when built, or when decoded
+        rx.decode(tx.encode(Layout(1, 4096, 256, tuple(TensorSpec(*s) for s in specs))))
+
+
+# --- crashes ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_crash_loop_every_transport_both_sides(private_tmp, capfd):
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # spawned victims import crash_loop from there
+    try:
+        import crash_loop
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    r = crash_loop.run(cycles=8, timeout_s=2.0, seed=3)  # each (transport, side) twice
+    assert r["untyped"] == [] and r["late"] == [], r["rows"]
+    assert r["leftovers"] == [] and r["clean_session_after"]
+    assert r["fds_at_end"] <= r["fds_after_first_round"] + 2
+    assert "resource_tracker" not in capfd.readouterr().err
