@@ -15,6 +15,7 @@ Prints a table and JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -98,7 +99,8 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     armed = threading.Event()
 
     def killer() -> None:
-        armed.wait(120)
+        if not armed.wait(120):
+            return  # the pushes never got going: the survivor's error says why
         time.sleep(rng.uniform(0, 2 * statistics.median(durations)))  # a random point, not a synchronisation
         os.kill(proc.pid, signal.SIGKILL)
         killed_at.append(time.monotonic())
@@ -138,6 +140,9 @@ def raysync_entries() -> set[str]:
 
 
 def open_fds() -> int:
+    """Open file descriptors of this process, after a garbage collection (objects in reference cycles hold
+    theirs until then)."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 

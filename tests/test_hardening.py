@@ -93,14 +93,10 @@ def test_hostile_layouts_are_refused_before_anything_is_touched(why, specs):
 
 # --- crashes ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_crash_loop_every_transport_both_sides(private_tmp, capfd):
-    import sys
+def test_crash_loop_every_transport_both_sides(private_tmp, capfd, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # spawned victims import crash_loop too
+    import crash_loop
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # spawned victims import crash_loop from there
-    try:
-        import crash_loop
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
     r = crash_loop.run(cycles=8, timeout_s=2.0, seed=3)  # each (transport, side) twice
     assert r["untyped"] == [] and r["late"] == [], r["rows"]
     assert r["leftovers"] == [] and r["clean_session_after"]
