@@ -99,9 +99,10 @@ def floors(src: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str,
     }  # fmt: skip
 
 
-def bench_one(src, layout, device, bucket_mb, num_buffers, pushes, threads) -> dict:
+def bench_one(src, layout, device, bucket_mb, num_buffers, pushes, threads, verify=False) -> dict:
     ctx = mp.get_context("spawn")
-    config = SyncConfig(bucket_bytes=bucket_mb << 20, num_buffers=num_buffers, timeout_s=120, progress=False)
+    config = SyncConfig(bucket_bytes=bucket_mb << 20, num_buffers=num_buffers, timeout_s=120, progress=False,
+                        verify=verify)  # fmt: skip
     secret = SessionSecret.generate()
     out = ctx.Queue()
     with WeightSender(secret, config) as sender:
@@ -122,6 +123,7 @@ def bench_one(src, layout, device, bucket_mb, num_buffers, pushes, threads) -> d
     return {
         "bucket_mb": bucket_mb,
         "num_buffers": num_buffers,
+        "verify": verify,
         "median_s": statistics.median(times),
         "min_s": min(times),
     }
@@ -135,6 +137,7 @@ def main() -> None:
     ap.add_argument("--num-buffers", type=int, nargs="+", default=[2])
     ap.add_argument("--pushes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each process")
+    ap.add_argument("--verify", action="store_true", help="also time each point with SyncConfig.verify=True")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -144,7 +147,8 @@ def main() -> None:
     floor = floors(src, args.device, repeats=args.pushes)
     floor_name = next(iter(floor)) if args.device == "cpu" else "D2H and H2D at once (2 streams)"
     bound = floor[floor_name]  # CPU: one copy (a plain memcpy); CUDA: the bound of a pipelined host path
-    rows = [bench_one(src, args.layout, args.device, mb, nb, args.pushes, args.threads)
+    rows = [bench_one(src, args.layout, args.device, mb, nb, args.pushes, args.threads, verify)
+            for verify in ([False, True] if args.verify else [False])
             for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
     hw = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     print(f"\n{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB bf16, device={args.device} ({hw}), "
@@ -157,7 +161,7 @@ def main() -> None:
     for r in rows:
         r["gbps"] = nbytes / r["median_s"] / 1e9
         r["pct_of_floor"] = 100 * bound / r["median_s"]
-        path = f"shm ring ({r['num_buffers']} buffers)"
+        path = f"shm ring ({r['num_buffers']} buffers){', verify' if r['verify'] else ''}"
         print(
             f"{path:<36}{r['bucket_mb']:>6}MB{r['median_s']:>10.3f}{r['gbps']:>8.2f}{r['pct_of_floor']:>8.0f}%"
         )

@@ -31,6 +31,9 @@ class SyncConfig:
                     bucket, so a push that fails part-way leaves the weights as they were (one more copy of
                     the weights in memory, one more copy per push). Load functions stage themselves (see
                     raysync.vllm's StagedReload)
+    verify          sender: send each tensor's digest of the packed bytes after the last bucket; the receiver
+                    compares it with what landed (into= destinations, or the bytes handed to a load
+                    function) before the push counts as applied (ring transports; see raysync.digest)
     """
 
     bucket_bytes: int = 512 * MiB
@@ -45,6 +48,7 @@ class SyncConfig:
     transport: str = "shm"
     progress: bool = True
     staged: bool = False
+    verify: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_dtype", "include", "exclude"):

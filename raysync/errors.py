@@ -98,5 +98,9 @@ class ShmSpaceError(RaysyncError, OSError):
     """/dev/shm has too little free space for the ring."""
 
 
+class IntegrityError(RaysyncError):
+    """The bytes that landed differ from what the sender packed (SyncConfig.verify)."""
+
+
 class TransportUnavailable(RaysyncError):
     """The requested transport cannot run here."""

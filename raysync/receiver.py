@@ -23,7 +23,7 @@ import torch
 
 from raysync.config import SyncConfig
 from raysync.control import ReceiverChannel
-from raysync.errors import LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
+from raysync.errors import IntegrityError, LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
 from raysync.plan import Bucket, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import LoadFn, Sink, Sinks
@@ -36,6 +36,7 @@ from raysync.wire import (
     Close,
     Hello,
     Layout,
+    PushDigest,
     PushDone,
     PushStart,
     RingInfo,
@@ -100,7 +101,9 @@ class WeightReceiver:
                 raise SchemaError(
                     f"push {start.push_id} names layout {start.layout_id}, which was never sent"
                 )
-            return self._sinks.make(self._layout.layout_id, specs, into, load_fn)
+            sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
+            sink.verify = start.verify
+            return sink
         except RaysyncError as e:
             self._channel.abort(start.push_id, "accept", e)
             raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e
@@ -123,6 +126,9 @@ class WeightReceiver:
                 self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                 logger.debug("bucket %d unpacked", k)
             self._ring.end_push(self.config.timeout_s)  # Note [ordering GPU buffers]
+            if start.verify:
+                stage = "verify"
+                self._verify(sink, self._channel.expect(PushDigest, pid, "verify: waiting for the digests"))
             stage = "apply"
             sink.finish()
         except RemoteError as e:  # the sender failed and told us
@@ -130,6 +136,17 @@ class WeightReceiver:
         except Exception as e:
             self._channel.abort(pid, stage, e)
             raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
+
+    def _verify(self, sink: Sink, sent: PushDigest) -> None:
+        """Compare what landed with what the sender packed; the tensors that differ count as undelivered."""
+        got = sink.digests()
+        if len(sent.digests) != len(got):
+            raise SchemaError(f"{len(sent.digests)} digests for {len(got)} tensors")
+        bad = [i for i, (a, b) in enumerate(zip(sent.digests, got, strict=True)) if a != b]
+        if bad:
+            sink.done -= set(bad)
+            names = [self._layout.tensors[i].name for i in bad]
+            raise IntegrityError(f"{len(bad)} tensor(s) differ from what the sender packed: {names[:5]}")
 
     # --- set-up and layout -------------------------------------------------------------------------------------
     def _ensure_session(self) -> None:
@@ -176,6 +193,7 @@ class WeightReceiver:
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
+        self._sinks = Sinks(self.config.staged)  # its cached copies hold views of the ring: drop them first
         if self._ring is not None:
             self._ring.close()
             self._ring = None

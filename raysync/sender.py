@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from tqdm import tqdm
 
+from raysync import digest
 from raysync.config import SyncConfig
 from raysync.control import SenderChannel
 from raysync.errors import RemoteError
@@ -33,6 +34,7 @@ from raysync.wire import (
     BucketReady,
     Close,
     Layout,
+    PushDigest,
     PushDone,
     PushStart,
     SessionSecret,
@@ -70,7 +72,9 @@ class WeightSender:
         self._ensure_layout(sources)
         self._push_id += 1
         selected = time.perf_counter()
-        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True), "accept")
+        verify = self.config.verify
+        self._digests: dict[int, list[torch.Tensor]] | None = {} if verify else None
+        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True, verify), "accept")
         ahead = self._pack_ahead()  # while the receiver checks its destinations
         accept = self._channel.expect(Accept, self._push_id, "accept")
         accepted = streamed = time.perf_counter()
@@ -104,6 +108,11 @@ class WeightSender:
         slot = k % len(self._ring.buffers)
         self._ring.before_pack(slot)
         self._packer.pack(k)
+        if self._digests is not None:  # of the bytes as packed, wire dtype and all (raysync.digest)
+            buffer = self._ring.buffers[slot]
+            for c in self._buckets[k].chunks:
+                part = digest.partial(buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
+                self._digests.setdefault(c.index, []).append(part)
         self._ring.after_pack(slot)
 
     def _stream(self, version: int, packed_ahead: int) -> None:
@@ -123,6 +132,11 @@ class WeightSender:
                 self._channel.send(BucketReady(pid, k, k % n), stage)
                 bar.update(sum(c.nbytes for c in bucket.chunks))
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
+            if self._digests is not None:
+                stage = "verify"
+                specs = self._layout.tensors
+                sums = tuple(digest.finish(self._digests.get(i, [])) for i in range(len(specs)))
+                self._channel.send(PushDigest(pid, sums), stage)
             for _ in range(min(n, len(self._buckets))):
                 self._channel.expect(BucketFreed, pid, "finish")
         except RemoteError:
@@ -171,6 +185,7 @@ class WeightSender:
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
+        self._packer = None  # its copies hold views of the ring: drop them first
         if self._ring is not None:
             self._channel.try_send(Close())
             self._ring.close()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from raysync import digest
 from raysync.copies import CopyList
 from raysync.errors import LayoutError
 from raysync.plan import Bucket, Chunk
@@ -36,6 +37,7 @@ class Sink:
         self.specs = specs
         self.done: set[int] = set()
         self._devices: set[torch.device] = set()
+        self.verify = False  # set by the receiver for a push that asks for digests
 
     def undelivered(self) -> list[str]:
         return [s.name for i, s in enumerate(self.specs) if i not in self.done]
@@ -45,6 +47,10 @@ class Sink:
 
     def finish(self) -> None:
         """Every bucket has landed: apply what was staged (nothing for most sinks)."""
+
+    def digests(self) -> list[int]:
+        """Each tensor's digest of the bytes that landed (raysync.digest), in layout order."""
+        raise NotImplementedError
 
     def _sync(self, buffer: torch.Tensor) -> None:
         """Host -> device copies were issued non-blocking: finish them before the host buffer is reused.
@@ -85,6 +91,9 @@ class IntoTensors(Sink):
         self._sync(buffer)
         self.landed(bucket)
 
+    def digests(self) -> list[int]:
+        return [digest.finish([digest.partial(t)]) for t in self._bytes]  # staged: checked before applied
+
     def finish(self) -> None:
         if self._apply is not None:
             self._apply.run()
@@ -105,11 +114,14 @@ class IntoLoadFn(Sink):
         super().__init__(specs)
         self._load_fn = load_fn
         self._staging: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, list[torch.Tensor]] = {}  # digests of the bytes handed over, per tensor
 
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         batch: list[tuple[str, torch.Tensor]] = []
         for c in bucket.chunks:
             region = buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
+            if self.verify:
+                self._parts.setdefault(c.index, []).append(digest.partial(region))
             if c.whole:
                 batch.append(self._typed(c, region))
                 continue
@@ -123,6 +135,9 @@ class IntoLoadFn(Sink):
         if batch:
             self._load_fn(batch)  # Note [ring buffer views]
         self.done.update(c.index for c in bucket.chunks if c.last)
+
+    def digests(self) -> list[int]:
+        return [digest.finish(self._parts.get(i, [])) for i in range(len(self.specs))]
 
     def finish(self) -> None:
         finish = getattr(self._load_fn, "finish", None)

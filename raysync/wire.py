@@ -184,6 +184,7 @@ class PushStart:
     layout_id: int
     confirm: bool  # receivers answer Accept / Abort before any data moves (always, except a collective's
     # pushes that repeat the last layout after a push that every receiver accepted and applied)
+    verify: bool = False  # a PushDigest follows the last bucket (ring transports; SyncConfig.verify)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,15 @@ class BucketFreed:
     push_id: int
     bucket: int
     slot: int
+
+
+@dataclass(frozen=True)
+class PushDigest:
+    """sender -> receiver, after the last bucket of a verified push: each tensor's digest (raysync.digest),
+    in layout order, computed from what the sender packed."""
+
+    push_id: int
+    digests: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,7 @@ Message = (
     | Accept
     | BucketReady
     | BucketFreed
+    | PushDigest
     | PushDone
     | Abort
     | Close

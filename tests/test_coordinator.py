@@ -79,6 +79,7 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
         assert time.monotonic() - started <= CFG.timeout_s + 3
         labels = " | ".join(f"{f.endpoint}: {f.error}" for f in e.value.failures)
         assert "receiver #0" in labels and "Actor" in labels and "PeerTimeout" in labels, labels
+        assert sync.versions() == [None]  # the restarted actor has applied nothing yet, and says so
         expected = ray.get(trainer.step.remote(3))
         sync.push(3)  # re-planned for the restarted actor, full weights
         assert ray.get(engine.pid.remote()) != first_pid

@@ -163,3 +163,53 @@ def test_ipc_probe_and_plan(ray_gpu):
             expected = ray.get(trainer.step.remote(version))
             sync.push(version)
             assert ray.get(engine.digest.remote()) == expected
+
+
+def test_ipc_1000_pushes_with_memory_flat(spawn, no_leftovers):
+    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-0.5b",
+                                       pushes=1000)  # fmt: skip
+    assert {i: d for _, i, d in got[:-1]} == digests
+    for side in (reserved, got[-1][3]):
+        assert max(side[1:]) - min(side[1:]) <= IPC.bucket_bytes, side[:3] + side[-3:]
+
+
+def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn, no_leftovers):
+    import os
+    import signal
+    import time
+
+    from workers import ipc_sender_forever
+
+    from raysync import PeerTimeout, PushIncomplete, SessionSecret, WeightReceiver
+    from raysync.models import allocate
+
+    config = SyncConfig(transport="cuda_ipc", bucket_bytes=64 << 20, timeout_s=3, progress=False)
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    child = spawn(ipc_sender_forever, secret, config, "qwen2.5-0.5b", out)
+    torch.cuda.set_device(0)
+    dest = allocate("qwen2.5-0.5b", device="cuda", fill=False)
+    receiver = WeightReceiver(out.get(timeout=120), secret, config)
+    kills, calls = [], []
+
+    def kill_inside_push(batch):  # a load function: SIGKILL the sender while the third bucket lands
+        calls.append(len(batch))
+        if len(calls) == 3:
+            os.kill(child.pid, signal.SIGKILL)
+            kills.append(time.monotonic())
+        for name, t in batch:
+            dest[name].copy_(t)
+
+    try:
+        for _ in range(2):
+            receiver.receive(into=dest)
+        with pytest.raises(PushIncomplete) as e:
+            receiver.receive(load_fn=kill_inside_push)
+        assert isinstance(e.value.__cause__, PeerTimeout) and receiver.version == 2
+        assert time.monotonic() - kills[0] <= config.timeout_s + 1
+        free_before = torch.cuda.mem_get_info()[0]
+    finally:
+        receiver.close()
+    torch.cuda.synchronize()
+    child.join(timeout=30)
+    free_after = torch.cuda.mem_get_info()[0]  # the dead sender's ring goes once we unmap it
+    assert free_after - free_before >= config.num_buffers * config.bucket_bytes, (free_before, free_after)

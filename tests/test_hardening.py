@@ -102,3 +102,47 @@ def test_crash_loop_every_transport_both_sides(private_tmp, capfd, monkeypatch):
     assert r["leftovers"] == [] and r["clean_session_after"]
     assert r["fds_at_end"] <= r["fds_after_first_round"] + 2
     assert "resource_tracker" not in capfd.readouterr().err
+
+
+# --- integrity: an end-to-end digest per tensor (SyncConfig.verify) --------------------------------------------------
+@pytest.mark.parametrize("mode", ["into", "load_fn"])
+def test_a_corrupted_byte_is_detected_and_the_version_rejected(private_tmp, in_thread, monkeypatch, mode):
+    import torch
+    from conftest import session_pair
+
+    from raysync import PushIncomplete, RemoteError, SyncConfig
+    from raysync.errors import IntegrityError
+    from raysync.transport.shm import ShmRingReceiver
+
+    config = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False, verify=True, staged=True)
+    src = {f"w{i}": torch.randn(700) for i in range(5)}  # 2.8 KB each: one bucket each
+    dest = {k: torch.zeros_like(v) for k, v in src.items()}
+    loaded: dict[str, torch.Tensor] = {}
+    kwargs = (
+        {"into": dest}
+        if mode == "into"
+        else {"load_fn": lambda b: loaded.update((n, t.clone()) for n, t in b)}
+    )
+    with session_pair(config) as (sender, receiver):
+        got = in_thread(receiver.receive, **kwargs)
+        sender.push(src.items(), 1)  # verified and clean
+        assert got.result(timeout=10).version == 1
+        calls = []
+        original = ShmRingReceiver.before_unpack
+
+        def corrupt_third_bucket(self, slot):  # a byte flips in the ring between the sender and the receiver
+            calls.append(slot)
+            if len(calls) == 3:
+                self.buffers[slot][100] ^= 0x10
+            original(self, slot)
+
+        monkeypatch.setattr(ShmRingReceiver, "before_unpack", corrupt_third_bucket)
+        got = in_thread(receiver.receive, **kwargs)
+        with pytest.raises(RemoteError, match="differ from what the sender packed"):
+            sender.push({k: v + 1 for k, v in src.items()}.items(), 2)
+        with pytest.raises(PushIncomplete) as e:
+            got.result(timeout=10)
+        assert isinstance(e.value.__cause__, IntegrityError) and e.value.undelivered == ["w2"]
+        assert receiver.version == 1
+        if mode == "into":  # staged: the corrupted push never reached the destinations
+            assert all(torch.equal(dest[k], src[k]) for k in src)

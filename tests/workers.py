@@ -159,3 +159,16 @@ def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: 
                 out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
         ring_gpu = str(torch.cuda.get_device_properties(receiver._ring.buffers[0].device).uuid)
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
+
+
+def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, out) -> None:
+    """Pushes ``layout`` from GPU 0 until killed; reports its endpoint, then every completed version."""
+    from raysync.models import allocate
+
+    torch.cuda.set_device(0)
+    src = allocate(layout, device="cuda")
+    with WeightSender(secret, config) as sender:
+        out.put(sender.endpoint)
+        for version in range(1, 1 << 30):
+            sender.push(src.items(), version)
+            out.put(version)
