@@ -59,12 +59,11 @@ def victim(role: str, transport: str, secret, config, where, out) -> None:
     else:
         side = WeightReceiver(where, secret, config)
     src, dest = _source(), _dest()
-    for version in range(1, 1 << 30):
+    for version in range(1, 1 << 30):  # nothing more goes through the queue: the kill may come at any point
         if role == "sender":
             side.push(src.items(), version)
         else:
             side.receive(into=dest)
-        out.put(("done", version))
 
 
 # --- the survivor, here ------------------------------------------------------------------------------------------
@@ -126,6 +125,8 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
         survivor.close()
     thread.join(timeout=10)
     proc.join(timeout=30)
+    out.close()
+    out.join_thread()
     return {"transport": transport, "killed": victim_role, "error": type(error).__name__,
             "typed": isinstance(error, RaysyncError), "pushes_before": len(durations),
             "seconds_to_error": raised_at - killed_at[0] if killed_at else None,
