@@ -49,13 +49,13 @@ def victim(role: str, transport: str, secret, config, where, out) -> None:
     if transport == "collective":
         if role == "sender":
             side = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
-            out.put(side.rendezvous)
+            out.send(side.rendezvous)
         else:
             side = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
         side.join()
     elif role == "sender":
         side = WeightSender(secret, config)
-        out.put(side.endpoint)
+        out.send(side.endpoint)
     else:
         side = WeightReceiver(where, secret, config)
     src, dest = _source(), _dest()
@@ -69,7 +69,8 @@ def victim(role: str, transport: str, secret, config, where, out) -> None:
 # --- the survivor, here ------------------------------------------------------------------------------------------
 def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Random) -> dict:
     ctx = mp.get_context("spawn")
-    secret, out = SessionSecret.generate(), ctx.Queue()
+    secret = SessionSecret.generate()
+    inbox, out = ctx.Pipe(duplex=False)  # a pipe, not a Queue: no named semaphores to leak when killed
     survivor = None
     if victim_role == "receiver":  # we send
         if transport == "collective":
@@ -87,7 +88,9 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     else:  # we receive
         proc = ctx.Process(target=victim, args=("sender", transport, secret, config, None, out), daemon=True)
         proc.start()
-        where = out.get(timeout=120)
+        if not inbox.poll(120):
+            raise TimeoutError("the victim never started")
+        where = inbox.recv()
         survivor = (CollectiveReceiver(secret, config, rank=1, rendezvous=where) if transport == "collective"
                     else WeightReceiver(where, secret, config))  # fmt: skip
         if transport == "collective":
@@ -125,8 +128,8 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
         survivor.close()
     thread.join(timeout=10)
     proc.join(timeout=30)
+    inbox.close()
     out.close()
-    out.join_thread()
     return {"transport": transport, "killed": victim_role, "error": type(error).__name__,
             "typed": isinstance(error, RaysyncError), "pushes_before": len(durations),
             "seconds_to_error": raised_at - killed_at[0] if killed_at else None,

@@ -118,8 +118,7 @@ class WeightSender:
     def _stream(self, version: int, packed_ahead: int) -> None:
         n = len(self._ring.buffers)
         pid = self._push_id
-        bar = tqdm(total=total_bytes(self._layout.tensors), unit="B", unit_scale=True, delay=1.0,
-                   desc=f"push v{version}", disable=not self.config.progress, leave=False)  # fmt: skip
+        bar = _LazyBar(total_bytes(self._layout.tensors), f"push v{version}", self.config.progress)
         stage = "stream"
         try:
             for k, bucket in enumerate(self._buckets):
@@ -197,3 +196,25 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _LazyBar:
+    """A tqdm bar (bytes) that exists only once a push has run for a second. tqdm's first bar in a process
+    creates a multiprocessing lock, a named semaphore in /dev/shm that a SIGKILLed process leaves behind:
+    pushes shorter than a second never make one."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self._total, self._desc, self._enabled = total, desc, enabled
+        self._started, self._done, self._bar = time.perf_counter(), 0, None
+
+    def update(self, n: int) -> None:
+        self._done += n
+        if self._bar is None and self._enabled and time.perf_counter() - self._started > 1.0:
+            self._bar = tqdm(total=self._total, initial=self._done - n, unit="B", unit_scale=True, desc=self._desc,
+                             leave=False)  # fmt: skip
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
