@@ -11,7 +11,6 @@ pushes end to end (push returns when every receiver has reported its version app
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import statistics
@@ -19,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig
 from raysync.models import LAYOUTS, allocate
@@ -29,19 +29,6 @@ def _bcast(pg, t: torch.Tensor):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     return pg.broadcast([t], opts)
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def floors(pg, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
@@ -55,7 +42,10 @@ def floors(pg, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, floa
         for w in works:
             w.wait()
 
-    return {"raw broadcast, 1 GiB": _timed(raw, repeats), "per-tensor broadcast": _timed(per_tensor, repeats)}
+    return {
+        "raw broadcast, 1 GiB": timed_cuda(raw, repeats),
+        "per-tensor broadcast": timed_cuda(per_tensor, repeats),
+    }
 
 
 def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
@@ -140,10 +130,7 @@ def main() -> None:
         print(f"{line}   ms: {split}")
     result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "hardware": torch.cuda.get_device_name(0),
               "floors_s": sender["floors"], "runs": sender["runs"]}  # fmt: skip
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

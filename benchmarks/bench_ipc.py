@@ -14,12 +14,12 @@ With --receiver-gpu 1 the floor is a peer copy of every tensor from GPU 0 into G
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import time
 
 import torch
+from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.models import allocate
@@ -38,18 +38,6 @@ def receiver_main(endpoint, secret, config, layout, gpu, pushes, out) -> None:
 
 def checksum(tensors: dict[str, torch.Tensor]) -> float:
     return float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum().item() for t in tensors.values()))
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def floors(
@@ -77,12 +65,12 @@ def floors(
                     staging[c.bucket_offset : c.bucket_offset + c.nbytes])  # fmt: skip
 
     out = {
-        "one copy per tensor": timed(one_copy, repeats),
-        f"two copies via a {bucket_bytes >> 20} MB bucket": timed(two_copies, repeats),
+        "one copy per tensor": timed_cuda(one_copy, repeats),
+        f"two copies via a {bucket_bytes >> 20} MB bucket": timed_cuda(two_copies, repeats),
     }
     if receiver_gpu != torch.cuda.current_device():
         peer = {k: torch.empty_like(v, device=f"cuda:{receiver_gpu}") for k, v in src.items()}
-        out[f"peer copy per tensor to GPU {receiver_gpu}"] = timed(
+        out[f"peer copy per tensor to GPU {receiver_gpu}"] = timed_cuda(
             lambda: [peer[k].copy_(v, non_blocking=True) for k, v in src.items()], repeats
         )
     return out
@@ -151,10 +139,7 @@ def main() -> None:
                                   "floors_s": floor, "runs": rows})  # fmt: skip
         del src
         torch.cuda.empty_cache()
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

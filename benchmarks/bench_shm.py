@@ -14,7 +14,6 @@ both directions at once on CUDA); "ref" lines are context. Prints a table and JS
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import platform
 import statistics
@@ -22,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from common import emit
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.models import allocate
@@ -169,10 +169,7 @@ def main() -> None:
         "layout": args.layout, "device": args.device, "hardware": hw, "bytes": nbytes, "tensors": len(src),
         "threads": args.threads, "floors_s": floor, "floor": floor_name, "floor_s": bound, "runs": rows,
     }  # fmt: skip
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

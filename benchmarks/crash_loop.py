@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing as mp
 import os
 import random
@@ -27,6 +26,7 @@ import threading
 import time
 
 import torch
+from common import emit
 
 from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
@@ -211,10 +211,7 @@ def main() -> None:
     print(f"timeout_s {r['timeout_s']}: late {len(r['late'])}, untyped {len(r['untyped'])}, leftovers "
           f"{len(r['leftovers'])}, fds after the first round {r['fds_after_first_round']} -> at the end "
           f"{r['fds_at_end']}, clean session after: {r['clean_session_after']}")  # fmt: skip
-    print(json.dumps(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    emit(r, args.json)
 
 
 if __name__ == "__main__":

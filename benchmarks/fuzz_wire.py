@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 import os
 import pickle
 import random
@@ -27,6 +26,7 @@ import tempfile
 import time
 
 import msgpack
+from common import emit
 
 from raysync.errors import WireError
 from raysync.wire import PROTOCOL, FrameCodec, Hello, PushStart, SessionSecret, _direction_key
@@ -158,10 +158,7 @@ def main() -> None:
     print(f"{'kind':<26}rejections")
     for kind, by_error in r["rejections"].items():
         print(f"{kind:<26}" + ", ".join(f"{e} {c}" for e, c in sorted(by_error.items())))
-    print(json.dumps(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    emit(r, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""What the benchmark scripts share: timing GPU work, and printing a result as JSON (and saving it)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, the GPU synchronized around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def emit(result: dict, path: str | None) -> None:
+    """Print ``result`` as one line of JSON (after the script's table), and write it to ``path`` if given."""
+    print(json.dumps(result))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
