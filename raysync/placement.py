@@ -8,8 +8,8 @@ into a transport, by these rules, first match wins:
     same node otherwise (CPU, NPU, no IPC)  -> shm
     other nodes                             -> collective (NCCL on GPUs, gloo on CPUs)
 
-A transport that is not built yet falls back to the best one that is and works for the pair (shm needs the
-two processes on one host), and the plan says so. GPUs are matched by UUID, never by index: each process
+Where the rules' choice cannot run (a transport missing from the list given to ``choose``), the pair falls
+back to the first one that can (shm needs the two processes on one host), and the plan says so. GPUs are matched by UUID, never by index: each process
 numbers its GPUs after its own CUDA_VISIBLE_DEVICES.
 """
 
