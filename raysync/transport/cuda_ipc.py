@@ -52,13 +52,13 @@ def uuid_of(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def local_index(uuid: str, peer_uuids: tuple[str, ...] = ()) -> int:
+def local_index(uuid: str) -> int:
     """This process's index of the GPU ``uuid`` (each process numbers GPUs after its CUDA_VISIBLE_DEVICES)."""
     mine = [uuid_of(i) for i in range(torch.cuda.device_count())]
     if uuid not in mine:
         raise LayoutError(
-            f"the ring lives on GPU {uuid}, which this process cannot see (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; visible here: {mine}; the sender's: {list(peer_uuids)})"
+            f"the ring lives on the sender's GPU {uuid}, which this process cannot see (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, GPUs visible here: {mine})"
         )
     return mine.index(uuid)
 
@@ -165,7 +165,10 @@ class CudaIpcRingReceiver:
         uuids = {b.device_uuid for b in info.cuda}
         if len(uuids) != 1:
             raise LayoutError(f"a ring lives on one GPU; this one names {sorted(uuids)}")
-        ring_gpu = local_index(uuids.pop())  # the UUID check: this process must see the ring's GPU
+        ring_uuid = uuids.pop()
+        ring_gpu = local_index(
+            ring_uuid, (ring_uuid,)
+        )  # the UUID check: this process must see the ring's GPU
         self.device = torch.cuda.current_device()
         if ring_gpu != self.device and not torch.cuda.can_device_access_peer(self.device, ring_gpu):
             raise LayoutError(
