@@ -28,8 +28,16 @@ def partial(data: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def finish(parts: list[torch.Tensor]) -> int:
-    """Sum partial digests (one host sync) into a digest in [0, 2**63)."""
-    if not parts:
-        return 0
-    return int(torch.stack(parts).sum()) % MOD
+def finish(parts_per_tensor: list[list[torch.Tensor]]) -> list[int]:
+    """Each tensor's digest in [0, 2**63) from its partial digests: summed where they are, then read back
+    with one host sync per device (never one per tensor)."""
+    sums: list[torch.Tensor | None] = [torch.stack(p).sum() if p else None for p in parts_per_tensor]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        if s is not None:
+            by_device.setdefault(s.device, []).append(i)
+    out = [0] * len(sums)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist(), strict=True):
+            out[i] = value % MOD
+    return out

@@ -134,7 +134,7 @@ class WeightSender:
             if self._digests is not None:
                 stage = "verify"
                 specs = self._layout.tensors
-                sums = tuple(digest.finish(self._digests.get(i, [])) for i in range(len(specs)))
+                sums = tuple(digest.finish([self._digests.get(i, []) for i in range(len(specs))]))
                 self._channel.send(PushDigest(pid, sums), stage)
             for _ in range(min(n, len(self._buckets))):
                 self._channel.expect(BucketFreed, pid, "finish")

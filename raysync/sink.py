@@ -92,7 +92,7 @@ class IntoTensors(Sink):
         self.landed(bucket)
 
     def digests(self) -> list[int]:
-        return [digest.finish([digest.partial(t)]) for t in self._bytes]  # staged: checked before applied
+        return digest.finish([[digest.partial(t)] for t in self._bytes])  # staged: checked before applied
 
     def finish(self) -> None:
         if self._apply is not None:
@@ -137,7 +137,7 @@ class IntoLoadFn(Sink):
         self.done.update(c.index for c in bucket.chunks if c.last)
 
     def digests(self) -> list[int]:
-        return [digest.finish(self._parts.get(i, [])) for i in range(len(self.specs))]
+        return digest.finish([self._parts.get(i, []) for i in range(len(self.specs))])
 
     def finish(self) -> None:
         finish = getattr(self._load_fn, "finish", None)

@@ -11,9 +11,11 @@ pytest.importorskip("ray")
 def test_demo_pushes_bit_exact_through_ray_actors(private_tmp, capsys):
     from raysync.demo import main
 
-    assert main(["--engines", "1", "--pushes", "2", "--bucket-mb", "1"]) == 0
+    assert main(["--engine", "torch", "--engines", "1", "--pushes", "2", "--bucket-mb", "1"]) == 0
     out = capsys.readouterr().out
-    assert "engine versions: [2]" in out and "OK: every engine" in out
+    assert (
+        "engine versions: [2]" in out and "OK: every engine holds the trainer's weights, bit for bit" in out
+    )
 
 
 @pytest.mark.slow
