@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ipc.py                                    # 1 GPU: Qwen2.5-7B and 1.5B layouts
     python benchmarks/bench_ipc.py --receiver-gpu 1                   # 2 GPUs: the ring on GPU 0, read from GPU 1
+    python benchmarks/bench_ipc.py --direct                           # also direct mode (SyncConfig.direct)
 
 The sender runs in this process on GPU 0, the receiver in a spawned process on --receiver-gpu; the session is
 set up once (one warm-up push), then every push is timed in full: PushStart to PushDone, the receiver's bytes
@@ -76,10 +77,10 @@ def floors(
     return out
 
 
-def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes) -> dict:
+def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes, direct=False) -> dict:
     ctx = mp.get_context("spawn")
     config = SyncConfig(transport="cuda_ipc", bucket_bytes=bucket_mb << 20, num_buffers=num_buffers,
-                        timeout_s=120, progress=False)  # fmt: skip
+                        timeout_s=120, progress=False, direct=direct)  # fmt: skip
     secret = SessionSecret.generate()
     out = ctx.Queue()
     with WeightSender(secret, config) as sender:
@@ -98,7 +99,8 @@ def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes) -> dict:
         got = out.get(timeout=300)
         proc.join(timeout=60)
     assert got == checksum(src), "receiver's tensors differ from the sender's"
-    return {"layout": layout, "bucket_mb": bucket_mb, "num_buffers": num_buffers, "first_push_s": setup,
+    return {"layout": layout, "mode": "direct" if direct else "ring", "bucket_mb": 0 if direct else bucket_mb,
+            "num_buffers": 0 if direct else num_buffers, "first_push_s": setup,
             "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]}}  # fmt: skip
 
@@ -110,6 +112,8 @@ def main() -> None:
     ap.add_argument("--num-buffers", type=int, nargs="+", default=[2])
     ap.add_argument("--receiver-gpu", type=int, default=0)
     ap.add_argument("--pushes", type=int, default=20)
+    ap.add_argument("--direct", action="store_true", help="also time direct mode (no ring)")
+    ap.add_argument("--no-ring", action="store_true", help="skip the ring rows")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -121,8 +125,12 @@ def main() -> None:
         nbytes = sum(t.nbytes for t in src.values())
         floor = floors(src, 512 << 20, args.receiver_gpu, repeats=10)
         torch.cuda.empty_cache()  # the floors' destinations go back before the receiver allocates its own
-        rows = [bench(src, layout, mb, nb, args.receiver_gpu, args.pushes)
-                for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+        rows = [] if args.no_ring else [bench(src, layout, mb, nb, args.receiver_gpu, args.pushes)
+                                        for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+        if args.direct:
+            rows.append(
+                bench(src, layout, 512, 2, args.receiver_gpu, args.pushes, direct=True)
+            )  # sizes unused
         print(
             f"\n{layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB bf16, {hw}, receiver on GPU {args.receiver_gpu}"
         )
@@ -131,9 +139,13 @@ def main() -> None:
             print(f"{'floor: ' + name:<40}{'-':>8}{sec * 1e3:>11.2f}{'':>8}{nbytes / sec / 1e9:>8.1f}")
         for r in rows:
             r["gbps"] = nbytes / r["median_s"] / 1e9
-            path = f"cuda_ipc ring ({r['num_buffers']} buffers)"
+            path = (
+                f"cuda_ipc ring ({r['num_buffers']} buffers)"
+                if r["mode"] == "ring"
+                else "cuda_ipc direct (no ring)"
+            )
             split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
-            print(f"{path:<40}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
+            print(f"{path:<40}{r['bucket_mb'] or '-':>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
                   f"{r['gbps']:>8.1f}   ms: {split}")  # fmt: skip
         result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),
                                   "floors_s": floor, "runs": rows})  # fmt: skip

@@ -49,6 +49,7 @@ class SyncConfig:
     progress: bool = True
     staged: bool = False
     verify: bool = False
+    direct: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_dtype", "include", "exclude"):

@@ -17,6 +17,8 @@ MOD = 1 << 63
 
 def partial(data: torch.Tensor) -> torch.Tensor:
     """The digest of the bytes of ``data`` (a uint8 tensor), as a 0-d int64 tensor on its device (no sync)."""
+    if data.storage_offset() % 8:  # words count from the tensor's first byte: read them from an aligned copy
+        data = data.clone()
     words = data.numel() // 8 * 8
     total = (
         data[:words].view(torch.int64).sum()

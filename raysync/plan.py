@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raysync.errors import LayoutError
 from raysync.wire import TensorSpec
 
 
@@ -96,3 +97,28 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: in
 
 def total_bytes(specs: Sequence[TensorSpec]) -> int:
     return sum(s.nbytes for s in specs)
+
+
+def direct_buckets(
+    specs: Sequence[TensorSpec],
+    storage: Sequence[int],
+    offset_bytes: Sequence[int],
+    storage_bytes: Sequence[int],
+) -> list[Bucket]:
+    """The plan of a push read in place from the sender's storages (cuda_ipc_direct, wire.DirectSources):
+    bucket k is storage k, each tensor one whole chunk at its offset there. Tensors of no bytes ride in
+    bucket 0 at offset 0 (there is always a bucket 0). Checked, since it comes off the wire: every tensor lies inside its
+    storage, at an offset that is a whole number of its elements."""
+    if not len(specs) == len(storage) == len(offset_bytes):
+        raise LayoutError(f"{len(storage)} storages and {len(offset_bytes)} offsets for {len(specs)} tensors")
+    chunks: list[list[Chunk]] = [[] for _ in range(max(1, len(storage_bytes)))]
+    for i, (spec, k, offset) in enumerate(zip(specs, storage, offset_bytes, strict=True)):
+        if spec.nbytes == 0:
+            k = offset = 0
+        elif not (k < len(storage_bytes) and offset + spec.nbytes <= storage_bytes[k]):
+            raise LayoutError(f"tensor {spec.name!r}: {spec.nbytes} bytes at {offset} in storage {k} do not fit "
+                              f"the {len(storage_bytes)} storages exported")  # fmt: skip
+        if offset % spec.itemsize:
+            raise LayoutError(f"tensor {spec.name!r}: offset {offset} is not a multiple of its itemsize")
+        chunks[k].append(Chunk(i, 0, offset, spec.nbytes, True))
+    return [Bucket(k, storage_bytes[k] if storage_bytes else 0, tuple(c)) for k, c in enumerate(chunks)]

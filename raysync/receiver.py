@@ -2,8 +2,10 @@
 
     session   first receive only: connect, send Hello, map the ring the sender describes, say Attached
     layout    when a Layout arrives: check it, plan the buckets (the same pure function as the sender)
+              (direct mode: when DirectSources arrive, map the trainer's storages, plan one bucket per storage)
     accept    PushStart -> check every destination before a single byte moves; answer Accept or Abort
     stream    for bucket k: wait for BucketReady, unpack into the destinations, say BucketFreed
+              (direct mode: wait on the GPU for the sender's ready event, copy every tensor in place)
     apply     a staging load function applies the whole push (most sinks have nothing to do here)
     finish    record the version as applied, say PushDone
 
@@ -24,7 +26,7 @@ import torch
 from raysync.config import SyncConfig
 from raysync.control import ReceiverChannel
 from raysync.errors import IntegrityError, LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
-from raysync.plan import Bucket, plan_buckets, total_bytes
+from raysync.plan import Bucket, direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import LoadFn, Sink, Sinks
 from raysync.transport import registry
@@ -34,6 +36,7 @@ from raysync.wire import (
     BucketFreed,
     BucketReady,
     Close,
+    DirectSources,
     Hello,
     Layout,
     PushDigest,
@@ -62,6 +65,7 @@ class WeightReceiver:
         self._sinks = Sinks(self.config.staged)
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
+        self._mapped_layout = 0  # direct mode: the layout whose DirectSources are mapped
         self.version: int | None = None  # the last version applied completely
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
@@ -101,6 +105,9 @@ class WeightReceiver:
                 raise SchemaError(
                     f"push {start.push_id} names layout {start.layout_id}, which was never sent"
                 )
+            if self._ring.direct and self._mapped_layout != start.layout_id:
+                raise SchemaError(f"push {start.push_id}: the sender's storages for layout {start.layout_id} "
+                                  f"were never sent")  # fmt: skip
             sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
             sink.verify = start.verify
             return sink
@@ -112,19 +119,24 @@ class WeightReceiver:
         pid, n = start.push_id, len(self._ring.buffers)
         stage = "stream"
         try:
-            for k, bucket in enumerate(self._buckets):
-                stage = f"wait for bucket {k}/{len(self._buckets)}"
-                ready = self._channel.expect(BucketReady, pid, stage)
-                if (ready.bucket, ready.slot) != (k, k % n):
-                    raise SchemaError(
-                        f"bucket {ready.bucket} in buffer {ready.slot}, expected {k} in {k % n}"
-                    )
-                stage = f"unpack bucket {k}/{len(self._buckets)}"
-                self._ring.before_unpack(ready.slot)
-                sink.write(bucket, self._ring.buffers[ready.slot])
-                self._ring.after_unpack(ready.slot)
-                self._channel.send(BucketFreed(pid, k, ready.slot), stage)
-                logger.debug("bucket %d unpacked", k)
+            if self._ring.direct:
+                stage = "copy out of the sender's tensors"
+                self._ring.before_unpack(0)  # on this GPU's stream: the sender's tensors are ready
+                sink.write_all(list(zip(self._buckets, self._ring.buffers, strict=True)))
+            else:
+                for k, bucket in enumerate(self._buckets):
+                    stage = f"wait for bucket {k}/{len(self._buckets)}"
+                    ready = self._channel.expect(BucketReady, pid, stage)
+                    if (ready.bucket, ready.slot) != (k, k % n):
+                        raise SchemaError(
+                            f"bucket {ready.bucket} in buffer {ready.slot}, expected {k} in {k % n}"
+                        )
+                    stage = f"unpack bucket {k}/{len(self._buckets)}"
+                    self._ring.before_unpack(ready.slot)
+                    sink.write(bucket, self._ring.buffers[ready.slot])
+                    self._ring.after_unpack(ready.slot)
+                    self._channel.send(BucketFreed(pid, k, ready.slot), stage)
+                    logger.debug("bucket %d unpacked", k)
             self._ring.end_push(self.config.timeout_s)  # Note [ordering GPU buffers]
             if start.verify:
                 stage = "verify"
@@ -155,7 +167,7 @@ class WeightReceiver:
         self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
         info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
         try:
-            if not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
+            if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
                 raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
             self._ring = registry.receiver_class(info.transport)(info)
         except Exception as e:  # tell the sender instead of letting it time out
@@ -170,6 +182,8 @@ class WeightReceiver:
             msg = self._channel.recv(stage, wait_s)
             if isinstance(msg, Layout):
                 self._take_layout(msg)
+            elif isinstance(msg, DirectSources):
+                self._take_sources(msg)
             elif isinstance(msg, PushStart):
                 return msg
             elif isinstance(msg, Close):
@@ -180,6 +194,9 @@ class WeightReceiver:
                 raise SchemaError(f"{self._channel.peer} sent {type(msg).__name__} while no push was running")
 
     def _take_layout(self, layout: Layout) -> None:
+        if self._ring.direct:  # planned from the DirectSources that follow
+            self._layout, self._buckets, self._layout_error = layout, [], None
+            return
         ring_bytes = self._ring.buffers[0].numel()
         a = layout.align_bytes
         if layout.bucket_bytes > ring_bytes or a < 16 or a & (a - 1) or layout.bucket_bytes % a:
@@ -190,6 +207,23 @@ class WeightReceiver:
             return
         self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, a)
         self._layout, self._layout_error = layout, None
+
+    def _take_sources(self, sources: DirectSources) -> None:
+        """Direct mode: map the sender's storages (once per set of tensors) and plan from them; a refusal is
+        answered at the next PushStart, like a refused layout."""
+        self._sinks = Sinks(self.config.staged)  # their copies read the old mappings: drop them first
+        self._buckets, self._mapped_layout = [], 0
+        try:
+            if not self._ring.direct or self._layout is None or sources.layout_id != self._layout.layout_id:
+                raise SchemaError(f"storages for layout {sources.layout_id} do not fit this session")
+            sizes = [b.storage_bytes - b.tensor_offset for b in sources.storages]
+            buckets = direct_buckets(self._layout.tensors, sources.storage, sources.offset_bytes, sizes)
+            self._ring.map(sources)
+        except Exception as e:
+            self._layout_error = e if isinstance(e, RaysyncError) else LayoutError(
+                f"cannot map the sender's storages: {type(e).__name__}: {e}")  # fmt: skip
+            return
+        self._buckets, self._mapped_layout, self._layout_error = buckets, sources.layout_id, None
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:

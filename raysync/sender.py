@@ -5,8 +5,10 @@ A push, as a sequence of stages (each wait bounded by ``timeout_s``):
     select    filter names, fix wire dtypes                        (source.select)
     session   first push only: wait for the receiver's Hello, create the ring, wait until it is mapped
     layout    only when the tensors changed: send names/dtypes/shapes; both sides plan the buckets from it
+              (direct mode: also whenever the tensors moved, their storages exported and where each lies)
     accept    PushStart -> the receiver checks its destinations and answers Accept (or Abort)
     stream    for bucket k: wait until buffer k % N is free, pack, signal BucketReady
+              (direct mode: nothing; the receiver copies out of the trainer's tensors in place)
     finish    wait for the last frees and PushDone: only then is the version applied on the receiver
 """
 
@@ -23,7 +25,7 @@ from raysync import digest
 from raysync.config import SyncConfig
 from raysync.control import SenderChannel
 from raysync.errors import RemoteError
-from raysync.plan import plan_buckets, total_bytes
+from raysync.plan import direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.source import Packer, SourceTensor, select
 from raysync.transport import registry
@@ -33,6 +35,7 @@ from raysync.wire import (
     BucketFreed,
     BucketReady,
     Close,
+    DirectSources,
     Layout,
     PushDigest,
     PushDone,
@@ -60,7 +63,7 @@ class WeightSender:
         self._push_id = 0
         self._sources: list[SourceTensor] = []
         self._sources_key: tuple | None = None
-        self._packer: Packer | None = None
+        self._packer: Packer | DirectSources | None = None  # what every push replays, made once per tensors
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     # --- the push ----------------------------------------------------------------------------------------------
@@ -74,12 +77,15 @@ class WeightSender:
         selected = time.perf_counter()
         verify = self.config.verify
         self._digests: dict[int, list[torch.Tensor]] | None = {} if verify else None
+        direct = self._ring.direct
+        if direct:
+            self._ring.mark_ready()  # before PushStart: the receiver's stream waits for this record
         self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True, verify), "accept")
-        ahead = self._pack_ahead()  # while the receiver checks its destinations
+        ahead = 0 if direct else self._pack_ahead()  # while the receiver checks its destinations
         accept = self._channel.expect(Accept, self._push_id, "accept")
         accepted = streamed = time.perf_counter()
         if not accept.skip:
-            self._stream(version, ahead)
+            self._send_digests() if direct else self._stream(version, ahead)
             streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
         self.last_stages_s = {"select": selected - start, "accept": accepted - selected,
@@ -131,11 +137,8 @@ class WeightSender:
                 self._channel.send(BucketReady(pid, k, k % n), stage)
                 bar.update(sum(c.nbytes for c in bucket.chunks))
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
-            if self._digests is not None:
-                stage = "verify"
-                specs = self._layout.tensors
-                sums = tuple(digest.finish([self._digests.get(i, []) for i in range(len(specs))]))
-                self._channel.send(PushDigest(pid, sums), stage)
+            stage = "verify" if self._digests is not None else "finish"
+            self._send_digests()
             for _ in range(min(n, len(self._buckets))):
                 self._channel.expect(BucketFreed, pid, "finish")
         except RemoteError:
@@ -146,6 +149,19 @@ class WeightSender:
         finally:
             bar.close()
 
+    def _send_digests(self) -> None:
+        """Verified pushes: each tensor's digest of what was packed (direct mode: of the tensor itself)."""
+        if self._digests is None:
+            return
+        specs = self._layout.tensors
+        if self._ring.direct:
+            for bucket, storage in zip(self._buckets, self._ring.shared, strict=False):
+                for c in bucket.chunks:
+                    part = storage[c.bucket_offset : c.bucket_offset + c.nbytes]
+                    self._digests[c.index] = [digest.partial(part)]
+        sums = tuple(digest.finish([self._digests.get(i, []) for i in range(len(specs))]))
+        self._channel.send(PushDigest(self._push_id, sums), "verify")
+
     # --- set-up, once per session ------------------------------------------------------------------------------
     def _ensure_session(self) -> None:
         if self._ring is not None:
@@ -153,7 +169,8 @@ class WeightSender:
         hello = self._channel.accept("handshake: waiting for the receiver's Hello")
         cfg = self.config
         try:
-            self._ring = registry.sender_class(cfg.transport)(cfg.num_buffers, cfg.bucket_bytes)
+            ring = registry.ring_name(cfg.transport, cfg.direct)
+            self._ring = registry.sender_class(ring)(cfg.num_buffers, cfg.bucket_bytes)
         except Exception as e:  # e.g. /dev/shm too small: tell the receiver instead of letting it time out
             self._channel.abort(0, "handshake: ring", e)
             raise
@@ -179,7 +196,15 @@ class WeightSender:
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             self._channel.send(self._layout, "layout")
             self._packer = None
-        if self._packer is None:  # the copies of every bucket, made once for these tensors and this ring
+        if self._packer is not None:
+            return
+        if self._ring.direct:  # the trainer's storages, exported once for these tensors
+            shared = self._ring.share(self._layout.layout_id, sources)
+            self._buckets = direct_buckets(specs, shared.storage, shared.offset_bytes,
+                                           [b.storage_bytes for b in shared.storages])  # fmt: skip
+            self._channel.send(shared, "layout: the trainer's storages")
+            self._packer = shared
+        else:  # the copies of every bucket, made once for these tensors and this ring
             self._packer = Packer(self._buckets, sources, self._ring.buffers)
 
     # --- teardown ----------------------------------------------------------------------------------------------

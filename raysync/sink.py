@@ -43,6 +43,10 @@ class Sink:
         return [s.name for i, s in enumerate(self.specs) if i not in self.done]
 
     def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        self.write_all([(bucket, buffer)])
+
+    def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        """Unpack several buckets at once (direct mode: every storage of the sender, one bucket each)."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -71,7 +75,7 @@ class IntoTensors(Sink):
         final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
         self._apply = CopyList(list(zip(final, self._bytes, strict=True))) if staged else None
-        self._copies: dict[tuple[int, int], CopyList] = {}
+        self._copies: dict[tuple, CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
         kinds = {t.device.type for t in self._bytes}
         self.device_type = kinds.pop() if len(kinds) == 1 else "mixed"  # where the destinations live
@@ -79,17 +83,17 @@ class IntoTensors(Sink):
     def reset(self) -> None:
         self.done = set()
 
-    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        key = (bucket.index, buffer.data_ptr())
+    def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
         copies = self._copies.get(key)
-        if copies is None:  # made once per bucket and buffer, replayed every push (raysync.copies)
-            pairs = [
-                (self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes]) for c in bucket.chunks
-            ]
+        if copies is None:  # made once per buckets and buffers, replayed every push (raysync.copies)
+            pairs = [(self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
+                     for bucket, buffer in parts for c in bucket.chunks]  # fmt: skip
             copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()])
         copies.run()
-        self._sync(buffer)
-        self.landed(bucket)
+        for bucket, buffer in parts:
+            self._sync(buffer)
+            self.landed(bucket)
 
     def digests(self) -> list[int]:
         return digest.finish([[digest.partial(t)] for t in self._bytes])  # staged: checked before applied
@@ -116,7 +120,16 @@ class IntoLoadFn(Sink):
         self._staging: dict[int, torch.Tensor] = {}
         self._parts: dict[int, list[torch.Tensor]] = {}  # digests of the bytes handed over, per tensor
 
-    def write(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+    def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        """One call of the load function for all of ``parts`` (a load function has a cost per call)."""
+        batch = [item for bucket, buffer in parts for item in self._complete(bucket, buffer)]
+        if batch:
+            self._load_fn(batch)  # Note [ring buffer views]
+        for bucket, _ in parts:
+            self.done.update(c.index for c in bucket.chunks if c.last)
+
+    def _complete(self, bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors ``bucket`` completes: views of ``buffer``, or a sliced tensor's staging tensor."""
         batch: list[tuple[str, torch.Tensor]] = []
         for c in bucket.chunks:
             region = buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
@@ -132,9 +145,7 @@ class IntoLoadFn(Sink):
             staging[c.src_offset : c.src_offset + c.nbytes].copy_(region)
             if c.last:
                 batch.append(self._typed(c, self._staging.pop(c.index)))
-        if batch:
-            self._load_fn(batch)  # Note [ring buffer views]
-        self.done.update(c.index for c in bucket.chunks if c.last)
+        return batch
 
     def digests(self) -> list[int]:
         return digest.finish([self._parts.get(i, []) for i in range(len(self.specs))])

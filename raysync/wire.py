@@ -144,13 +144,15 @@ class CudaBuffer:
 @dataclass(frozen=True)
 class RingInfo:
     """sender -> receiver: where the buffers are. ``handles`` are shm segment names; ``cuda`` describes GPU
-    buffers (cuda_ipc)."""
+    buffers (cuda_ipc); ``ready_event`` is the IPC handle of the event the sender records when its tensors are
+    ready to be read (cuda_ipc_direct, which has no buffers)."""
 
     transport: str
     num_buffers: int
     buffer_bytes: int
     handles: tuple[str, ...]
     cuda: tuple[CudaBuffer, ...] = ()
+    ready_event: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,18 @@ class Layout:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise LayoutError(f"tensor name {dup!r} appears more than once in the layout")
+
+
+@dataclass(frozen=True)
+class DirectSources:
+    """sender -> receiver (cuda_ipc_direct), after a Layout and whenever the trainer's tensors move: the
+    storages that hold them, each exported once, and where tensor i of the layout lies: ``offset_bytes[i]``
+    into ``storages[storage[i]]`` (a tensor of no bytes names storage 0)."""
+
+    layout_id: int
+    storages: tuple[CudaBuffer, ...]
+    storage: tuple[int, ...]
+    offset_bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -244,6 +258,7 @@ Message = (
     | RingInfo
     | Attached
     | Layout
+    | DirectSources
     | PushStart
     | Accept
     | BucketReady

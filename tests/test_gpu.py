@@ -79,7 +79,8 @@ IPC = SyncConfig(
 )  # 2 x 512 MiB: the 7B embedding is sliced
 
 
-def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None, layout: str, pushes: int):
+def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None, layout: str, pushes: int,
+             config: SyncConfig = IPC):  # fmt: skip
     """Sender here on ``sender_gpu``, receiver spawned; returns the receiver's messages and the sender's
     reserved memory after each push."""
     from workers import digest, ipc_receiver
@@ -92,8 +93,8 @@ def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None,
     secret = SessionSecret.generate()
     out = spawn.ctx.Queue()
     reserved = []
-    with WeightSender(secret, IPC) as sender:
-        spawn(ipc_receiver, sender.endpoint, secret, IPC, receiver_gpu, visible, layout, pushes, out)
+    with WeightSender(secret, config) as sender:
+        spawn(ipc_receiver, sender.endpoint, secret, config, receiver_gpu, visible, layout, pushes, out)
         digests = {}
         for version in range(1, pushes + 1):
             if version in (1, pushes):
@@ -213,3 +214,55 @@ def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn,
     child.join(timeout=30)
     free_after = torch.cuda.mem_get_info()[0]  # the dead sender's ring goes once we unmap it
     assert free_after - free_before >= config.num_buffers * config.bucket_bytes, (free_before, free_after)
+
+
+# --- cuda_ipc, direct mode ---------------------------------------------------------------------------------------
+DIRECT = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=120, progress=False)
+
+
+def test_direct_same_gpu_7b_bit_exact_allocates_nothing_per_push(spawn, no_leftovers):
+    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b",
+                                       pushes=200, config=DIRECT)  # fmt: skip
+    assert {i: d for _, i, d in got[:-1]} == digests
+    _, storage_gpu, receiver_gpu, receiver_reserved = got[-1]
+    assert storage_gpu == receiver_gpu
+    for side in (reserved, receiver_reserved):  # no ring, and a push allocates nothing
+        assert max(side[1:]) - min(side[1:]) <= 2 << 20, side[:3] + side[-3:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_direct_cross_gpu_and_uuid_matching(spawn, no_leftovers):
+    """The receiver on GPU 1 reads the trainer's tensors on GPU 0 over NVLink; then a sender working on
+    GPU 1 of "0,1" and a receiver that sees only "1": the same physical GPU, found by UUID."""
+    got, digests, _ = _ipc_push(spawn, sender_gpu=0, receiver_gpu=1, visible=None, layout="qwen2.5-1.5b",
+                                pushes=3, config=DIRECT)  # fmt: skip
+    assert {i: d for _, i, d in got[:-1]} == digests
+    got, digests, _ = _ipc_push(spawn, sender_gpu=1, receiver_gpu=0, visible="1", layout="qwen2.5-0.5b",
+                                pushes=1, config=DIRECT)  # fmt: skip
+    assert got[0][2] == digests[0]
+    assert got[-1][1] == got[-1][2] == str(torch.cuda.get_device_properties(1).uuid)
+
+
+def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is_refused(spawn, no_leftovers):
+    import dataclasses
+
+    from workers import digest, ipc_receiver
+
+    from raysync import LayoutError, SessionSecret, WeightSender
+    from raysync.models import allocate
+
+    torch.cuda.set_device(0)
+    config = dataclasses.replace(DIRECT, verify=True)
+    src = allocate("qwen2.5-0.5b", device="cuda")
+    moved = {k: v + 1 for k, v in src.items()}  # new storages, same layout (a model rebuilt by the trainer)
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, "qwen2.5-0.5b", 2, out)
+        sender.push(src.items(), 1)
+        sender.push(moved.items(), 2)
+        got = [out.get(timeout=300) for _ in range(3)]
+        assert got[0][2] == digest((n, t.cpu()) for n, t in src.items())
+        assert got[1][2] == digest((n, t.cpu()) for n, t in moved.items())
+        strided = {k: v.t() if v.ndim == 2 else v for k, v in src.items()}
+        with pytest.raises(LayoutError, match="direct mode .* is not contiguous"):
+            sender.push(strided.items(), 3)

@@ -160,3 +160,34 @@ def test_select_rejects_what_cannot_travel():
         select([("x", [1, 2])], SyncConfig())
     with pytest.raises(LayoutError, match="layout"):
         select([("s", torch.eye(3).to_sparse())], SyncConfig())
+
+
+def test_direct_plan_one_bucket_per_storage_and_hostile_offsets_refused():
+    from raysync.errors import LayoutError
+    from raysync.plan import direct_buckets
+
+    specs = (TensorSpec("a", "bfloat16", (4, 8)), TensorSpec("b", "float32", (3,)), TensorSpec("e", "int8", (0,)),
+             TensorSpec("c", "bfloat16", (2,)))  # fmt: skip
+    buckets = direct_buckets(specs, (0, 1, 1, 0), (0, 4, 999, 64), (128, 16))
+    assert [[(c.index, c.bucket_offset, c.nbytes) for c in b.chunks] for b in buckets] == [
+        [(0, 0, 64), (2, 0, 0), (3, 64, 4)],  # the empty tensor rides in bucket 0, wherever it claims to be
+        [(1, 4, 12)],
+    ]
+    assert all(c.whole for b in buckets for c in b.chunks)
+    for storage, offsets, sizes, why in [
+        ((0, 2, 0, 0), (0, 0, 0, 64), (128, 16), "do not fit"),  # no storage 2
+        ((0, 1, 0, 0), (0, 8, 0, 64), (128, 16), "do not fit"),  # runs past the end of storage 1
+        ((0, 1, 0, 0), (0, 2, 0, 64), (128, 16), "itemsize"),  # half a float32
+        ((0, 1, 0), (0, 4, 0), (128, 16), "for 4 tensors"),
+    ]:
+        with pytest.raises(LayoutError, match=why):
+            direct_buckets(specs, storage, offsets, sizes)
+    assert direct_buckets(specs[2:3], (0,), (0,), ()) == [direct_buckets(specs[2:3], (0,), (0,), (0,))[0]]
+
+
+def test_direct_mode_is_a_mode_of_cuda_ipc_only():
+    from raysync.transport import registry
+
+    assert registry.ring_name("cuda_ipc", True) == "cuda_ipc_direct"
+    assert registry.ring_name("shm", True) == "shm" and registry.ring_name("cuda_ipc", False) == "cuda_ipc"
+    assert "cuda_ipc_direct" not in registry.names()  # never planned for a pair by itself

@@ -26,6 +26,7 @@ from raysync.wire import Attached, RingInfo
 
 class RingSender(Protocol):
     name: ClassVar[str]
+    direct: ClassVar[bool]  # no ring: the receiver reads the sender's tensors in place (cuda_ipc_direct)
     buffers: list[torch.Tensor]
 
     @classmethod
@@ -48,6 +49,7 @@ class RingSender(Protocol):
 
 class RingReceiver(Protocol):
     name: ClassVar[str]
+    direct: ClassVar[bool]
     buffers: list[torch.Tensor]
 
     def attached(self) -> Attached: ...
@@ -63,6 +65,8 @@ class RingReceiver(Protocol):
 
 class HostRing:
     """The hooks of a ring in host memory: nothing to order (Note [ordering GPU buffers])."""
+
+    direct: ClassVar[bool] = False
 
     def before_pack(self, slot: int) -> None:
         pass

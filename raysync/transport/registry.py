@@ -12,6 +12,10 @@ _HALVES: dict[str, tuple[str, str]] = {
         "raysync.transport.cuda_ipc:CudaIpcRingSender",
         "raysync.transport.cuda_ipc:CudaIpcRingReceiver",
     ),
+    "cuda_ipc_direct": (
+        "raysync.transport.cuda_ipc:CudaIpcDirectSender",
+        "raysync.transport.cuda_ipc:CudaIpcDirectReceiver",
+    ),
     "shm": ("raysync.transport.shm:ShmRingSender", "raysync.transport.shm:ShmRingReceiver"),
     "collective": (
         "raysync.transport.collective:CollectiveSender",
@@ -25,8 +29,17 @@ def _load(path: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+_MODES = {"cuda_ipc_direct"}  # a mode of a transport (SyncConfig.direct), never planned for a pair by itself
+
+
 def names() -> list[str]:
-    return list(_HALVES)
+    """The transports a pair can be planned on."""
+    return [n for n in _HALVES if n not in _MODES]
+
+
+def ring_name(transport: str, direct: bool) -> str:
+    """The ring a WeightSender runs for ``transport``: cuda_ipc in direct mode has none (cuda_ipc_direct)."""
+    return "cuda_ipc_direct" if direct and transport == "cuda_ipc" else transport
 
 
 def _halves(name: str) -> tuple[str, str]:
@@ -38,6 +51,7 @@ def _halves(name: str) -> tuple[str, str]:
 
 _RINGS = {
     "cuda_ipc",
+    "cuda_ipc_direct",
     "shm",
 }  # the transports a WeightSender / WeightReceiver pair can use (collective: a group, not a pair)
 
@@ -69,4 +83,4 @@ def receiver_class(name: str) -> type:
 
 def available() -> list[str]:
     """The transports that can run here, in order of preference."""
-    return [n for n in _HALVES if _load(_HALVES[n][0]).is_available()]
+    return [n for n in names() if _load(_HALVES[n][0]).is_available()]
