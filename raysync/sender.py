@@ -189,22 +189,25 @@ class WeightSender:
         return self._sources
 
     def _ensure_layout(self, sources: list[SourceTensor]) -> None:
+        """Send the Layout when the tensors' names, dtypes or shapes change; make what every push replays when
+        the tensors themselves change: the Packer's copies, or (direct mode) the exported storages."""
         specs = tuple(s.spec for s in sources)
-        if self._layout is None or self._layout.tensors != specs:
-            layout_id = self._layout.layout_id + 1 if self._layout else 1
+        new = self._layout is None or self._layout.tensors != specs
+        if not new and self._packer is not None:
+            return
+        layout_id = self._layout.layout_id + new if self._layout else 1
+        # direct mode: check and export the storages before anything is sent
+        shared = self._ring.share(layout_id, sources) if self._ring.direct else None
+        if new:
             self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             self._channel.send(self._layout, "layout")
-            self._packer = None
-        if self._packer is not None:
-            return
-        if self._ring.direct:  # the trainer's storages, exported once for these tensors
-            shared = self._ring.share(self._layout.layout_id, sources)
-            self._buckets = direct_buckets(specs, shared.storage, shared.offset_bytes,
-                                           [b.storage_bytes for b in shared.storages])  # fmt: skip
+        if shared is not None:
+            sizes = [b.storage_bytes for b in shared.storages]
+            self._buckets = direct_buckets(specs, shared.storage, shared.offset_bytes, sizes)
             self._channel.send(shared, "layout: the trainer's storages")
             self._packer = shared
-        else:  # the copies of every bucket, made once for these tensors and this ring
+        else:
             self._packer = Packer(self._buckets, sources, self._ring.buffers)
 
     # --- teardown ----------------------------------------------------------------------------------------------
