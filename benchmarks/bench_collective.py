@@ -4,17 +4,23 @@ per-tensor broadcast of the same layout, measured in the same run over the same 
 
     python benchmarks/bench_collective.py --gpus 2 --bucket-mb 256 512 1024 --num-buffers 2 3
 
-Rank 0 (GPU 0) sends; ranks 1..gpus-1 receive. Every rank runs the same sequence (SPMD); rank 0 times the
+    python benchmarks/bench_collective.py --shares 2        # sharded sources: 2 groups from GPU 0's process
+
+Rank 0 (GPU 0) sends; ranks 1..gpus-1 receive. With --shares S, rank 0 sends S disjoint shares of the tensors
+over S groups at once (raysync.sharded; every share from GPU 0 here, so one link is still all there is: it
+measures the cost of the mechanism, not the gain of several trainer GPUs). Every rank runs the same sequence (SPMD); rank 0 times the
 pushes end to end (push returns when every receiver has reported its version applied). Prints a table and JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import multiprocessing as mp
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -22,6 +28,7 @@ from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig
 from raysync.models import LAYOUTS, allocate
+from raysync.sharded import ShardedReceiver, shares
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
 
 
@@ -48,6 +55,36 @@ def floors(pg, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, floa
     }
 
 
+class _ShardedSender:
+    """Rank 0's side: one CollectiveSender per share, pushed from one thread each."""
+
+    def __init__(self, tensors, config, receivers: int, num_shares: int, secret):
+        parts = shares(tensors.items(), num_shares, config)
+        self.senders = [CollectiveSender(secret, dataclasses.replace(config, include=part), host="127.0.0.1",
+                                         num_receivers=receivers, backend="nccl") for part in parts]  # fmt: skip
+        self.rendezvous = [s.rendezvous for s in self.senders]
+        self._pool = ThreadPoolExecutor(len(self.senders))
+        self.last_stages_s: dict[str, float] = {}
+
+    def join(self) -> None:
+        list(self._pool.map(lambda s: s.join(), self.senders))
+
+    def push(self, named, version: int) -> None:
+        named = list(named)
+        list(self._pool.map(lambda s: _on_gpu0(s.push, named, version), self.senders))
+        self.last_stages_s = self.senders[0].last_stages_s
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+        self._pool.shutdown()
+
+
+def _on_gpu0(fn, *args):
+    torch.cuda.set_device(0)
+    return fn(*args)
+
+
 def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
     torch.cuda.set_device(rank)
     tensors = allocate(args.layout, device="cuda", fill=rank == 0)
@@ -55,19 +92,28 @@ def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
     for nb in args.num_buffers:
         for mb in args.bucket_mb:
             config = SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
-            if rank == 0:
+            if rank == 0 and args.shares > 1:
+                side = _ShardedSender(tensors, config, world - 1, args.shares, secret)
+                for q in queues:
+                    q.put(side.rendezvous)
+            elif rank == 0:
                 side = CollectiveSender(
                     secret, config, host="127.0.0.1", num_receivers=world - 1, backend="nccl"
                 )
                 for q in queues:
-                    q.put(side.rendezvous)
+                    q.put([side.rendezvous])
             else:
-                side = CollectiveReceiver(
-                    secret, config, rank=rank, rendezvous=queues[rank - 1].get(timeout=120)
-                )
+                groups = [CollectiveReceiver(secret, config, rank=rank, rendezvous=r)
+                          for r in queues[rank - 1].get(timeout=120)]  # fmt: skip
+                side = ShardedReceiver(groups) if args.shares > 1 else groups[0]
             side.join()
             if results["floors"] is None:
-                results["floors"] = floors(side._group.pg, tensors, args.pushes)
+                group = (
+                    side.senders[0]
+                    if isinstance(side, _ShardedSender)
+                    else getattr(side, "receivers", [side])[0]
+                )
+                results["floors"] = floors(group._group.pg, tensors, args.pushes)
             times, stages = [], []
             for version in range(args.pushes + 1):  # the first push is the warm-up
                 torch.cuda.synchronize()
@@ -97,6 +143,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--num-buffers", type=int, nargs="+", default=[2])
     ap.add_argument("--pushes", type=int, default=10)
+    ap.add_argument("--shares", type=int, default=1, help="sharded sources: this many groups at once")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -124,11 +171,13 @@ def main() -> None:
         print(f"{'floor: ' + name:<34}{'-':>8}{sec * 1e3:>11.1f}{size / sec / 1e9:>8.1f}{'-':>10}")
     for r in sender["runs"]:
         r["gbps"] = nbytes / r["median_s"] / 1e9
-        path = f"collective ({r['num_buffers']} buffers)"
+        path = (
+            f"collective ({r['num_buffers']} buffers{f', {args.shares} shares' if args.shares > 1 else ''})"
+        )
         split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
         line = f"{path:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.1f}{r['gbps']:>8.1f}{r['peak_gib']:>10.1f}"
         print(f"{line}   ms: {split}")
-    result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "hardware": torch.cuda.get_device_name(0),
+    result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "shares": args.shares, "hardware": torch.cuda.get_device_name(0),
               "floors_s": sender["floors"], "runs": sender["runs"]}  # fmt: skip
     emit(result, args.json)
 

@@ -172,3 +172,46 @@ def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, o
         for version in range(1, 1 << 30):
             sender.push(src.items(), version)
             out.put(version)
+
+
+def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None) -> None:
+    """An engine in every share's group (rank ``rank`` in each): receives all shares at once into its own
+    copy of the tiny model. ``die_at``: SIGKILL itself in the first load call of that push. Reports
+    (rank, "ok" | error name, detail, seconds) after each push."""
+    import os
+    import signal
+    import time
+
+    from raysync.models import tiny_qwen2
+    from raysync.sharded import ShardedReceiver
+    from raysync.transport.collective import CollectiveReceiver
+
+    model = tiny_qwen2(seed=99)
+    params = dict(model.named_parameters())
+
+    def die(batch):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    receiver = ShardedReceiver(
+        [
+            CollectiveReceiver(s, config, rank=rank, rendezvous=r)
+            for s, r in zip(secrets, rendezvous, strict=True)
+        ]
+    )
+    receiver.join()
+    for push in range(1, pushes + 1):
+        t0 = time.monotonic()
+        try:
+            report = receiver.receive(load_fn=die) if die_at == push else receiver.receive(into=params)
+        except Exception as e:
+            out.put((rank, type(e).__name__, str(e), time.monotonic() - t0))
+            return
+        out.put(
+            (
+                rank,
+                "ok",
+                (report.version, report.tensors, digest(model.named_parameters())),
+                time.monotonic() - t0,
+            )
+        )
+    receiver.close()

@@ -377,6 +377,16 @@ class CollectiveReceiver:
         self._group.join(timeout_s)
         self._buffers = _buffers(self.config, self._group.device)
 
+    @property
+    def device(self) -> torch.device | None:
+        """The GPU this rank's broadcasts run on (NCCL), None on gloo."""
+        return self._group.device
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors of the last layout received."""
+        return tuple(s.name for s in self._layout.tensors) if self._layout else ()
+
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
         if (into is None) == (load_fn is None):

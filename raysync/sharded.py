@@ -1,0 +1,139 @@
+"""Sharded sources: several trainer ranks each broadcast a disjoint share of the tensors to the same receivers,
+each over its own group, so one push uses several links (and several senders' GPUs) at once.
+
+    trainer rank 0 --group 0: share 0--\
+    trainer rank 1 --group 1: share 1---+--> engine: one CollectiveReceiver per group, all receiving at once
+    trainer rank S-1 ------ share S-1--/     into the same destinations (the shares are disjoint)
+
+A share is a tuple of names for ``SyncConfig.include``, from ``shares()``: every trainer rank computes it
+from the same list of tensors (the same model), so the shares cover every tensor once. Each group is an
+ordinary collective group (raysync.transport.collective) with its own checks, timeouts and aborts; a
+ShardedReceiver runs one receive per group in its own thread and counts a version as applied only when
+every share has applied it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from raysync.config import SyncConfig
+from raysync.errors import LayoutError, PushIncomplete, SchemaError
+from raysync.report import PushReport
+from raysync.sink import LoadFn
+from raysync.source import select
+from raysync.transport.collective import CollectiveReceiver
+
+
+def shares(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], num_shares: int, config: SyncConfig | None = None
+) -> list[tuple[str, ...]]:
+    """Split the tensors ``config`` selects into ``num_shares`` disjoint shares of about equal bytes (the
+    largest tensors first, each to the lightest share); each share keeps the tensors' order."""
+    if num_shares < 1:
+        raise ValueError(f"num_shares={num_shares}: need at least 1")
+    specs = [s.spec for s in select(named_tensors, config or SyncConfig())]
+    load, owner = [0] * num_shares, [0] * len(specs)
+    for i in sorted(range(len(specs)), key=lambda i: (-specs[i].nbytes, i)):
+        owner[i] = min(range(num_shares), key=lambda k: (load[k], k))
+        load[owner[i]] += specs[i].nbytes
+    return [tuple(s.name for s, o in zip(specs, owner, strict=True) if o == k) for k in range(num_shares)]
+
+
+class ShardedReceiver:
+    """One engine receiving every share: ``receivers[k]`` is this engine's rank in the group of share k."""
+
+    name = "collective"
+
+    def __init__(self, receivers: Sequence[CollectiveReceiver]):
+        if not receivers:
+            raise ValueError("ShardedReceiver needs the receiver of at least one share")
+        self.receivers = list(receivers)
+        self._pool = ThreadPoolExecutor(len(self.receivers), thread_name_prefix="raysync-share")
+
+    @property
+    def version(self) -> int | None:
+        """The version every share has applied; None while the shares differ (a push that failed in some)."""
+        versions = {r.version for r in self.receivers}
+        return versions.pop() if len(versions) == 1 else None
+
+    def join(self, timeout_s: float = 300.0) -> None:
+        """Join every share's group at once (each returns when all of its ranks are in)."""
+        for f in [self._pool.submit(r.join, timeout_s) for r in self.receivers]:
+            f.result()
+
+    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                wait_s: float | None = None) -> PushReport:  # fmt: skip
+        """Serve one push of every share at once. The shares' load function calls are made one at a time."""
+        if (into is None) == (load_fn is None):
+            raise TypeError(
+                "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
+            )
+        self._check_disjoint()
+        finish = getattr(load_fn, "finish", None)  # a staging loader applies once, after every share
+        shared_fn = _one_at_a_time(load_fn) if load_fn is not None else None
+        jobs = [self._pool.submit(_receive, r, into, shared_fn, wait_s) for r in self.receivers]
+        reports, failed = [], []
+        for k, job in enumerate(jobs):  # each receive is bounded by its own timeouts
+            try:
+                reports.append(job.result())
+            except Exception as e:
+                failed.append((k, e))
+        if failed:  # the tensors of every share that stopped part-way; else the first error as it is
+            incomplete = [(k, e) for k, e in failed if isinstance(e, PushIncomplete)]
+            if not incomplete:
+                raise failed[0][1]
+            k, e = incomplete[0]
+            undelivered = [n for _, f in incomplete for n in f.undelivered]
+            raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered) from e
+        versions = sorted({r.version for r in reports})
+        if len(versions) != 1:
+            raise SchemaError(
+                f"the shares' senders pushed different versions {versions}: push one version from all"
+            )
+        self._check_disjoint()
+        if finish is not None and not all(r.skipped for r in reports):
+            try:
+                finish()
+            except Exception as e:
+                for r in self.receivers:  # nothing of this push counts as applied
+                    r.version = None
+                raise PushIncomplete(versions[0], "apply", f"{type(e).__name__}: {e}", []) from e
+        return PushReport(versions[0], self.name, sum(r.bytes for r in reports), sum(r.buckets for r in reports),
+                          sum(r.tensors for r in reports), max(r.seconds for r in reports),
+                          skipped=all(r.skipped for r in reports))  # fmt: skip
+
+    def _check_disjoint(self) -> None:
+        """Two shares naming one tensor means the trainer ranks split different lists of tensors."""
+        seen: dict[str, int] = {}
+        for k, r in enumerate(self.receivers):
+            for name in r.names:
+                if seen.setdefault(name, k) != k:
+                    raise LayoutError(f"tensor {name!r} is in share {seen[name]} and in share {k}: compute "
+                                      f"the shares from the same tensors on every trainer rank")  # fmt: skip
+
+    def close(self) -> None:
+        for r in self.receivers:
+            r.close()
+        self._pool.shutdown(wait=False)
+
+
+def _receive(r: CollectiveReceiver, into, load_fn, wait_s) -> PushReport:
+    if r.device is not None:
+        torch.cuda.set_device(r.device)  # a thread starts on GPU 0, whatever the caller's current GPU
+    return r.receive(into=into, load_fn=load_fn, wait_s=wait_s)
+
+
+def _one_at_a_time(load_fn: LoadFn) -> LoadFn:
+    """The shares' threads call the load function one at a time; no ``finish``: ShardedReceiver calls the
+    loader's own once every share has landed."""
+    lock = threading.Lock()
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> object:
+        with lock:
+            return load_fn(batch)
+
+    return load
