@@ -20,7 +20,6 @@ import math
 import multiprocessing as mp
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -55,85 +54,57 @@ def floors(pg, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, floa
     }
 
 
-class _ShardedSender:
-    """Rank 0's side: one CollectiveSender per share, pushed from one thread each."""
-
-    def __init__(self, tensors, config, receivers: int, num_shares: int, secret):
-        parts = shares(tensors.items(), num_shares, config)
-        self.senders = [CollectiveSender(secret, dataclasses.replace(config, include=part), host="127.0.0.1",
-                                         num_receivers=receivers, backend="nccl") for part in parts]  # fmt: skip
-        self.rendezvous = [s.rendezvous for s in self.senders]
-        self._pool = ThreadPoolExecutor(len(self.senders))
-        self.last_stages_s: dict[str, float] = {}
-
-    def join(self) -> None:
-        list(self._pool.map(lambda s: s.join(), self.senders))
-
-    def push(self, named, version: int) -> None:
-        named = list(named)
-        list(self._pool.map(lambda s: _on_gpu0(s.push, named, version), self.senders))
-        self.last_stages_s = self.senders[0].last_stages_s
-
-    def close(self) -> None:
-        for s in self.senders:
-            s.close()
-        self._pool.shutdown()
-
-
-def _on_gpu0(fn, *args):
+def sender_main(share: int, args, secret, queues, barrier, out) -> None:
+    """Sends the whole layout (or, with --shares, share ``share`` of it) from GPU 0 to every receiver GPU."""
     torch.cuda.set_device(0)
-    return fn(*args)
-
-
-def rank_main(rank: int, world: int, args, secret, queues, out) -> None:
-    torch.cuda.set_device(rank)
-    tensors = allocate(args.layout, device="cuda", fill=rank == 0)
+    tensors = allocate(args.layout, device="cuda")
     results = {"floors": None, "runs": []}
-    for nb in args.num_buffers:
-        for mb in args.bucket_mb:
-            config = SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
-            if rank == 0 and args.shares > 1:
-                side = _ShardedSender(tensors, config, world - 1, args.shares, secret)
-                for q in queues:
-                    q.put(side.rendezvous)
-            elif rank == 0:
-                side = CollectiveSender(
-                    secret, config, host="127.0.0.1", num_receivers=world - 1, backend="nccl"
-                )
-                for q in queues:
-                    q.put([side.rendezvous])
-            else:
-                groups = [CollectiveReceiver(secret, config, rank=rank, rendezvous=r)
-                          for r in queues[rank - 1].get(timeout=120)]  # fmt: skip
-                side = ShardedReceiver(groups) if args.shares > 1 else groups[0]
-            side.join()
-            if results["floors"] is None:
-                group = (
-                    side.senders[0]
-                    if isinstance(side, _ShardedSender)
-                    else getattr(side, "receivers", [side])[0]
-                )
-                results["floors"] = floors(group._group.pg, tensors, args.pushes)
-            times, stages = [], []
-            for version in range(args.pushes + 1):  # the first push is the warm-up
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if rank == 0:
-                    side.push(tensors.items(), version)
-                    stages.append(side.last_stages_s)
-                else:
-                    side.receive(into=tensors)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            split = {
-                k: 1e3 * statistics.median(st[k] for st in stages[1:]) for k in (stages[0] if stages else {})
-            }
-            results["runs"].append({"bucket_mb": mb, "num_buffers": nb, "median_s": statistics.median(times[1:]),
-                                    "min_s": min(times[1:]), "peak_gib": peak, "stages_ms": split})  # fmt: skip
-            side.close()
+    for config in _configs(args):
+        if args.shares > 1:
+            config = dataclasses.replace(config, include=shares(tensors.items(), args.shares, config)[share])
+        side = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=args.gpus - 1, backend="nccl")
+        for q in queues:
+            q.put((share, side.rendezvous))
+        side.join()
+        if results["floors"] is None and share == 0:
+            results["floors"] = floors(side._group.pg, tensors, args.pushes)
+        times, stages = [], []
+        for version in range(args.pushes + 1):  # the first push is the warm-up
+            torch.cuda.synchronize()
+            barrier.wait(timeout=120)  # every share's push starts together
+            t0 = time.perf_counter()
+            side.push(tensors.items(), version)  # returns when every receiver applied it
+            times.append(time.perf_counter() - t0)
+            stages.append(side.last_stages_s)
+        split = {k: 1e3 * statistics.median(st[k] for st in stages[1:]) for k in stages[0]}
+        results["runs"].append({"bucket_mb": config.bucket_bytes >> 20, "num_buffers": config.num_buffers,
+                                "times_s": times[1:], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                "stages_ms": split})  # fmt: skip
+        side.close()
+    out.put((share, "sender", results, None))
+
+
+def receiver_main(rank: int, args, secret, queues, barrier, out) -> None:
+    """Receives every share into its preallocated copy of the layout on GPU ``rank``."""
+    torch.cuda.set_device(rank)
+    tensors = allocate(args.layout, device="cuda", fill=False)
+    for i, config in enumerate(_configs(args)):
+        rendezvous = sorted(queues[rank - 1].get(timeout=120) for _ in range(args.shares))
+        groups = [CollectiveReceiver(secret, config, rank=rank, rendezvous=r) for _, r in rendezvous]
+        side = ShardedReceiver(groups) if args.shares > 1 else groups[0]
+        side.join()
+        if i == 0:  # every rank takes part in the floors' broadcasts (share 0's group)
+            floors(groups[0]._group.pg, tensors, args.pushes)
+        for _ in range(args.pushes + 1):
+            side.receive(into=tensors)
+        side.close()
     checksum = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum() for t in tensors.values()))
-    out.put((rank, results, checksum))
+    out.put((rank, "receiver", None, checksum))
+
+
+def _configs(args) -> list[SyncConfig]:
+    return [SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
+            for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
 
 
 def main() -> None:
@@ -149,18 +120,24 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     secret = SessionSecret.generate()
     queues = [ctx.Queue() for _ in range(args.gpus - 1)]
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, args.gpus, args, secret, queues, out))
-        for r in range(args.gpus)
-    ]
+    out, barrier = ctx.Queue(), ctx.Barrier(args.shares)
+    procs = [ctx.Process(target=sender_main, args=(k, args, secret, queues, barrier, out))
+             for k in range(args.shares)]  # fmt: skip
+    procs += [ctx.Process(target=receiver_main, args=(r, args, secret, queues, barrier, out))
+              for r in range(1, args.gpus)]  # fmt: skip
     for p in procs:
         p.start()
-    got = sorted(out.get(timeout=600) for _ in procs)
+    got = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    assert len({c for _, _, c in got}) == 1, "a receiver's tensors differ from the sender's"
-    sender = got[0][1]
+    expected = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum()
+                         for t in allocate(args.layout).values()))  # fmt: skip
+    assert all(c == expected for _, role, _, c in got if role == "receiver"), "a receiver's tensors differ"
+    senders = sorted((k, r) for k, role, r, _ in got if role == "sender")
+    sender = senders[0][1]
+    for i, run in enumerate(sender["runs"]):  # a push ends when the last share has been applied everywhere
+        per_push = [max(times) for times in zip(*(r["runs"][i]["times_s"] for _, r in senders), strict=True)]
+        run.update(median_s=statistics.median(per_push), min_s=min(per_push))
     nbytes = sum(math.prod(shape) * 2 for _, shape in LAYOUTS[args.layout].named_shapes())  # bf16
     print(f"\n{args.layout}: {nbytes / 1e9:.2f} GB bf16, 1 sender GPU -> {args.gpus - 1} receiver GPU(s), "
           f"{torch.cuda.get_device_name(0)}")  # fmt: skip

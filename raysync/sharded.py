@@ -8,13 +8,14 @@ each over its own group, so one push uses several links (and several senders' GP
 A share is a tuple of names for ``SyncConfig.include``, from ``shares()``: every trainer rank computes it
 from the same list of tensors (the same model), so the shares cover every tensor once. Each group is an
 ordinary collective group (raysync.transport.collective) with its own checks, timeouts and aborts; a
-ShardedReceiver runs one receive per group in its own thread and counts a version as applied only when
-every share has applied it.
+ShardedReceiver runs the receives of all its groups from one thread, taking turns bucket by bucket (NCCL does
+not allow communicators of one GPU to be driven from several threads at once), and counts a version as
+applied only when every share has applied it. The groups' join (NCCL communicator creation) runs in threads,
+since each blocks until its own ranks are in.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,7 +53,6 @@ class ShardedReceiver:
         if not receivers:
             raise ValueError("ShardedReceiver needs the receiver of at least one share")
         self.receivers = list(receivers)
-        self._pool = ThreadPoolExecutor(len(self.receivers), thread_name_prefix="raysync-share")
 
     @property
     def version(self) -> int | None:
@@ -62,26 +62,32 @@ class ShardedReceiver:
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Join every share's group at once (each returns when all of its ranks are in)."""
-        for f in [self._pool.submit(r.join, timeout_s) for r in self.receivers]:
-            f.result()
+        with ThreadPoolExecutor(len(self.receivers), thread_name_prefix="raysync-join") as pool:
+            for f in [pool.submit(_join, r, timeout_s) for r in self.receivers]:
+                f.result()
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
-        """Serve one push of every share at once. The shares' load function calls are made one at a time."""
-        if (into is None) == (load_fn is None):
-            raise TypeError(
-                "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
-            )
+        """Serve one push of every share. One thread issues every group's operations, the shares taking turns
+        bucket by bucket (NCCL forbids operating communicators of one GPU from several threads at once)."""
         self._check_disjoint()
         finish = getattr(load_fn, "finish", None)  # a staging loader applies once, after every share
-        shared_fn = _one_at_a_time(load_fn) if load_fn is not None else None
-        jobs = [self._pool.submit(_receive, r, into, shared_fn, wait_s) for r in self.receivers]
-        reports, failed = [], []
-        for k, job in enumerate(jobs):  # each receive is bounded by its own timeouts
-            try:
-                reports.append(job.result())
-            except Exception as e:
-                failed.append((k, e))
+        one_fn = _no_finish(load_fn) if load_fn is not None else None
+        turns = {
+            k: r.receiving(into=into, load_fn=one_fn, wait_s=wait_s) for k, r in enumerate(self.receivers)
+        }
+        reports: dict[int, PushReport] = {}
+        failed: list[tuple[int, Exception]] = []
+        while turns:  # every step is bounded by the group's own timeouts
+            for k, steps in list(turns.items()):
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    reports[k] = done.value
+                    del turns[k]
+                except Exception as e:
+                    failed.append((k, e))
+                    del turns[k]
         if failed:  # the tensors of every share that stopped part-way; else the first error as it is
             incomplete = [(k, e) for k, e in failed if isinstance(e, PushIncomplete)]
             if not incomplete:
@@ -89,22 +95,23 @@ class ShardedReceiver:
             k, e = incomplete[0]
             undelivered = [n for _, f in incomplete for n in f.undelivered]
             raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered) from e
-        versions = sorted({r.version for r in reports})
+        done = list(reports.values())
+        versions = sorted({r.version for r in done})
         if len(versions) != 1:
             raise SchemaError(
                 f"the shares' senders pushed different versions {versions}: push one version from all"
             )
         self._check_disjoint()
-        if finish is not None and not all(r.skipped for r in reports):
+        if finish is not None and not all(r.skipped for r in done):
             try:
                 finish()
             except Exception as e:
                 for r in self.receivers:  # nothing of this push counts as applied
                     r.version = None
                 raise PushIncomplete(versions[0], "apply", f"{type(e).__name__}: {e}", []) from e
-        return PushReport(versions[0], self.name, sum(r.bytes for r in reports), sum(r.buckets for r in reports),
-                          sum(r.tensors for r in reports), max(r.seconds for r in reports),
-                          skipped=all(r.skipped for r in reports))  # fmt: skip
+        return PushReport(versions[0], self.name, sum(r.bytes for r in done), sum(r.buckets for r in done),
+                          sum(r.tensors for r in done), max(r.seconds for r in done),
+                          skipped=all(r.skipped for r in done))  # fmt: skip
 
     def _check_disjoint(self) -> None:
         """Two shares naming one tensor means the trainer ranks split different lists of tensors."""
@@ -118,22 +125,14 @@ class ShardedReceiver:
     def close(self) -> None:
         for r in self.receivers:
             r.close()
-        self._pool.shutdown(wait=False)
 
 
-def _receive(r: CollectiveReceiver, into, load_fn, wait_s) -> PushReport:
+def _join(r: CollectiveReceiver, timeout_s: float) -> None:
     if r.device is not None:
         torch.cuda.set_device(r.device)  # a thread starts on GPU 0, whatever the caller's current GPU
-    return r.receive(into=into, load_fn=load_fn, wait_s=wait_s)
+    r.join(timeout_s)
 
 
-def _one_at_a_time(load_fn: LoadFn) -> LoadFn:
-    """The shares' threads call the load function one at a time; no ``finish``: ShardedReceiver calls the
-    loader's own once every share has landed."""
-    lock = threading.Lock()
-
-    def load(batch: list[tuple[str, torch.Tensor]]) -> object:
-        with lock:
-            return load_fn(batch)
-
-    return load
+def _no_finish(load_fn: LoadFn) -> LoadFn:
+    """The loader without its ``finish``: ShardedReceiver calls that once every share has landed."""
+    return lambda batch: load_fn(batch)

@@ -27,7 +27,7 @@ import datetime
 import logging
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -389,6 +389,18 @@ class CollectiveReceiver:
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
+        """Serve one push, like WeightReceiver.receive."""
+        steps = self.receiving(into=into, load_fn=load_fn, wait_s=wait_s)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def receiving(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                  wait_s: float | None = None) -> Generator[None, None, PushReport]:  # fmt: skip
+        """``receive`` in steps: yields after each bucket, returns the report. raysync.sharded runs the pushes
+        of several groups from one thread by taking turns (NCCL: one thread issues every group's operations)."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
@@ -412,7 +424,7 @@ class CollectiveReceiver:
             raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
         if not go.skip:
             # with sink None (refused, unconfirmed) the bytes go into our buffers and touch nothing
-            self._stream(start, sink)
+            yield from self._stream(start, sink)
             if refusal is not None:
                 g.put(f"{pid}/done/{me}", Abort(pid, "accept", str(refusal), ""), "control")
                 g.agree(False, "finish")
@@ -439,7 +451,7 @@ class CollectiveReceiver:
         except RaysyncError as e:
             return None, e
 
-    def _stream(self, start: PushStart, sink: Sink | None) -> None:
+    def _stream(self, start: PushStart, sink: Sink | None) -> Iterator[None]:
         """Post the broadcasts of the next N buckets ahead; chunks land straight in destination tensors when
         there are some on the group's device, else in the bucket's buffer, unpacked from there."""
         g, n, nb = self._group, len(self._buffers), len(self._buckets)
@@ -466,6 +478,7 @@ class CollectiveReceiver:
                     sink.write(bucket, self._buffers[k % n])
                 if k + n < nb:  # the buffer just read takes bucket k + n (stream-ordered on GPU)
                     works[k + n] = post(k + n)
+                yield
             if g.device is not None:
                 torch.cuda.current_stream().synchronize()  # applied means visible: every copy is done
             stage = "apply"
