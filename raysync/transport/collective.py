@@ -154,12 +154,16 @@ class _Group:
         return bool(flag.item())
 
     def wait(self, works: list, stage: str, block: bool = True) -> None:
-        """Wait for broadcasts. ``block=False`` on NCCL only orders the current stream after them (no host
-        wait, so packing and unpacking keep the GPU busy); every push ends with a blocking, bounded wait."""
-        for work in works:
-            if not block and self.rdv.backend == "nccl":
+        """Wait for broadcasts, bounded by timeout_s. NCCL: the current stream waits for them (no host wait,
+        so packing and unpacking keep the GPU busy), and ``block`` then polls that stream's progress from the
+        host: torch's own bounded wait sleeps a millisecond between polls, which a push pays at every stage."""
+        if self.rdv.backend == "nccl":
+            for work in works:
                 work.wait()
-                continue
+            if block:
+                self._poll_stream(stage)
+            return
+        for work in works:
             try:
                 ok = work.wait(self.timeout)
             except Exception as e:
@@ -169,6 +173,17 @@ class _Group:
             if ok is False:
                 self.abort()
                 raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
+
+    def _poll_stream(self, stage: str) -> None:
+        done = torch.cuda.Event()
+        done.record()
+        started = time.monotonic()
+        while not done.query():
+            waited = time.monotonic() - started
+            if waited > self.config.timeout_s:
+                self.abort()
+                raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
+            time.sleep(0 if waited < 1e-3 else 5e-5)  # spin briefly, then poll every ~50 us
 
     def abort(self) -> None:
         """Note [no hangs in a collective]."""
