@@ -191,10 +191,10 @@ class WeightSender:
     def _ensure_layout(self, sources: list[SourceTensor]) -> None:
         """Send the Layout when the tensors' names, dtypes or shapes change; make what every push replays when
         the tensors themselves change: the Packer's copies, or (direct mode) the exported storages."""
+        if self._packer is not None:  # made for these very tensors (_select drops it when they change)
+            return
         specs = tuple(s.spec for s in sources)
         new = self._layout is None or self._layout.tensors != specs
-        if not new and self._packer is not None:
-            return
         layout_id = self._layout.layout_id + new if self._layout else 1
         # direct mode: check and export the storages before anything is sent
         shared = self._ring.share(layout_id, sources) if self._ring.direct else None
