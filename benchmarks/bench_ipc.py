@@ -31,10 +31,12 @@ from raysync.source import select
 def receiver_main(endpoint, secret, config, layout, gpu, pushes, out) -> None:
     torch.cuda.set_device(gpu)
     dest = allocate(layout, device="cuda", fill=False)
+    stages = []
     with WeightReceiver(endpoint, secret, config) as receiver:
         for _ in range(pushes):
             receiver.receive(into=dest)
-        out.put(checksum(dest))
+            stages.append(receiver.last_stages_s)
+        out.put((checksum(dest), {k: 1e3 * statistics.median(s[k] for s in stages[1:]) for k in stages[0]}))
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> float:
@@ -96,13 +98,14 @@ def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes, direct=Fals
             sender.push(src.items(), version)
             times.append(time.perf_counter() - t0)
             stages.append(sender.last_stages_s)
-        got = out.get(timeout=300)
+        got, receiver_stages = out.get(timeout=300)
         proc.join(timeout=60)
     assert got == checksum(src), "receiver's tensors differ from the sender's"
     return {"layout": layout, "mode": "direct" if direct else "ring", "bucket_mb": 0 if direct else bucket_mb,
             "num_buffers": 0 if direct else num_buffers, "first_push_s": setup,
             "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]}}  # fmt: skip
+            "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]},
+            "receiver_stages_ms": receiver_stages}  # fmt: skip
 
 
 def main() -> None:
@@ -145,6 +148,7 @@ def main() -> None:
                 else "cuda_ipc direct (no ring)"
             )
             split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
+            split += "; receiver " + ", ".join(f"{k} {v:.2f}" for k, v in r["receiver_stages_ms"].items())
             print(f"{path:<40}{r['bucket_mb'] or '-':>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
                   f"{r['gbps']:>8.1f}   ms: {split}")  # fmt: skip
         result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),

@@ -67,6 +67,7 @@ class WeightReceiver:
         self._buckets: list[Bucket] = []
         self._mapped_layout = 0  # direct mode: the layout whose DirectSources are mapped
         self.version: int | None = None  # the last version applied completely
+        self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
@@ -82,10 +83,13 @@ class WeightReceiver:
         sink = self._accept(start, into, load_fn)
         skip = start.version == self.version
         self._channel.send(Accept(start.push_id, skip), "accept")
+        accepted = streamed = time.perf_counter()
         if not skip:
-            self._stream(start, sink)
+            streamed = self._stream(start, sink)
             self.version = start.version
             self._channel.send(PushDone(start.push_id, start.version), "finish")
+        self.last_stages_s = {"accept": accepted - started, "stream": streamed - accepted,
+                              "finish": time.perf_counter() - streamed}  # fmt: skip
         specs = self._layout.tensors
         report = PushReport(start.version, self._ring.name, total_bytes(specs) * (not skip),
                             len(self._buckets) * (not skip), len(specs), time.perf_counter() - started,
@@ -115,7 +119,9 @@ class WeightReceiver:
             self._channel.abort(start.push_id, "accept", e)
             raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e
 
-    def _stream(self, start: PushStart, sink: Sink) -> None:
+    def _stream(self, start: PushStart, sink: Sink) -> float:
+        """Every bucket into the sink, then the end of the push (GPU drained, verified, applied); returns
+        when the buckets were done, for ``last_stages_s``."""
         pid, n = start.push_id, len(self._ring.buffers)
         stage = "stream"
         try:
@@ -137,12 +143,14 @@ class WeightReceiver:
                     self._ring.after_unpack(ready.slot)
                     self._channel.send(BucketFreed(pid, k, ready.slot), stage)
                     logger.debug("bucket %d unpacked", k)
+            streamed = time.perf_counter()
             self._ring.end_push(self.config.timeout_s)  # Note [ordering GPU buffers]
             if start.verify:
                 stage = "verify"
                 self._verify(sink, self._channel.expect(PushDigest, pid, "verify: waiting for the digests"))
             stage = "apply"
             sink.finish()
+            return streamed
         except RemoteError as e:  # the sender failed and told us
             raise PushIncomplete(start.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:
