@@ -78,9 +78,10 @@ class WeightReceiver:
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
             )
         self._ensure_session()
+        ahead = self._check_ahead(into, load_fn)
         start = self._wait_push(wait_s)
         started = time.perf_counter()
-        sink = self._accept(start, into, load_fn)
+        sink = self._accept(start, into, load_fn, ahead)
         skip = start.version == self.version
         self._channel.send(Accept(start.push_id, skip), "accept")
         accepted = streamed = time.perf_counter()
@@ -97,9 +98,20 @@ class WeightReceiver:
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 
-    def _accept(
-        self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None
-    ) -> Sink:
+    def _check_ahead(self, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None) -> tuple | None:
+        """Check the destinations against the current layout before the push starts (the engine waits then,
+        while accept is on every push's critical path). Used only if nothing changed by the time the push
+        starts; any error is left for accept to raise and report."""
+        if self._layout is None or self._layout_error is not None:
+            return None
+        try:
+            sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
+        except RaysyncError:
+            return None
+        return self._layout, self._sinks, sink
+
+    def _accept(self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None,
+                ahead: tuple | None = None) -> Sink:  # fmt: skip
         """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
         specs = self._layout.tensors if self._layout else ()
         try:
@@ -112,7 +124,10 @@ class WeightReceiver:
             if self._ring.direct and self._mapped_layout != start.layout_id:
                 raise SchemaError(f"push {start.push_id}: the sender's storages for layout {start.layout_id} "
                                   f"were never sent")  # fmt: skip
-            sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
+            if ahead is not None and ahead[0] is self._layout and ahead[1] is self._sinks:
+                sink = ahead[2]  # checked while waiting, and nothing changed since
+            else:
+                sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
             sink.verify = start.verify
             return sink
         except RaysyncError as e:

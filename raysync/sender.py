@@ -59,6 +59,7 @@ class WeightSender:
         self.endpoint = self._channel.endpoint
         self._ring = None
         self._layout: Layout | None = None
+        self._layout_bytes = 0
         self._buckets: list = []
         self._push_id = 0
         self._sources: list[SourceTensor] = []
@@ -92,7 +93,7 @@ class WeightSender:
                               "stream": streamed - accepted, "finish": time.perf_counter() - streamed}  # fmt: skip
         moved = not accept.skip
         report = PushReport(
-            version, self._ring.name, total_bytes(self._layout.tensors) * moved, len(self._buckets) * moved,
+            version, self._ring.name, self._layout_bytes * moved, len(self._buckets) * moved,
             len(sources), time.perf_counter() - start, skipped=accept.skip,
         )  # fmt: skip
         logger.info("pushed to %s: %s", self._channel.peer, report)
@@ -124,7 +125,7 @@ class WeightSender:
     def _stream(self, version: int, packed_ahead: int) -> None:
         n = len(self._ring.buffers)
         pid = self._push_id
-        bar = _LazyBar(total_bytes(self._layout.tensors), f"push v{version}", self.config.progress)
+        bar = _LazyBar(self._layout_bytes, f"push v{version}", self.config.progress)
         stage = "stream"
         try:
             for k, bucket in enumerate(self._buckets):
@@ -200,6 +201,7 @@ class WeightSender:
         shared = self._ring.share(layout_id, sources) if self._ring.direct else None
         if new:
             self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
+            self._layout_bytes = total_bytes(specs)
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             self._channel.send(self._layout, "layout")
         if shared is not None:
