@@ -63,6 +63,7 @@ class WeightReceiver:
         self._ring = None
         self._layout: Layout | None = None
         self._sinks = Sinks(self.config.staged)
+        self._sinks_made = 1  # counts the Sinks made: a sink checked ahead is used only from the current one
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
         self._mapped_layout = 0  # direct mode: the layout whose DirectSources are mapped
@@ -108,7 +109,7 @@ class WeightReceiver:
             sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
         except RaysyncError:
             return None
-        return self._layout, self._sinks, sink
+        return self._layout.layout_id, self._sinks_made, sink  # no reference to the Sinks: see _drop_sinks
 
     def _accept(self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None,
                 ahead: tuple | None = None) -> Sink:  # fmt: skip
@@ -124,7 +125,7 @@ class WeightReceiver:
             if self._ring.direct and self._mapped_layout != start.layout_id:
                 raise SchemaError(f"push {start.push_id}: the sender's storages for layout {start.layout_id} "
                                   f"were never sent")  # fmt: skip
-            if ahead is not None and ahead[0] is self._layout and ahead[1] is self._sinks:
+            if ahead is not None and ahead[:2] == (self._layout.layout_id, self._sinks_made):
                 sink = ahead[2]  # checked while waiting, and nothing changed since
             else:
                 sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
@@ -234,7 +235,7 @@ class WeightReceiver:
     def _take_sources(self, sources: DirectSources) -> None:
         """Direct mode: map the sender's storages (once per set of tensors) and plan from them; a refusal is
         answered at the next PushStart, like a refused layout."""
-        self._sinks = Sinks(self.config.staged)  # their copies read the old mappings: drop them first
+        self._drop_sinks()  # their copies read the old mappings: drop them first
         self._buckets, self._mapped_layout = [], 0
         try:
             if not self._ring.direct or self._layout is None or sources.layout_id != self._layout.layout_id:
@@ -249,8 +250,14 @@ class WeightReceiver:
         self._buckets, self._mapped_layout, self._layout_error = buckets, sources.layout_id, None
 
     # --- teardown ----------------------------------------------------------------------------------------------
+    def _drop_sinks(self) -> None:
+        """The cached sinks hold views of the ring (or of the sender's mapped storages) and keep that memory
+        mapped: they go before the ring does, and nothing else may keep them (an exception's frames can)."""
+        self._sinks = Sinks(self.config.staged)
+        self._sinks_made += 1
+
     def close(self) -> None:
-        self._sinks = Sinks(self.config.staged)  # its cached copies hold views of the ring: drop them first
+        self._drop_sinks()
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -317,3 +317,28 @@ def test_config_checks_and_environment(monkeypatch):
     monkeypatch.setenv("RAYSYNC_TIMEOUT_S", "7.5")
     cfg = SyncConfig.from_env(num_buffers=3)
     assert (cfg.bucket_bytes, cfg.timeout_s, cfg.num_buffers) == (1 << 20, 7.5, 3)
+
+
+def test_a_failed_push_the_caller_keeps_does_not_keep_the_ring_mapped(private_tmp, in_thread):
+    """The receiver's cached copies hold views of the ring. An exception the caller keeps holds the frames of
+    the failed receive; nothing in them may hold those copies, or closing the session would not unmap the
+    ring (a GPU test caught this: the dead sender's ring memory did not come back)."""
+    import weakref
+
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        got.result(timeout=10)
+
+        def boom(batch):
+            raise RuntimeError("loader exploded")
+
+        got = in_thread(receiver.receive, load_fn=boom)
+        with pytest.raises(RemoteError):
+            sender.push(model(2).items(), 2)
+        kept = got.exception(timeout=10)
+        assert isinstance(kept, PushIncomplete) and kept.__traceback__ is not None
+        cached = weakref.ref(receiver._sinks._into)
+        receiver.close()
+        assert cached() is None
