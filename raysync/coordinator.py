@@ -109,9 +109,12 @@ class WeightSync:
     def __init__(self, senders: Sequence[Any], receivers: Sequence[Any], config: SyncConfig | None = None, *,
                  pairs: Sequence[tuple[int, int]] | None = None, source: ep.Source = ep.model_parameters,
                  sink: ep.Sink = ep.model_destinations, transport: str | dict[tuple[int, int], str] | None = None,
-                 setup_timeout_s: float = 300.0, push_timeout_s: float = 3600.0):  # fmt: skip
+                 setup_timeout_s: float = 300.0, push_timeout_s: float = 3600.0,
+                 shard_sources: bool = False):  # fmt: skip
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
-        else on its node, else sender 0. ``transport`` overrides the plan globally or per pair."""
+        else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
+        ``shard_sources``: every sender broadcasts a disjoint share of the tensors to every receiver over its
+        own collective group (raysync.sharded): the senders must hold the same tensors (trainer ranks)."""
         if not senders or not receivers:
             raise ValueError("WeightSync needs at least one sender and one receiver")
         self.senders = list(senders)
@@ -121,6 +124,9 @@ class WeightSync:
         self._setup_timeout_s, self._push_timeout_s = setup_timeout_s, push_timeout_s
         self._sync_id = secrets.token_hex(8)
         self._wanted_pairs = list(pairs) if pairs is not None else None
+        self._shard = shard_sources
+        if shard_sources and (pairs is not None or transport not in (None, "collective")):
+            raise ValueError("shard_sources pairs every sender with every receiver over the collective")
         self._broken: set[tuple[int, int]] = set()
         self._pair_bytes: dict[tuple[int, int], int] = {}
         self._setup()
@@ -146,6 +152,8 @@ class WeightSync:
                 self._slots.append((e, slot))
                 self._receiver_at.append(by_slot[slot])
         pairs = self._wanted_pairs or assign(self._sender_at, self._receiver_at)
+        if self._shard:
+            pairs = [(i, j) for i in range(len(self.senders)) for j in range(len(self._receiver_at))]
         self.plan = Plan([self._choose(i, j) for i, j in pairs], self._sender_at, self._receiver_at)
         self._connect({(p.sender, p.receiver) for p in self.plan})
         logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
@@ -162,6 +170,10 @@ class WeightSync:
         return {self._slots.index((e, slot)): r for slot, r in by_slot.items()}
 
     def _choose(self, i: int, j: int) -> PairPlan:
+        if self._shard:
+            return PairPlan(
+                i, j, "collective", "collective", f"sharded sources: share {i} of {len(self.senders)}"
+            )
         o = self._override
         override = o.get((i, j)) if isinstance(o, dict) else o
         # every built transport: what works for a pair is the endpoints' to say (their placements), not the
@@ -197,13 +209,14 @@ class WeightSync:
 
     def _connect_group(self, i: int, receivers: list[int]) -> None:
         secret, cfg = SessionSecret.generate(), self.config
+        share = (i, len(self.senders)) if self._shard else None
         rendezvous, nbytes = self._get(self.senders[i].__ray_call__.remote(
-            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source),
+            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source, share),
             f"open the broadcast group of sender #{i}", self._setup_timeout_s)  # fmt: skip
         self._pair_bytes.update({(i, j): nbytes for j in receivers})
         joins = [self.senders[i].__ray_call__.remote(ep.collective_join, self._sync_id)]
         joins += list(self._on_receivers(ep.collective_connect, {j: (self._sync_id, cfg, rank, rendezvous, secret,
-                                                                     self._sink)
+                                                                     self._sink, share)
                                                                  for rank, j in enumerate(receivers, start=1)}))  # fmt: skip
         self._get(joins, f"join the broadcast group of sender #{i}", self._setup_timeout_s)
 

@@ -7,6 +7,7 @@ Results are plain dicts: a failure carries its stage, message and traceback back
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from raysync.errors import PushIncomplete, RemoteError
 from raysync.placement import Placement, probe
 from raysync.receiver import WeightReceiver
 from raysync.sender import WeightSender
+from raysync.sharded import ShardedReceiver, shares
 from raysync.source import select
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
 from raysync.wire import SessionSecret
@@ -54,7 +56,7 @@ class _SenderSide:
 @dataclass
 class _ReceiverSide:
     sink: Sink
-    receiver: WeightReceiver | CollectiveReceiver  # the same receive() either way
+    receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver  # the same receive() either way
 
 
 def _sessions(actor: Any) -> dict:
@@ -124,11 +126,15 @@ def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, 
 
 
 def collective_open(actor: Any, sync_id: str, config: SyncConfig, host: str, receivers: list[int],
-                    secret: SessionSecret, source: Source) -> tuple[Rendezvous, int]:  # fmt: skip
-    """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order)."""
+                    secret: SessionSecret, source: Source, share: tuple[int, int] | None = None,
+                    ) -> tuple[Rendezvous, int]:  # fmt: skip
+    """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order). ``share=(k, S)``:
+    this sender broadcasts share k of S of the tensors (raysync.sharded)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
     if side.group is not None:
         side.group.close()
+    if share is not None:
+        config = dataclasses.replace(config, include=shares(source(actor), share[1], config)[share[0]])
     side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers))
     side.group_receivers = list(receivers)
     return side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config))
@@ -172,7 +178,7 @@ def receiver_connect(actor: Any, sync_id: str, config: SyncConfig, endpoint: str
 
 
 def _set_receiver(
-    actor: Any, sync_id: str, sink: Sink, receiver: WeightReceiver | CollectiveReceiver
+    actor: Any, sync_id: str, sink: Sink, receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver
 ) -> None:
     old = _sessions(actor).pop(sync_id, None)
     if old is not None:
@@ -182,10 +188,22 @@ def _set_receiver(
 
 
 def collective_connect(actor: Any, sync_id: str, config: SyncConfig, rank: int, rendezvous: Rendezvous,
-                       secret: SessionSecret, sink: Sink) -> None:  # fmt: skip
-    """Join the sender's broadcast group as ``rank`` (returns when every rank has joined)."""
-    _set_receiver(actor, sync_id, sink, CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous))
-    _sessions(actor)[sync_id].receiver.join()
+                       secret: SessionSecret, sink: Sink, share: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """Join the sender's broadcast group as ``rank`` (returns when every rank has joined). ``share=(k, S)``:
+    the group of share k, one part of this engine's ShardedReceiver."""
+    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    if share is None:
+        _set_receiver(actor, sync_id, sink, receiver)
+    else:
+        side = _sessions(actor).get(sync_id)
+        if (
+            side is None
+            or not isinstance(side.receiver, ShardedReceiver)
+            or len(side.receiver.receivers) != share[1]
+        ):
+            _set_receiver(actor, sync_id, sink, ShardedReceiver([None] * share[1]))
+        _sessions(actor)[sync_id].receiver.replace(share[0], receiver)
+    receiver.join()
 
 
 def receiver_receive(actor: Any, sync_id: str) -> dict:

@@ -8,21 +8,23 @@ each over its own group, so one push uses several links (and several senders' GP
 A share is a tuple of names for ``SyncConfig.include``, from ``shares()``: every trainer rank computes it
 from the same list of tensors (the same model), so the shares cover every tensor once. Each group is an
 ordinary collective group (raysync.transport.collective) with its own checks, timeouts and aborts; a
-ShardedReceiver runs the receives of all its groups from one thread, taking turns bucket by bucket (NCCL does
-not allow communicators of one GPU to be driven from several threads at once), and counts a version as
-applied only when every share has applied it. The groups' join (NCCL communicator creation) runs in threads,
+ShardedReceiver runs the receives of all its groups at once and counts a version as applied only when every
+share has applied it. On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
+does not allow communicators of one GPU to be driven from several threads at once), so a share that stalls
+holds the others up until its timeout; on gloo each share has its own thread. The groups' join (NCCL communicator creation) runs in threads,
 since each blocks until its own ranks are in.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from raysync.config import SyncConfig
-from raysync.errors import LayoutError, PushIncomplete, SchemaError
+from raysync.errors import LayoutError, PushIncomplete, RaysyncError, SchemaError
 from raysync.report import PushReport
 from raysync.sink import LoadFn
 from raysync.source import select
@@ -49,16 +51,30 @@ class ShardedReceiver:
 
     name = "collective"
 
-    def __init__(self, receivers: Sequence[CollectiveReceiver]):
+    def __init__(self, receivers: Sequence[CollectiveReceiver | None]):
+        """``receivers[k]`` may be None until share k's group is made (``replace``): WeightSync makes them one
+        group at a time."""
         if not receivers:
             raise ValueError("ShardedReceiver needs the receiver of at least one share")
         self.receivers = list(receivers)
 
+    def replace(self, k: int, receiver: CollectiveReceiver) -> None:
+        """Share k has a new group (made, or rebuilt after a failure): its old receiver is closed."""
+        old, self.receivers[k] = self.receivers[k], receiver
+        if old is not None:
+            old.close()
+
     @property
     def version(self) -> int | None:
         """The version every share has applied; None while the shares differ (a push that failed in some)."""
-        versions = {r.version for r in self.receivers}
+        versions = {r.version if r is not None else None for r in self.receivers}
         return versions.pop() if len(versions) == 1 else None
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        for r in self.receivers:
+            if r is not None:
+                r.version = version
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Join every share's group at once (each returns when all of its ranks are in)."""
@@ -68,26 +84,18 @@ class ShardedReceiver:
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
-        """Serve one push of every share. One thread issues every group's operations, the shares taking turns
-        bucket by bucket (NCCL forbids operating communicators of one GPU from several threads at once)."""
+        """Serve one push of every share: on NCCL from this thread, the shares taking turns bucket by bucket
+        (NCCL forbids operating communicators of one GPU from several threads at once); on gloo a thread per
+        share. The load function is called by one share at a time."""
+        missing = [k for k, r in enumerate(self.receivers) if r is None]
+        if missing:
+            raise RaysyncError(f"shares {missing} have no group yet")
         self._check_disjoint()
         finish = getattr(load_fn, "finish", None)  # a staging loader applies once, after every share
         one_fn = _no_finish(load_fn) if load_fn is not None else None
-        turns = {
-            k: r.receiving(into=into, load_fn=one_fn, wait_s=wait_s) for k, r in enumerate(self.receivers)
-        }
-        reports: dict[int, PushReport] = {}
-        failed: list[tuple[int, Exception]] = []
-        while turns:  # every step is bounded by the group's own timeouts
-            for k, steps in list(turns.items()):
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    reports[k] = done.value
-                    del turns[k]
-                except Exception as e:
-                    failed.append((k, e))
-                    del turns[k]
+        pushes = [r.receiving(into=into, load_fn=one_fn, wait_s=wait_s) for r in self.receivers]
+        nccl = any(r.device is not None for r in self.receivers)
+        reports, failed = _take_turns(pushes) if nccl else _in_threads(pushes)
         if failed:  # the tensors of every share that stopped part-way; else the first error as it is
             incomplete = [(k, e) for k, e in failed if isinstance(e, PushIncomplete)]
             if not incomplete:
@@ -95,23 +103,22 @@ class ShardedReceiver:
             k, e = incomplete[0]
             undelivered = [n for _, f in incomplete for n in f.undelivered]
             raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered) from e
-        done = list(reports.values())
-        versions = sorted({r.version for r in done})
+        versions = sorted({r.version for r in reports})
         if len(versions) != 1:
             raise SchemaError(
                 f"the shares' senders pushed different versions {versions}: push one version from all"
             )
         self._check_disjoint()
-        if finish is not None and not all(r.skipped for r in done):
+        if finish is not None and not all(r.skipped for r in reports):
             try:
                 finish()
             except Exception as e:
                 for r in self.receivers:  # nothing of this push counts as applied
                     r.version = None
                 raise PushIncomplete(versions[0], "apply", f"{type(e).__name__}: {e}", []) from e
-        return PushReport(versions[0], self.name, sum(r.bytes for r in done), sum(r.buckets for r in done),
-                          sum(r.tensors for r in done), max(r.seconds for r in done),
-                          skipped=all(r.skipped for r in done))  # fmt: skip
+        return PushReport(versions[0], self.name, sum(r.bytes for r in reports), sum(r.buckets for r in reports),
+                          sum(r.tensors for r in reports), max(r.seconds for r in reports),
+                          skipped=all(r.skipped for r in reports))  # fmt: skip
 
     def _check_disjoint(self) -> None:
         """Two shares naming one tensor means the trainer ranks split different lists of tensors."""
@@ -124,7 +131,46 @@ class ShardedReceiver:
 
     def close(self) -> None:
         for r in self.receivers:
-            r.close()
+            if r is not None:
+                r.close()
+
+
+def _take_turns(pushes: list) -> tuple[list[PushReport], list[tuple[int, Exception]]]:
+    """NCCL: one thread steps every share's push in turn, bucket by bucket. A share that stalls holds the
+    others up (each wait is still bounded by timeout_s)."""
+    reports, failed, turns = [], [], dict(enumerate(pushes))
+    while turns:
+        for k, steps in list(turns.items()):
+            try:
+                next(steps)
+            except StopIteration as done:
+                reports.append(done.value)
+                del turns[k]
+            except Exception as e:
+                failed.append((k, e))
+                del turns[k]
+    return reports, failed
+
+
+def _in_threads(pushes: list) -> tuple[list[PushReport], list[tuple[int, Exception]]]:
+    """gloo: a thread per share (gloo groups are independent of each other), so a share that fails or stalls
+    holds no other up; load function calls are made one at a time."""
+
+    def run(steps) -> PushReport:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    reports, failed = [], []
+    with ThreadPoolExecutor(len(pushes), thread_name_prefix="raysync-share") as pool:
+        for k, job in enumerate([pool.submit(run, p) for p in pushes]):
+            try:
+                reports.append(job.result())
+            except Exception as e:
+                failed.append((k, e))
+    return reports, failed
 
 
 def _join(r: CollectiveReceiver, timeout_s: float) -> None:
@@ -134,5 +180,12 @@ def _join(r: CollectiveReceiver, timeout_s: float) -> None:
 
 
 def _no_finish(load_fn: LoadFn) -> LoadFn:
-    """The loader without its ``finish``: ShardedReceiver calls that once every share has landed."""
-    return lambda batch: load_fn(batch)
+    """The loader, one call at a time, without its ``finish``: ShardedReceiver calls that once every share
+    has landed."""
+    lock = threading.Lock()
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> object:
+        with lock:
+            return load_fn(batch)
+
+    return load

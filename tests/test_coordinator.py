@@ -93,3 +93,35 @@ def test_overrides_that_cannot_work_are_refused(ray_local):
         WeightSync([trainer], [engine], CFG, transport="cuda_ipc")
     with WeightSync([trainer], [engine], CFG, transport={(0, 0): "shm"}) as sync:
         assert sync.plan[0].reason == "override"
+
+
+def test_sharded_sources_every_trainer_broadcasts_its_share_to_every_engine(ray_local, no_leftovers):
+    trainers = [ray.remote(**ACTOR)(Trainer).remote() for _ in range(2)]  # ranks holding the same model
+    engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
+    with WeightSync(trainers, engines, CFG, sink=engine_load, shard_sources=True) as sync:
+        assert [(p.sender, p.receiver, p.transport) for p in sync.plan] == [
+            (0, 0, "collective"), (0, 1, "collective"), (1, 0, "collective"), (1, 1, "collective")
+        ]  # fmt: skip
+        assert "sharded sources: share 1 of 2" in str(sync.plan)
+        for version in (1, 2):
+            expected = ray.get([t.step.remote(version) for t in trainers])[0]
+            report = sync.push(version)
+            assert all(ray.get(e.digest.remote()) == expected for e in engines)
+            shares = {p.sender: p.bytes for p in report.pairs if p.receiver == 0}
+            assert (
+                len(report.pairs) == 4 and all(shares.values()) and sum(shares.values()) == report.bytes // 2
+            )
+        assert sync.versions() == [2, 2]
+        ray.get(engines[1].fail_at_call.remote(2, "raise"))  # one engine fails part-way through a push
+        ray.get([t.step.remote(3) for t in trainers])
+        started = time.monotonic()
+        with pytest.raises(SyncError) as e:
+            sync.push(3)
+        assert time.monotonic() - started <= CFG.timeout_s + 5  # the other engine times out in that group
+        assert any("bad weights" in f.error for f in e.value.failures if f.endpoint.startswith("sender")), [
+            (f.endpoint, f.error[:100]) for f in e.value.failures
+        ]  # the failing share's sender names the cause, not the symptom
+        assert sync.versions()[1] != 3
+        expected = ray.get([t.step.remote(4) for t in trainers])[0]
+        sync.push(4)  # both groups rebuilt: a full push to everyone
+        assert all(ray.get(e.digest.remote()) == expected for e in engines) and sync.versions() == [4, 4]

@@ -294,13 +294,9 @@ class CollectiveSender:
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
 
     def _failure(self, pid: int, ranks: range) -> RemoteError:
-        for r in ranks:
-            key = f"{pid}/done/{r}"
-            if self._group.store.check([key]):
-                done = self._group.take(key, r, "control", "finish")
-                if isinstance(done, Abort):
-                    return RemoteError(f"rank {r}", done.stage, done.message, done.traceback)
-        return RemoteError("a rank", "finish", "reported failure without a reason")
+        return self._reason(pid, "finish") or RemoteError(
+            "a rank", "finish", "reported failure without a reason"
+        )
 
     def _confirm(self, pid: int, ranks: range) -> bool:
         """Every receiver's Accept (returns whether all have this version already), or an Abort for all."""
@@ -356,16 +352,25 @@ class CollectiveSender:
 
     def _explain(self, pid: int, stage: str, error: Exception) -> Exception:
         """A receiver that failed first left its reason in the store; prefer it to our own symptom."""
+        return self._reason(pid, stage) or error
+
+    def _reason(self, pid: int, stage: str) -> RemoteError | None:
+        """The reasons receivers left in the store for push ``pid``: a cause rather than a symptom (a rank
+        that timed out because another one failed leaves a reason too)."""
+        reasons = []
         for r in range(1, self.rendezvous.world_size):
             key = f"{pid}/done/{r}"
             try:
                 if self._group.store.check([key]):
                     msg = self._group.take(key, r, "control", stage, timeout_s=1)
                     if isinstance(msg, Abort):
-                        return RemoteError(f"rank {r}", msg.stage, msg.message, msg.traceback)
-            except Exception:
+                        reasons.append(RemoteError(f"rank {r}", msg.stage, msg.message, msg.traceback))
+            except Exception:  # the store's host is this process: a rank's frame may be unreadable, not late
                 continue
-        return error
+        symptoms = ("PeerTimeout", "PeerLost")
+        return next(
+            (e for e in reasons if not e.message.startswith(symptoms)), reasons[0] if reasons else None
+        )
 
     def close(self) -> None:
         self._group.abort()
