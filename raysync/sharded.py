@@ -11,8 +11,8 @@ ordinary collective group (raysync.transport.collective) with its own checks, ti
 ShardedReceiver runs the receives of all its groups at once and counts a version as applied only when every
 share has applied it. On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
 does not allow communicators of one GPU to be driven from several threads at once), so a share that stalls
-holds the others up until its timeout; on gloo each share has its own thread. The groups' join (NCCL communicator creation) runs in threads,
-since each blocks until its own ranks are in.
+holds the others up until its timeout; on gloo each share has its own thread. The groups' joins run in
+threads, since each blocks until its own ranks are in.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def shares(
     if num_shares < 1:
         raise ValueError(f"num_shares={num_shares}: need at least 1")
     specs = [s.spec for s in select(named_tensors, config or SyncConfig())]
+    if num_shares > len(specs):  # an empty share would be include=(): everything
+        raise ValueError(f"{num_shares} shares of {len(specs)} tensors: every share needs at least one")
     load, owner = [0] * num_shares, [0] * len(specs)
     for i in sorted(range(len(specs)), key=lambda i: (-specs[i].nbytes, i)):
         owner[i] = min(range(num_shares), key=lambda k: (load[k], k))

@@ -35,6 +35,8 @@ def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
     assert not any("norm" in n for share in no_norms for n in share)
     with pytest.raises(ValueError):
         shares(named, 0)
+    with pytest.raises(ValueError, match="at least one"):  # an empty share would mean "everything"
+        shares(named[:2], 3)
 
 
 def _setup(spawn, receivers: int, pushes: int, die: dict | None = None):
