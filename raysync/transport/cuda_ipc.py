@@ -228,9 +228,8 @@ class CudaIpcDirectSender:
     direct: ClassVar[bool] = True
     is_available = CudaIpcRingSender.is_available
 
-    def __init__(
-        self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True
-    ):  # no ring: sizes unused
+    def __init__(self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True):
+        """The ring's sizes are taken and unused (no ring): the same constructor as every ring sender."""
         self.device = torch.cuda.current_device()
         self.buffers: list[torch.Tensor] = []
         self._ready = torch.cuda.Event(interprocess=True)
@@ -241,7 +240,7 @@ class CudaIpcDirectSender:
         return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle())
 
     def receiver_attached(self, attached: Attached) -> None:
-        pass
+        """Nothing to drop: what the receiver maps comes with DirectSources, at each new set of tensors."""
 
     def share(self, layout_id: int, sources: Sequence[SourceTensor]) -> DirectSources:
         """Export the storages of ``sources`` (each storage once), or say why one cannot be read in place."""
