@@ -191,3 +191,33 @@ def test_direct_mode_is_a_mode_of_cuda_ipc_only():
     assert registry.ring_name("cuda_ipc", True) == "cuda_ipc_direct"
     assert registry.ring_name("shm", True) == "shm" and registry.ring_name("cuda_ipc", False) == "cuda_ipc"
     assert "cuda_ipc_direct" not in registry.names()  # never planned for a pair by itself
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["uint8", "bfloat16", "float32", "float64"]), st.integers(0, 40)),
+        max_size=8,
+    ),
+    st.lists(st.integers(0, 400), max_size=4),
+    st.data(),
+)
+def test_direct_plan_from_hostile_values_is_in_bounds_or_refused(items, storage_bytes, data):
+    """DirectSources come off the wire: whatever they say, a plan either fits the storages or is refused."""
+    from raysync.errors import LayoutError
+    from raysync.plan import direct_buckets
+
+    specs = tuple(TensorSpec(f"t{i}", dtype, (n,)) for i, (dtype, n) in enumerate(items))
+    storage = data.draw(st.lists(st.integers(0, 5), min_size=len(specs), max_size=len(specs)))
+    offsets = data.draw(st.lists(st.integers(0, 500), min_size=len(specs), max_size=len(specs)))
+    try:
+        buckets = direct_buckets(specs, storage, offsets, storage_bytes)
+    except LayoutError:
+        return
+    assert len(buckets) == max(1, len(storage_bytes))
+    seen = sorted(c.index for b in buckets for c in b.chunks)
+    assert seen == list(range(len(specs)))  # every tensor once
+    for b in buckets:
+        for c in b.chunks:
+            assert c.nbytes == specs[c.index].nbytes and c.bucket_offset % specs[c.index].itemsize == 0
+            assert c.nbytes == 0 or c.bucket_offset + c.nbytes <= storage_bytes[b.index]
