@@ -73,7 +73,9 @@ class WeightReceiver:
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
         """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
-        Waits up to ``wait_s`` (default timeout_s) for the push to start."""
+        Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
+        this is called (again when the push brings a new layout): do not change ``into`` from another thread
+        while it waits."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
