@@ -34,6 +34,10 @@ class SyncConfig:
     verify          sender: send each tensor's digest of the packed bytes after the last bucket; the receiver
                     compares it with what landed (into= destinations, or the bytes handed to a load
                     function) before the push counts as applied (ring transports; see raysync.digest)
+    direct          cuda_ipc pairs: no ring; the receiver copies straight from the trainer's tensors, whose
+                    storages are exported once. They must stay alive between pushes, on the sender's GPU,
+                    contiguous and in their wire dtype (one GPU or plain DDP; no cast_dtype); anything else is
+                    refused before a byte moves. Other transports ignore it
     """
 
     bucket_bytes: int = 512 * MiB
