@@ -29,7 +29,8 @@ import torch
 from common import emit
 
 from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.transport.collective import CollectiveReceiver, CollectiveSender
+from raysync.bench import sender_for
+from raysync.transport.collective import CollectiveReceiver
 
 TENSORS = 8
 NUMEL = 1 << 20  # 8 x 4 MB: 8 buckets of 4 MB per push
@@ -46,18 +47,15 @@ def _dest() -> dict[str, torch.Tensor]:
 # --- the victim, in a spawned process: pushes or receives until killed ------------------------------------------
 def victim(role: str, transport: str, secret, config, where, out) -> None:
     torch.set_num_threads(1)
-    if transport == "collective":
-        if role == "sender":
-            side = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
-            out.send(side.rendezvous)
-        else:
-            side = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
-        side.join()
-    elif role == "sender":
-        side = WeightSender(secret, config)
-        out.send(side.endpoint)
+    if role == "sender":
+        side, found_at = sender_for(transport, secret, config)
+        out.send(found_at)
+    elif transport == "collective":
+        side = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
     else:
         side = WeightReceiver(where, secret, config)
+    if transport == "collective":
+        side.join()
     src, dest = _source(), _dest()
     for version in range(1, 1 << 30):  # nothing more goes through the queue: the kill may come at any point
         if role == "sender":
@@ -73,12 +71,7 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     inbox, out = ctx.Pipe(duplex=False)  # a pipe, not a Queue: no named semaphores to leak when killed
     survivor = None
     if victim_role == "receiver":  # we send
-        if transport == "collective":
-            survivor = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
-            where = survivor.rendezvous
-        else:
-            survivor = WeightSender(secret, config)
-            where = survivor.endpoint
+        survivor, where = sender_for(transport, secret, config)
         proc = ctx.Process(
             target=victim, args=("receiver", transport, secret, config, where, out), daemon=True
         )

@@ -75,6 +75,18 @@ def floor_s(src: dict[str, torch.Tensor], device: str, repeats: int = 3) -> floa
     return statistics.median(times[1:])
 
 
+def sender_for(transport: str, secret: SessionSecret, config: SyncConfig) -> tuple[Any, Any]:
+    """A sender for one local receiver over ``transport`` (a ring's WeightSender, or rank 0 of a group of two),
+    and what that receiver needs to find it (an endpoint, or the group's rendezvous)."""
+    if transport == "collective":
+        from raysync.transport.collective import CollectiveSender
+
+        sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
+        return sender, sender.rendezvous
+    sender = WeightSender(secret, config)
+    return sender, sender.endpoint
+
+
 def run_point(transport: str, src: dict[str, torch.Tensor], layout: str, device: str, bucket_mb: int,
               pushes: int, timeout_s: float = 300.0) -> dict[str, Any]:  # fmt: skip
     """Time ``pushes`` pushes of ``src`` over ``transport`` (after one warm-up push)."""
@@ -83,14 +95,7 @@ def run_point(transport: str, src: dict[str, torch.Tensor], layout: str, device:
                         timeout_s=timeout_s, progress=False)  # fmt: skip
     secret, out = SessionSecret.generate(), ctx.Queue()
     gpu = 1 if transport == "collective" and device == "cuda" else 0
-    if transport == "collective":
-        from raysync.transport.collective import CollectiveSender
-
-        sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
-        where = sender.rendezvous
-    else:
-        sender = WeightSender(secret, config)
-        where = sender.endpoint
+    sender, where = sender_for(transport, secret, config)
     proc = ctx.Process(
         target=_receiver, args=(transport, where, secret, config, layout, device, gpu, pushes + 1, out)
     )
