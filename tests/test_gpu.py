@@ -230,6 +230,57 @@ def test_direct_same_gpu_7b_bit_exact_allocates_nothing_per_push(spawn, no_lefto
         assert max(side[1:]) - min(side[1:]) <= 2 << 20, side[:3] + side[-3:]
 
 
+def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_times_out_and_unmaps(
+    spawn, no_leftovers
+):
+    """Direct mode reads the trainer's memory in place: a sender SIGKILLed after its PushStart leaves that
+    memory mapped here, so the push it started lands whole (its values were ready before PushStart); the next
+    one times out, and closing gives the dead sender's memory back."""
+    import os
+    import signal
+    import time
+
+    from workers import ipc_sender_forever
+
+    from raysync import PeerTimeout, SessionSecret, WeightReceiver
+    from raysync.models import allocate
+
+    config = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=3, progress=False)
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    child = spawn(ipc_sender_forever, secret, config, "qwen2.5-0.5b", out)
+    torch.cuda.set_device(0)
+    expected = allocate("qwen2.5-0.5b", device="cuda")  # what the sender pushes, every version
+    dest = allocate("qwen2.5-0.5b", device="cuda", fill=False)
+    receiver = WeightReceiver(out.get(timeout=120), secret, config)
+
+    def kill_then_load(batch):  # direct mode: one load call per push, with every tensor
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=30)
+        assert not child.is_alive()
+        for name, t in batch:
+            dest[name].copy_(t)
+
+    try:
+        for _ in range(2):
+            receiver.receive(into=dest)
+        for t in dest.values():
+            t.zero_()
+        receiver.receive(load_fn=kill_then_load)
+        assert receiver.version == 3
+        assert all(torch.equal(dest[k], v) for k, v in expected.items())
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeout):
+            receiver.receive(into=dest)
+        assert time.monotonic() - t0 <= config.timeout_s + 1 and receiver.version == 3
+        free_before = torch.cuda.mem_get_info()[0]
+    finally:
+        receiver.close()
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info()[0]  # the dead trainer's tensors go once we unmap them
+    model_bytes = sum(t.nbytes for t in expected.values())
+    assert free_after - free_before >= model_bytes, (free_before, free_after, model_bytes)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_direct_cross_gpu_and_uuid_matching(spawn, no_leftovers):
     """The receiver on GPU 1 reads the trainer's tensors on GPU 0 over NVLink; then a sender working on
