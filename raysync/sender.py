@@ -6,8 +6,9 @@ A push, as a sequence of stages (each wait bounded by ``timeout_s``):
     session   first push only: wait for the receiver's Hello, create the ring, wait until it is mapped
     layout    only when the tensors changed: send names/dtypes/shapes; both sides plan the buckets from it
               (direct mode: also whenever the tensors moved, their storages exported and where each lies)
+    pack      the first N buckets into the free ring (for the same tensors as last push: before select)
     accept    PushStart -> the receiver checks its destinations and answers Accept (or Abort)
-    stream    for bucket k: wait until buffer k % N is free, pack, signal BucketReady
+    stream    for bucket k: wait until buffer k % N is free, pack (k >= N), signal BucketReady
               (direct mode: nothing; the receiver copies out of the trainer's tensors in place)
     finish    wait for the last frees and PushDone: only then is the version applied on the receiver
 """
@@ -64,6 +65,7 @@ class WeightSender:
         self._push_id = 0
         self._sources: list[SourceTensor] = []
         self._sources_key: tuple | None = None
+        self._named: list[tuple[str, torch.Tensor]] = []  # what the last push was given
         self._packer: Packer | DirectSources | None = None  # what every push replays, made once per tensors
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
@@ -71,18 +73,26 @@ class WeightSender:
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
         start = time.perf_counter()
-        sources = self._select(named_tensors)
+        named = list(named_tensors)
         self._ensure_session()
+        direct = self._ring.direct
+        self._digests: dict[int, list[torch.Tensor]] | None = {} if self.config.verify else None
+        # the same tensor objects as last push (a training loop): the GPU packs the first buckets while the
+        # host checks the tensors; what was packed is dropped if they changed after all (new data pointers)
+        packer = self._packer
+        ahead = self._pack_ahead() if not direct and packer is not None and self._same_objects(named) else 0
+        sources = self._select(named)
         self._ensure_layout(sources)
+        if self._packer is not packer:
+            self._digests, ahead = {} if self.config.verify else None, 0
+        if not direct and not ahead:
+            ahead = self._pack_ahead()
         self._push_id += 1
         selected = time.perf_counter()
-        verify = self.config.verify
-        self._digests: dict[int, list[torch.Tensor]] | None = {} if verify else None
-        direct = self._ring.direct
         if direct:
             self._ring.mark_ready()  # before PushStart: the receiver's stream waits for this record
-        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True, verify), "accept")
-        ahead = 0 if direct else self._pack_ahead()  # while the receiver checks its destinations
+        self._channel.send(PushStart(self._push_id, version, self._layout.layout_id, True, self.config.verify),
+                           "accept")  # fmt: skip
         accept = self._channel.expect(Accept, self._push_id, "accept")
         accepted = streamed = time.perf_counter()
         if not accept.skip:
@@ -100,15 +110,11 @@ class WeightSender:
         return report
 
     def _pack_ahead(self) -> int:
-        """Pack the first buckets before the receiver accepts: every buffer is free between pushes (the last
-        push ended with every BucketFreed), and nothing is signalled until Accept arrives."""
+        """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
+        with every BucketFreed), and nothing is signalled until the receiver accepts."""
         ahead = min(len(self._ring.buffers), len(self._buckets))
-        try:
-            for k in range(ahead):
-                self._pack(k)
-        except Exception as e:
-            self._channel.abort(self._push_id, f"pack bucket {k}/{len(self._buckets)}", e)
-            raise
+        for k in range(ahead):
+            self._pack(k)
         return ahead
 
     def _pack(self, k: int) -> None:
@@ -181,13 +187,20 @@ class WeightSender:
         logger.info("session up with %s (pid %d): %s ring, %d x %d bytes", self._channel.peer, hello.pid,
                     self._ring.name, cfg.num_buffers, cfg.bucket_bytes)  # fmt: skip
 
-    def _select(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
+    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
         """select(), skipped while the trainer pushes the same tensors (updated in place) as last time."""
-        named = list(named_tensors)
         key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in named)
         if key != self._sources_key:
             self._sources, self._sources_key, self._packer = select(named, self.config), key, None
+        self._named = named
         return self._sources
+
+    def _same_objects(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """The same names and tensor objects as last push: likely (not surely) the same tensors."""
+        last = self._named
+        if len(named) != len(last):
+            return False
+        return all(a[0] == b[0] and a[1] is b[1] for a, b in zip(named, last, strict=True))
 
     def _ensure_layout(self, sources: list[SourceTensor]) -> None:
         """Send the Layout when the tensors' names, dtypes or shapes change; make what every push replays when

@@ -57,6 +57,31 @@ def test_pushes_are_bit_exact_and_versioned(private_tmp, in_thread):
             assert all(same_bits(dest[k], v) for k, v in src.items())
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_same_tensor_objects_updated_in_place_or_given_new_data(private_tmp, in_thread, verify):
+    """A training loop passes the same tensor objects every push: the sender packs them before it checks
+    them. Updated in place, that packing is the push; given new storage (``p.data = ...``) it is stale and
+    must be packed again (and, verified, its digests dropped)."""
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False, verify=verify)
+    with session_pair(cfg) as (sender, receiver):
+        src = model(1)
+        dest = zeros_like(src)
+        for version in (1, 2, 3, 4):
+            if version == 2:
+                for t in src.values():
+                    t.add_(1)  # in place: same storage
+            if version == 3:
+                src["embed.weight"].data = src["embed.weight"] * 3  # same object, new storage
+                src["layer.0.bias"].data = torch.full((32,), 7.0)
+            if version == 4:
+                w = src["layer.0.weight"]
+                w.data = w.data.t()  # same object, same storage and data pointer, another stride
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(src.items(), version)
+            assert got.result(timeout=10).version == version
+            assert all(same_bits(dest[k], v) for k, v in src.items()), version
+
+
 def test_load_fn_gets_whole_tensors(private_tmp, in_thread):
     loaded: dict[str, torch.Tensor] = {}
     calls: list[int] = []
