@@ -4,13 +4,21 @@ A push of a 7B model is ~340 tensor copies on each side. Slicing views and check
 microseconds of Python per copy, which on a GPU that copies a 1 MB tensor in under a microsecond is most of
 a push. So the views are made once per (layout, tensors, buffers) and kept; a replay is the copies alone, the
 small ones fused into one launch per device (``torch._foreach_copy_``), the large ones each a DMA copy.
+
+Launching ~340 copies still costs the host 1-2 ms (~6 us each), more than the GPU needs to copy a small model.
+So a list whose copies all stay on one GPU is captured once into a CUDA graph, at its second run (a list used
+once is not worth it), and from then on replayed with one launch. The capture runs on a side stream and
+executes nothing; the graph replays on the current stream, ordered like the copies it stands for.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 FUSE_BELOW_BYTES = 1 << 20  # copies smaller than this share one launch; larger ones run at DMA speed alone
 
@@ -27,8 +35,22 @@ class CopyList:
             srcs.append(s)
         self._fused = list(by_device.values())
         self.devices = {t.device for pair in pairs for t in pair if t.device.type == "cuda"}
+        one_gpu = len(self.devices) == 1 and all(d.is_cuda and s.is_cuda for d, s in pairs)
+        self._gpu = self.devices.copy().pop() if one_gpu and len(pairs) > 1 else None
+        self._runs = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
 
     def run(self) -> None:
+        if self._graph is not None:
+            with torch.cuda.device(self._gpu):
+                self._graph.replay()
+            return
+        self._run_each()
+        self._runs += 1
+        if self._runs == 2 and self._gpu is not None:
+            self._graph = _capture(self._run_each, self._gpu)
+
+    def _run_each(self) -> None:
         for dsts, srcs in self._fused:
             torch._foreach_copy_(dsts, srcs)
         for d, s in self._large:
@@ -37,3 +59,20 @@ class CopyList:
 
 def _fusable(d: torch.Tensor, s: torch.Tensor) -> bool:
     return d.is_cuda and d.device == s.device and d.dtype == s.dtype and d.nbytes < FUSE_BELOW_BYTES
+
+
+def _capture(copies, device: torch.device) -> torch.cuda.CUDAGraph | None:
+    """``copies`` captured into a CUDA graph (nothing runs), or None where capture is refused: the copies are
+    then launched one by one, as before."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            graph.capture_begin(capture_error_mode="thread_local")  # other threads may use the GPU meanwhile
+            try:
+                copies()
+            finally:
+                graph.capture_end()
+    except RuntimeError as e:
+        logger.info("copies on %s not captured in a CUDA graph, launched one by one: %s", device, e)
+        return None
+    return graph

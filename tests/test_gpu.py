@@ -11,6 +11,26 @@ from raysync import SyncConfig
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def test_copies_on_one_gpu_are_replayed_from_a_cuda_graph_that_follows_in_place_updates():
+    from raysync.copies import CopyList
+
+    torch.cuda.set_device(0)
+    src = [torch.randn(n, device="cuda") for n in (7, 1 << 20, 3 << 18, 5)]  # fused and one-by-one copies
+    dst = [torch.zeros_like(t) for t in src]
+    copies = CopyList(list(zip(dst, src, strict=True)))
+    for push in range(5):
+        for t in src:
+            t.add_(push + 1)  # the trainer's step, in place
+        copies.run()
+        torch.cuda.current_stream().synchronize()
+        assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)), push
+    assert copies._graph is not None  # captured at the second run, replayed since
+    mixed = CopyList([(torch.zeros(4), src[0][:4].cpu()), (torch.zeros(4, device="cuda"), src[0][:4])])
+    for _ in range(3):
+        mixed.run()
+    assert mixed._graph is None  # host memory in the list: launched one by one
+
+
 def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
     torch.cuda.init()
     g = torch.Generator(device="cuda").manual_seed(0)
