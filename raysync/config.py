@@ -10,6 +10,7 @@ MiB = 1 << 20
 
 # Defaults, overridable by environment for operators who cannot change the calling code.
 _ENV_PREFIX = "RAYSYNC_"
+_YES, _NO = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,11 @@ class SyncConfig:
                     storages are exported once. They must stay alive between pushes, on the sender's GPU,
                     contiguous and in their wire dtype (one GPU or plain DDP; no cast_dtype); anything else is
                     refused before a byte moves. Other transports ignore it
+    cuda_graphs     each side: a list of copies that all stay on one GPU (packing, unpacking, direct mode's
+                    copies) is captured into a CUDA graph at its second push and replayed with one launch.
+                    Measured on an H200: saves the ~6 us per copy launch (1.5B ring 5.0-5.5 -> 4.0-4.1 ms, 7B
+                    2 x 2048 MB 18.3 -> 17.5 ms) but large copies ran ~4% slower from the graph (7B through
+                    one 8 GB buffer 16.6 -> 17.3 ms): off for few, large buckets
     """
 
     bucket_bytes: int = 512 * MiB
@@ -54,6 +60,7 @@ class SyncConfig:
     staged: bool = False
     verify: bool = False
     direct: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("keep_dtype", "include", "exclude"):
@@ -84,11 +91,17 @@ class SyncConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> SyncConfig:
-        """Defaults, then RAYSYNC_BUCKET_BYTES / RAYSYNC_NUM_BUFFERS / RAYSYNC_TIMEOUT_S, then ``overrides``."""
+        """Defaults, then the numeric and yes/no fields from RAYSYNC_<FIELD> (RAYSYNC_BUCKET_BYTES,
+        RAYSYNC_TIMEOUT_S, RAYSYNC_CUDA_GRAPHS=0, ...), then ``overrides``."""
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
-            raw = os.environ.get(_ENV_PREFIX + f.name.upper())
+            name = _ENV_PREFIX + f.name.upper()
+            raw = os.environ.get(name)
             if raw is not None and f.type in ("int", "float"):
                 values[f.name] = int(raw) if f.type == "int" else float(raw)
+            elif raw is not None and f.type == "bool":
+                if raw.lower() not in _YES | _NO:
+                    raise ValueError(f"{name}={raw!r}: expected one of {sorted(_YES | _NO)}")
+                values[f.name] = raw.lower() in _YES
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ small ones fused into one launch per device (``torch._foreach_copy_``), the larg
 
 Launching ~340 copies still costs the host 1-2 ms (~6 us each), more than the GPU needs to copy a small model.
 So a list whose copies all stay on one GPU is captured once into a CUDA graph, at its second run (a list used
-once is not worth it), and from then on replayed with one launch. The capture runs on a side stream and
+once is not worth it; SyncConfig.cuda_graphs=False keeps launching them one by one), and from then on replayed with one launch. The capture runs on a side stream and
 executes nothing; the graph replays on the current stream, ordered like the copies it stands for.
 """
 
@@ -24,8 +24,8 @@ FUSE_BELOW_BYTES = 1 << 20  # copies smaller than this share one launch; larger 
 
 
 class CopyList:
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        """``pairs``: (destination, source) views of the same shape."""
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], graph: bool = True):
+        """``pairs``: (destination, source) views of the same shape; ``graph``: may be captured."""
         small = [(d, s) for d, s in pairs if _fusable(d, s)]
         self._large = [(d, s) for d, s in pairs if not _fusable(d, s)]
         by_device: dict[torch.device, tuple[list, list]] = {}
@@ -36,7 +36,7 @@ class CopyList:
         self._fused = list(by_device.values())
         self.devices = {t.device for pair in pairs for t in pair if t.device.type == "cuda"}
         one_gpu = len(self.devices) == 1 and all(d.is_cuda and s.is_cuda for d, s in pairs)
-        self._gpu = self.devices.copy().pop() if one_gpu and len(pairs) > 1 else None
+        self._gpu = self.devices.copy().pop() if graph and one_gpu and len(pairs) > 1 else None
         self._runs = 0
         self._graph: torch.cuda.CUDAGraph | None = None
 

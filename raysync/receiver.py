@@ -62,7 +62,7 @@ class WeightReceiver:
                                         max_frame_bytes=self.config.max_frame_bytes)  # fmt: skip
         self._ring = None
         self._layout: Layout | None = None
-        self._sinks = Sinks(self.config.staged)
+        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
         self._sinks_made = 1  # counts the Sinks made: a sink checked ahead is used only from the current one
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
@@ -255,7 +255,7 @@ class WeightReceiver:
     def _drop_sinks(self) -> None:
         """The cached sinks hold views of the ring (or of the sender's mapped storages) and keep that memory
         mapped: they go before the ring does, and nothing else may keep them (an exception's frames can)."""
-        self._sinks = Sinks(self.config.staged)
+        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
         self._sinks_made += 1
 
     def close(self) -> None:

@@ -223,7 +223,7 @@ class WeightSender:
             self._channel.send(shared, "layout: the trainer's storages")
             self._packer = shared
         else:
-            self._packer = Packer(self._buckets, sources, self._ring.buffers)
+            self._packer = Packer(self._buckets, sources, self._ring.buffers, self.config.cuda_graphs)
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:

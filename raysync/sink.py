@@ -70,11 +70,13 @@ class IntoTensors(Sink):
     part-way leaves the destinations as they were, never half old and half new. Costs one more copy of the
     weights in memory and one more copy per push."""
 
-    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor], staged: bool = False):
+    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor], staged: bool = False,
+                 graphs: bool = True):  # fmt: skip
         super().__init__(specs)
         final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
-        self._apply = CopyList(list(zip(final, self._bytes, strict=True))) if staged else None
+        self._graphs = graphs  # raysync.copies: lists on one GPU replayed from a CUDA graph
+        self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
         kinds = {t.device.type for t in self._bytes}
@@ -89,7 +91,7 @@ class IntoTensors(Sink):
         if copies is None:  # made once per buckets and buffers, replayed every push (raysync.copies)
             pairs = [(self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
                      for bucket, buffer in parts for c in bucket.chunks]  # fmt: skip
-            copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()])
+            copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()], self._graphs)
         copies.run()
         for bucket, buffer in parts:
             self._sync(buffer)
@@ -164,8 +166,8 @@ class Sinks:
     """Makes each push's sink. Checking 339 destinations and making their byte views costs milliseconds of
     Python, so the checked views are kept while the layout and the destination tensors stay the same."""
 
-    def __init__(self, staged: bool = False) -> None:
-        self._staged = staged
+    def __init__(self, staged: bool = False, graphs: bool = True) -> None:
+        self._staged, self._graphs = staged, graphs
         self._key: tuple | None = None
         self._into: IntoTensors | None = None
 
@@ -178,7 +180,7 @@ class Sinks:
         except KeyError:
             key = None  # IntoTensors names the missing destination
         if key is None or key != self._key:
-            self._into, self._key = IntoTensors(specs, into, self._staged), key
+            self._into, self._key = IntoTensors(specs, into, self._staged, self._graphs), key
         else:
             self._into.reset()
         return self._into

@@ -68,7 +68,11 @@ class Packer:
     current stream of every device involved is synchronized once per bucket, at its end."""
 
     def __init__(
-        self, buckets: Sequence[Bucket], sources: Sequence[SourceTensor], buffers: Sequence[torch.Tensor]
+        self,
+        buckets: Sequence[Bucket],
+        sources: Sequence[SourceTensor],
+        buffers: Sequence[torch.Tensor],
+        graphs: bool = True,
     ):
         self._plans: list[tuple[CopyList, list[tuple[SourceTensor, Chunk, torch.Tensor]], set]] = []
         for k, bucket in enumerate(buckets):
@@ -85,7 +89,7 @@ class Packer:
                     )
             host_sync = {sources[c.index].tensor.device for c in bucket.chunks
                          if sources[c.index].tensor.is_cuda and buffer.device.type == "cpu"}  # fmt: skip
-            self._plans.append((CopyList(pairs), packed_each_time, host_sync))
+            self._plans.append((CopyList(pairs, graphs), packed_each_time, host_sync))
 
     def pack(self, k: int) -> None:
         copies, packed_each_time, host_sync = self._plans[k]

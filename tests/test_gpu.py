@@ -25,6 +25,10 @@ def test_copies_on_one_gpu_are_replayed_from_a_cuda_graph_that_follows_in_place_
         torch.cuda.current_stream().synchronize()
         assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)), push
     assert copies._graph is not None  # captured at the second run, replayed since
+    eager = CopyList(list(zip(dst, src, strict=True)), graph=False)  # SyncConfig(cuda_graphs=False)
+    for _ in range(3):
+        eager.run()
+    assert eager._graph is None
     mixed = CopyList([(torch.zeros(4), src[0][:4].cpu()), (torch.zeros(4, device="cuda"), src[0][:4])])
     for _ in range(3):
         mixed.run()

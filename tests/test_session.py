@@ -340,8 +340,14 @@ def test_config_checks_and_environment(monkeypatch):
         SyncConfig(keep_dtype="*.norm")
     monkeypatch.setenv("RAYSYNC_BUCKET_BYTES", str(1 << 20))
     monkeypatch.setenv("RAYSYNC_TIMEOUT_S", "7.5")
+    monkeypatch.setenv("RAYSYNC_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("RAYSYNC_VERIFY", "Yes")
     cfg = SyncConfig.from_env(num_buffers=3)
     assert (cfg.bucket_bytes, cfg.timeout_s, cfg.num_buffers) == (1 << 20, 7.5, 3)
+    assert (cfg.cuda_graphs, cfg.verify, cfg.staged) == (False, True, False)
+    monkeypatch.setenv("RAYSYNC_STAGED", "maybe")
+    with pytest.raises(ValueError, match="RAYSYNC_STAGED='maybe'"):
+        SyncConfig.from_env()
 
 
 def test_a_failed_push_the_caller_keeps_does_not_keep_the_ring_mapped(private_tmp, in_thread):

@@ -386,7 +386,7 @@ class CollectiveReceiver:
         store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s), use_libuv=False)  # fmt: skip
         self._group = _Group(secret, config, rank, rendezvous, store)
-        self._sinks = Sinks(config.staged)
+        self._sinks = Sinks(config.staged, config.cuda_graphs)
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
