@@ -74,15 +74,16 @@ class WeightSender:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
         start = time.perf_counter()
         named = list(named_tensors)
-        self._ensure_session()
-        direct = self._ring.direct
         self._digests: dict[int, list[torch.Tensor]] | None = {} if self.config.verify else None
         # the same tensor objects as last push (a training loop): the GPU packs the first buckets while the
         # host checks the tensors; what was packed is dropped if they changed after all (new data pointers)
-        packer = self._packer
-        ahead = self._pack_ahead() if not direct and packer is not None and self._same_objects(named) else 0
+        packer = self._packer  # set only once a session is up
+        early = packer is not None and not self._ring.direct and self._same_objects(named)
+        ahead = self._pack_ahead() if early else 0
         sources = self._select(named)
+        self._ensure_session()
         self._ensure_layout(sources)
+        direct = self._ring.direct
         if self._packer is not packer:
             self._digests, ahead = {} if self.config.verify else None, 0
         if not direct and not ahead:
