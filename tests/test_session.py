@@ -66,7 +66,7 @@ def test_same_tensor_objects_updated_in_place_or_given_new_data(private_tmp, in_
     with session_pair(cfg) as (sender, receiver):
         src = model(1)
         dest = zeros_like(src)
-        for version in (1, 2, 3, 4):
+        for version in (1, 2, 3, 4, 5):
             if version == 2:
                 for t in src.values():
                     t.add_(1)  # in place: same storage
@@ -76,6 +76,9 @@ def test_same_tensor_objects_updated_in_place_or_given_new_data(private_tmp, in_
             if version == 4:
                 w = src["layer.0.weight"]
                 w.data = w.data.t()  # same object, same storage and data pointer, another stride
+            if version == 5:
+                src["layer.0.bias"].data = torch.randn(16)  # same object, another shape: a new layout
+                dest["layer.0.bias"] = torch.zeros(16)
             got = in_thread(receiver.receive, into=dest)
             sender.push(src.items(), version)
             assert got.result(timeout=10).version == version
