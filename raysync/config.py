@@ -18,7 +18,8 @@ class SyncConfig:
     """Settings shared by both halves of a session (the sender's values are the ones that count for the layout).
 
     bucket_bytes    size of one ring buffer; a tensor larger than this is sliced over consecutive buckets
-    num_buffers     buffers in the ring: the sender packs bucket k+1 while the receiver loads bucket k
+    num_buffers     buffers in the ring: the sender packs bucket k+1 while the receiver loads bucket k (on two
+                    GPUs; two processes on one GPU take turns on it, so there few, large buckets win)
     align_bytes     every tensor starts at a multiple of this inside a bucket (views stay aligned for any dtype)
     timeout_s       limit of every blocking wait on a peer
     max_frame_bytes control frames above this are refused before they are parsed

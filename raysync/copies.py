@@ -38,7 +38,7 @@ class CopyList:
         self._fused = list(by_device.values())
         self.devices = {t.device for pair in pairs for t in pair if t.device.type == "cuda"}
         one_gpu = len(self.devices) == 1 and all(d.is_cuda and s.is_cuda for d, s in pairs)
-        self._gpu = self.devices.copy().pop() if graph and one_gpu and len(pairs) > 1 else None
+        self._gpu = next(iter(self.devices)) if graph and one_gpu and len(pairs) > 1 else None
         self._runs = 0
         self._graph: torch.cuda.CUDAGraph | None = None
 
