@@ -15,7 +15,7 @@ import torch
 MOD = 1 << 63
 
 
-def partial(data: torch.Tensor) -> torch.Tensor:
+def partial(data: torch.Tensor, offset_bytes: int = 0) -> torch.Tensor:
     """The digest of the bytes of ``data`` (a uint8 tensor), as a 0-d int64 tensor on its device (no sync)."""
     if data.storage_offset() % 8:  # words count from the tensor's first byte: read them from an aligned copy
         data = data.clone()

@@ -125,7 +125,7 @@ class WeightSender:
         if self._digests is not None:  # of the bytes as packed, wire dtype and all (raysync.digest)
             buffer = self._ring.buffers[slot]
             for c in self._buckets[k].chunks:
-                part = digest.partial(buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
+                part = digest.partial(buffer[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
                 self._digests.setdefault(c.index, []).append(part)
         self._ring.after_pack(slot)
 
@@ -166,7 +166,7 @@ class WeightSender:
             for bucket, storage in zip(self._buckets, self._ring.shared, strict=False):
                 for c in bucket.chunks:
                     part = storage[c.bucket_offset : c.bucket_offset + c.nbytes]
-                    self._digests[c.index] = [digest.partial(part)]
+                    self._digests[c.index] = [digest.partial(part, c.src_offset)]
         sums = tuple(digest.finish([self._digests.get(i, []) for i in range(len(specs))]))
         self._channel.send(PushDigest(self._push_id, sums), "verify")
 

@@ -98,7 +98,7 @@ class IntoTensors(Sink):
             self.landed(bucket)
 
     def digests(self) -> list[int]:
-        return digest.finish([[digest.partial(t)] for t in self._bytes])  # staged: checked before applied
+        return digest.finish([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
 
     def finish(self) -> None:
         if self._apply is not None:
@@ -136,7 +136,7 @@ class IntoLoadFn(Sink):
         for c in bucket.chunks:
             region = buffer[c.bucket_offset : c.bucket_offset + c.nbytes]
             if self.verify:
-                self._parts.setdefault(c.index, []).append(digest.partial(region))
+                self._parts.setdefault(c.index, []).append(digest.partial(region, c.src_offset))
             if c.whole:
                 batch.append(self._typed(c, region))
                 continue
