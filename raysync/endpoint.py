@@ -24,10 +24,11 @@ from raysync.sender import WeightSender
 from raysync.sharded import ShardedReceiver, shares
 from raysync.source import select
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
+from raysync.version import MIXED, Version
 from raysync.wire import SessionSecret
 
 _STATE = "_raysync_sessions"
-_APPLIED = "_raysync_version"  # the last version applied by any session
+_APPLIED = "_raysync_version"  # what the weights hold, by any session: the last version applied, or MIXED
 
 Source = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
 Sink = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
@@ -155,6 +156,7 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     try:
         named = list(side.source(actor))  # once, shared by all sessions (read-only)
     except Exception as e:
+        _abort_sessions([side.senders[j] for j in receivers if j in side.senders], e)
         return {j: _failure("source", e) for j in receivers}
 
     def one(target: Any) -> dict:
@@ -169,6 +171,15 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(one, jobs.values()), strict=True))
     return {j: r for js, r in results.items() for j in js}
+
+
+def _abort_sessions(senders: list[WeightSender], error: Exception) -> None:
+    """The source raised: every receiver hears it now (their waits end at once, nothing touched) rather than
+    at timeout_s. The collective's receivers are not told yet (CollectiveSender has no abort): they time out."""
+    if not senders:
+        return
+    with ThreadPoolExecutor(max_workers=len(senders)) as pool:
+        list(pool.map(lambda s: s.abort(error, "source"), senders))
 
 
 # --- receiver side -----------------------------------------------------------------------------------------------
@@ -217,15 +228,18 @@ def receiver_receive(actor: Any, sync_id: str) -> dict:
         actor.__dict__[_APPLIED] = side.receiver.version
         return {"ok": True, "report": asdict(report), "version": side.receiver.version}
     except Exception as e:
+        if side.receiver.version == MIXED:  # Note [versions never lie]: the engine's weights are no version
+            actor.__dict__[_APPLIED] = MIXED
         return {**_failure("receive", e), "version": side.receiver.version}
 
 
-def applied_version(actor: Any) -> int | None:
-    """The last version this actor (or engine worker) applied completely, by any session."""
+def applied_version(actor: Any) -> Version:
+    """What this actor's (or engine worker's) weights hold, by any session: the last version applied
+    completely, MIXED after a push that failed part-way (until a push completes), None before any push."""
     return actor.__dict__.get(_APPLIED)
 
 
-def receiver_version(actor: Any, sync_id: str) -> int | None:
+def receiver_version(actor: Any, sync_id: str) -> Version:
     side = _sessions(actor).get(sync_id)
     return side.receiver.version if side is not None else None
 

@@ -72,17 +72,31 @@ class RemoteError(RaysyncError):
 
 
 class PushIncomplete(RaysyncError):
-    """A push stopped part-way. The receiver's version did not advance."""
+    """A push stopped part-way. The receiver's version did not advance: it is the old one, or ``"mixed"`` when
+    ``mixed`` (bytes of this push had reached the destinations: Note [versions never lie] in raysync.version)."""
 
-    def __init__(self, version: int, stage: str, reason: str, undelivered: list[str]):
+    def __init__(self, version: int, stage: str, reason: str, undelivered: list[str], *,
+                 mixed: bool | None = None):  # fmt: skip
         self.version, self.stage, self.reason, self.undelivered = version, stage, reason, undelivered
+        self.mixed = mixed  # None: the raiser does not know
         shown = ", ".join(undelivered[:5]) + (
             f", ... ({len(undelivered)} in all)" if len(undelivered) > 5 else ""
         )
+        state = {
+            True: "; the destinations now hold a mix of old and new weights: the version is 'mixed' until a "
+            "push completes (the next push is a full one)",
+            False: "; the destinations were not touched by this push",
+            None: "",
+        }[mixed]
         super().__init__(
             f"push of version {version} stopped at stage '{stage}': {reason}; "
-            f"{len(undelivered)} tensor(s) not delivered: [{shown}]"
+            f"{len(undelivered)} tensor(s) not delivered: [{shown}]{state}"
         )
+
+
+class WeightsMixed(RaysyncError):
+    """Raised by a staging loader's ``finish`` (raysync.sink) that failed part-way and could not put the old
+    weights back: the destinations hold a mix of two versions, and the receiver's version becomes "mixed"."""
 
 
 # --- setup and input ----------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@
     apply     a staging load function applies the whole push (most sinks have nothing to do here)
     finish    record the version as applied, say PushDone
 
-A push that fails part-way raises PushIncomplete naming the tensors not delivered, and ``version`` stays at
-the last push that completed.
+A push that fails part-way raises PushIncomplete naming the tensors not delivered. ``version`` then says
+what the destinations hold (Note [versions never lie] in raysync.version): the last push that completed, when
+the failed push touched nothing or was atomic (``SyncConfig.staged``, a staging load function), else MIXED.
+A sender that fails before its push starts (its source raised) sends an Abort that ends the wait at once.
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ import torch
 
 from raysync.config import SyncConfig
 from raysync.control import ReceiverChannel
-from raysync.errors import IntegrityError, LayoutError, PushIncomplete, RaysyncError, RemoteError, SchemaError
+from raysync.errors import (
+    IntegrityError,
+    LayoutError,
+    PushIncomplete,
+    RaysyncError,
+    RemoteError,
+    SchemaError,
+    WeightsMixed,
+)
 from raysync.plan import Bucket, direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import LoadFn, Sink, Sinks
 from raysync.transport import registry
+from raysync.version import MIXED, Version
 from raysync.wire import (
     Abort,
     Accept,
@@ -67,7 +78,8 @@ class WeightReceiver:
         self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
         self._buckets: list[Bucket] = []
         self._mapped_layout = 0  # direct mode: the layout whose DirectSources are mapped
-        self.version: int | None = None  # the last version applied completely
+        self.version: Version = None  # what the destinations hold (Note [versions never lie])
+        self._last_push_id = 0  # the last push started (or aborted by the sender before it started)
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
@@ -85,7 +97,7 @@ class WeightReceiver:
         start = self._wait_push(wait_s)
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
-        skip = start.version == self.version
+        skip = start.version == self.version  # never while MIXED: the next push repairs the weights
         self._channel.send(Accept(start.push_id, skip), "accept")
         accepted = streamed = time.perf_counter()
         if not skip:
@@ -135,7 +147,7 @@ class WeightReceiver:
             return sink
         except RaysyncError as e:
             self._channel.abort(start.push_id, "accept", e)
-            raise PushIncomplete(start.version, "accept", str(e), [s.name for s in specs]) from e
+            raise self._incomplete(start, "accept", str(e), [s.name for s in specs]) from e
 
     def _stream(self, start: PushStart, sink: Sink) -> float:
         """Every bucket into the sink, then the end of the push (GPU drained, verified, applied); returns
@@ -146,6 +158,7 @@ class WeightReceiver:
             if self._ring.direct:
                 stage = "copy out of the sender's tensors"
                 self._ring.before_unpack(0)  # on this GPU's stream: the sender's tensors are ready
+                self._touching(sink)
                 sink.write_all(list(zip(self._buckets, self._ring.buffers, strict=True)))
             else:
                 for k, bucket in enumerate(self._buckets):
@@ -157,6 +170,8 @@ class WeightReceiver:
                         )
                     stage = f"unpack bucket {k}/{len(self._buckets)}"
                     self._ring.before_unpack(ready.slot)
+                    if k == 0:
+                        self._touching(sink)
                     sink.write(bucket, self._ring.buffers[ready.slot])
                     self._ring.after_unpack(ready.slot)
                     self._channel.send(BucketFreed(pid, k, ready.slot), stage)
@@ -170,10 +185,24 @@ class WeightReceiver:
             sink.finish()
             return streamed
         except RemoteError as e:  # the sender failed and told us
-            raise PushIncomplete(start.version, f"sender: {e.stage}", e.message, sink.undelivered()) from e
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, sink.undelivered()) from e
         except Exception as e:
+            if isinstance(e, WeightsMixed):  # an atomic sink that could not keep its promise
+                self.version = MIXED
             self._channel.abort(pid, stage, e)
-            raise PushIncomplete(start.version, stage, str(e), sink.undelivered()) from e
+            raise self._incomplete(start, stage, str(e), sink.undelivered()) from e
+
+    def _touching(self, sink: Sink) -> None:
+        """The first byte of the push is about to reach the destinations. Note [versions never lie]: from here
+        until the push completes, a failure anywhere leaves them a mix of two versions, so say so first. An
+        atomic sink (staged) touches them only in ``finish`` and says itself when that fails (WeightsMixed)."""
+        if sink.in_place:
+            self.version = MIXED
+
+    def _incomplete(
+        self, start: PushStart, stage: str, reason: str, undelivered: list[str]
+    ) -> PushIncomplete:
+        return PushIncomplete(start.version, stage, reason, undelivered, mixed=self.version == MIXED)
 
     def _verify(self, sink: Sink, sent: PushDigest) -> None:
         """Compare what landed with what the sender packed; the tensors that differ count as undelivered."""
@@ -211,9 +240,13 @@ class WeightReceiver:
             elif isinstance(msg, DirectSources):
                 self._take_sources(msg)
             elif isinstance(msg, PushStart):
+                self._last_push_id = msg.push_id
                 return msg
             elif isinstance(msg, Close):
                 raise SessionClosed(f"{self._channel.peer} closed the session")
+            elif isinstance(msg, Abort) and msg.push_id > self._last_push_id:
+                self._last_push_id = msg.push_id  # the sender failed before it started this push (its source)
+                raise RemoteError(self._channel.peer, msg.stage, msg.message, msg.traceback)
             elif isinstance(msg, (BucketReady, Abort)):
                 logger.debug("skipping %s left over from push %d", type(msg).__name__, msg.push_id)
             else:

@@ -11,6 +11,9 @@ A push, as a sequence of stages (each wait bounded by ``timeout_s``):
     stream    for bucket k: wait until buffer k % N is free, pack (k >= N), signal BucketReady
               (direct mode: nothing; the receiver copies out of the trainer's tensors in place)
     finish    wait for the last frees and PushDone: only then is the version applied on the receiver
+
+A push that fails here before it starts (the trainer's source raised) is announced to the receiver with an
+Abort (``abort``), so the receiver raises at once instead of waiting ``timeout_s`` for a push that never comes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from tqdm import tqdm
 from raysync import digest
 from raysync.config import SyncConfig
 from raysync.control import SenderChannel
-from raysync.errors import RemoteError
+from raysync.errors import RaysyncError, RemoteError
 from raysync.plan import direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.source import Packer, SourceTensor, select
@@ -73,7 +76,11 @@ class WeightSender:
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
         start = time.perf_counter()
-        named = list(named_tensors)
+        try:
+            named = list(named_tensors)  # a generator runs the trainer's code: it may raise
+        except Exception as e:
+            self.abort(e, "source")
+            raise
         self._digests: dict[int, list[torch.Tensor]] | None = {} if self.config.verify else None
         # the same tensor objects as last push (a training loop): the GPU packs the first buckets while the
         # host checks the tensors; what was packed is dropped if they changed after all (new data pointers)
@@ -109,6 +116,20 @@ class WeightSender:
         )  # fmt: skip
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
+
+    def abort(self, error: BaseException, stage: str = "source") -> None:
+        """This push failed here before it started (e.g. the trainer's source raised): tell the receiver, which
+        raises ``error``'s type and message at once instead of waiting for a push that will not come. Best
+        effort; before the first push it waits (up to timeout_s) for the receiver's Hello to know where to."""
+        if self._ring is None:
+            try:
+                self._channel.accept("abort: waiting for the receiver's Hello")
+            except RaysyncError:
+                return  # no receiver came: nobody is waiting
+            self._channel.abort(0, stage, error)  # answers the receiver's wait for the ring
+            return
+        self._push_id += 1  # the receiver raises for an Abort of a push newer than the last it saw start
+        self._channel.abort(self._push_id, stage, error)
 
     def _pack_ahead(self) -> int:
         """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended

@@ -6,9 +6,16 @@ Two kinds of destination, chosen by the caller of ``WeightReceiver.receive``:
   straight into its destination; a tensor sliced over several buckets is reassembled in place.
 * ``load_fn``: called once per bucket with a list of (name, tensor), the contract of vLLM's
   ``model.load_weights``. Whole tensors are zero-copy views of the ring buffer; a sliced tensor is gathered
-  into one staging tensor of its own size and handed over in the bucket that completes it. If the load
-  function has a ``finish()`` method, it is called once after the last bucket of a complete push, before the
-  version counts as applied (a loader that stages a push and applies it as a whole, see raysync.vllm).
+  into one staging tensor of its own size and handed over in the bucket that completes it. Two optional
+  methods of the load function: ``check(specs)`` is called when a push is accepted, before any byte moves, with
+  the push's TensorSpecs (raise LayoutError to refuse the push: nothing is touched); ``finish()`` is called once
+  after the last bucket of a complete push, before the version counts as applied (a staging loader: it keeps
+  each bucket and applies the whole push at its end, see raysync.vllm).
+
+Which pushes are atomic (Note [versions never lie] in raysync.version): ``into`` with ``SyncConfig.staged``,
+and a load function with ``finish`` — a staging loader's contract is that a ``finish`` that fails has put the
+old weights back, or raises ``WeightsMixed``. Every other push writes the destinations as its buckets land
+(``Sink.in_place``): one that fails part-way leaves them a mix, and the receiver says so.
 
 # Note [ring buffer views]
 # The views given to ``load_fn`` point into a ring buffer that the sender overwrites as soon as the call
@@ -23,7 +30,7 @@ import torch
 
 from raysync import digest
 from raysync.copies import CopyList
-from raysync.errors import LayoutError
+from raysync.errors import LayoutError, WeightsMixed
 from raysync.plan import Bucket, Chunk
 from raysync.wire import DTYPES, TensorSpec
 
@@ -32,6 +39,8 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 
 class Sink:
     """Unpacks buckets of one push for one destination; tracks which tensors are complete."""
+
+    in_place = True  # every write reaches the destinations: a push that fails part-way leaves them mixed
 
     def __init__(self, specs: Sequence[TensorSpec]):
         self.specs = specs
@@ -50,7 +59,8 @@ class Sink:
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Every bucket has landed: apply what was staged (nothing for most sinks)."""
+        """Every bucket has landed: apply what was staged (nothing for most sinks). Raises WeightsMixed when
+        it failed after touching the destinations."""
 
     def digests(self) -> list[int]:
         """Each tensor's digest of the bytes that landed (raysync.digest), in layout order."""
@@ -75,6 +85,7 @@ class IntoTensors(Sink):
         super().__init__(specs)
         final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
+        self.in_place = not staged
         self._graphs = graphs  # raysync.copies: lists on one GPU replayed from a CUDA graph
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, CopyList] = {}
@@ -101,10 +112,14 @@ class IntoTensors(Sink):
         return digest.finish([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
 
     def finish(self) -> None:
-        if self._apply is not None:
+        if self._apply is None:
+            return
+        try:
             self._apply.run()
             for device in self._devices:
                 torch.cuda.current_stream(device).synchronize()  # applied means in place
+        except Exception as e:  # some destinations may hold the new bytes already
+            raise WeightsMixed(f"applying the staged push failed part-way: {type(e).__name__}: {e}") from e
 
     def target(self, chunk: Chunk) -> torch.Tensor:
         """The destination bytes of ``chunk``: a transport that can write there directly (a broadcast) skips
@@ -119,6 +134,8 @@ class IntoLoadFn(Sink):
     def __init__(self, specs: Sequence[TensorSpec], load_fn: LoadFn):
         super().__init__(specs)
         self._load_fn = load_fn
+        self.in_place = not callable(getattr(load_fn, "finish", None))  # a staging loader applies in finish
+        _check_with(load_fn, specs)
         self._staging: dict[int, torch.Tensor] = {}
         self._parts: dict[int, list[torch.Tensor]] = {}  # digests of the bytes handed over, per tensor
 
@@ -184,6 +201,20 @@ class Sinks:
         else:
             self._into.reset()
         return self._into
+
+
+def _check_with(load_fn: LoadFn, specs: Sequence[TensorSpec]) -> None:
+    """The load function's own check of a push (its ``check(specs)``, if it has one), before any byte moves;
+    whatever it raises refuses the push."""
+    check = getattr(load_fn, "check", None)
+    if not callable(check):
+        return
+    try:
+        check(specs)
+    except LayoutError:
+        raise
+    except Exception as e:
+        raise LayoutError(f"the load function refused the push: {type(e).__name__}: {e}") from e
 
 
 def _byte_view(spec: TensorSpec, dest: Mapping[str, torch.Tensor]) -> torch.Tensor:

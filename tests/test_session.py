@@ -23,7 +23,8 @@ from raysync import (
     WeightReceiver,
     WeightSender,
 )
-from raysync.errors import EndpointError, SchemaError
+from raysync.errors import EndpointError, SchemaError, WeightsMixed
+from raysync.version import MIXED
 from raysync.wire import FrameCodec, Hello
 
 CFG = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False)
@@ -154,7 +155,11 @@ def test_destination_mismatch_fails_before_any_byte_moves(private_tmp, in_thread
 
 
 @pytest.mark.parametrize("fail_at", [0, 1, 2])
-def test_failure_at_bucket_k_keeps_the_old_version(private_tmp, in_thread, fail_at):
+def test_a_load_fn_failing_at_bucket_k_leaves_mixed_and_the_next_push_is_full(
+    private_tmp, in_thread, fail_at
+):
+    """A load function writes the engine's weights as buckets land: failing at bucket k leaves them a mix, the
+    version says "mixed" (not the old number), and the next push, even of the old version, is a full one."""
     with session_pair(CFG) as (sender, receiver):
         dest = zeros_like(model(0))
         in_thread(receiver.receive, into=dest)
@@ -170,30 +175,154 @@ def test_failure_at_bucket_k_keeps_the_old_version(private_tmp, in_thread, fail_
         with pytest.raises(RemoteError, match="loader exploded") as e:
             sender.push(model(2).items(), 2)
         assert "Traceback" in e.value.remote_traceback and "unpack bucket" in e.value.stage
-        with pytest.raises(PushIncomplete) as inc:
+        with pytest.raises(PushIncomplete, match="mix of old and new weights") as inc:
             got.result(timeout=10)
-        assert receiver.version == 1 and inc.value.version == 2
+        assert receiver.version == MIXED and inc.value.mixed is True and inc.value.version == 2
         assert set(inc.value.undelivered) >= {n for n, _ in calls[-1]} and inc.value.undelivered
-        got = in_thread(receiver.receive, into=dest)  # the session recovers: the next push is complete
-        sender.push(model(3).items(), 3)
-        assert got.result(timeout=10).version == 3 == receiver.version
-        assert all(same_bits(dest[k], v) for k, v in model(3).items())
+        got = in_thread(receiver.receive, into=dest)  # the old version's number again: still a full push
+        report = sender.push(model(1).items(), 1)
+        assert not report.skipped and report.bytes > 0
+        assert got.result(timeout=10).version == 1 == receiver.version
+        assert all(same_bits(dest[k], v) for k, v in model(1).items())
 
 
-def test_sender_failure_mid_push_is_reported_to_the_receiver(private_tmp, in_thread):
-    with session_pair(CFG) as (sender, receiver):
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_sender_failing_mid_push_leaves_mixed_unless_staged(private_tmp, in_thread, staged):
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False, staged=staged)
+    with session_pair(cfg) as (sender, receiver):
         dest = zeros_like(model(0))
         in_thread(receiver.receive, into=dest)
         sender.push(model(1).items(), 1)
         bad = model(2)
         bad["layer.0.bias"] = torch.empty(32, device="meta")  # cannot be copied out: packing fails part-way
+        bad["scale"] = torch.tensor(4.0)  # after the failing tensor: never sent
         got = in_thread(receiver.receive, into=dest)
         with pytest.raises(NotImplementedError, match="meta"):
             sender.push(bad.items(), 2)
         with pytest.raises(PushIncomplete, match="layer.0.bias") as inc:
             got.result(timeout=10)
         assert isinstance(inc.value.__cause__, RemoteError) and "pack bucket" in inc.value.stage
-        assert receiver.version == 1 and "embed.weight" not in inc.value.undelivered
+        assert "embed.weight" not in inc.value.undelivered and inc.value.mixed is (not staged)
+        if staged:  # landed in the staging copy only: the weights are version 1, whole
+            assert receiver.version == 1 and "not touched" in str(inc.value)
+            assert all(same_bits(dest[k], v) for k, v in model(1).items())
+        else:  # a mix: the new embedding, the old scale
+            assert receiver.version == MIXED and "mix of old and new" in str(inc.value)
+            assert same_bits(dest["embed.weight"], bad["embed.weight"]) and dest["scale"].item() == 3.0
+        got = in_thread(receiver.receive, into=dest)
+        report = sender.push(model(1).items(), 1)
+        assert report.skipped is staged  # only intact weights may skip a push of the version they hold
+        assert got.result(timeout=10).version == 1 == receiver.version
+        assert all(same_bits(dest[k], v) for k, v in model(1).items())
+
+
+class StagingLoader:
+    """A load function that keeps every bucket and applies the push in ``finish`` (raysync.vllm's contract):
+    ``fail`` makes the n-th bucket raise ("call"), or the apply fail part-way and put the old weights back
+    ("restore") or not ("mixed": it raises WeightsMixed)."""
+
+    def __init__(self, dest: dict[str, torch.Tensor], fail: str = "", at: int = 2):
+        self.dest, self.fail, self.at = dest, fail, at
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.calls = 0
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self.calls += 1
+        if self.fail == "call" and self.calls == self.at:
+            raise RuntimeError("loader exploded")
+        self.staged += [(n, t.clone()) for n, t in batch]
+
+    def finish(self) -> None:
+        staged, self.staged = self.staged, []
+        old = {n: t.clone() for n, t in self.dest.items()}
+        for k, (name, t) in enumerate(staged):
+            if self.fail in ("restore", "mixed") and k == self.at:
+                if self.fail == "mixed":
+                    raise WeightsMixed(f"applied {k} of {len(staged)} tensors, cannot undo them")
+                for n, v in old.items():
+                    self.dest[n].copy_(v)
+                raise RuntimeError("apply failed; the old weights are back")
+            self.dest[name].copy_(t)
+
+
+@pytest.mark.parametrize("fail", ["call", "restore", "mixed"])
+def test_a_staging_load_fn_keeps_the_old_version_unless_its_apply_says_mixed(private_tmp, in_thread, fail):
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, load_fn=StagingLoader(dest))
+        sender.push(model(1).items(), 1)
+        assert got.result(timeout=10).version == 1
+        got = in_thread(receiver.receive, load_fn=StagingLoader(dest, fail))
+        with pytest.raises(RemoteError, match="exploded|old weights are back|cannot undo"):
+            sender.push(model(2).items(), 2)
+        with pytest.raises(PushIncomplete) as inc:
+            got.result(timeout=10)
+        if fail == "mixed":
+            assert receiver.version == MIXED and inc.value.mixed is True and inc.value.stage == "apply"
+            assert same_bits(dest["embed.weight"], model(2)["embed.weight"])
+        else:
+            assert receiver.version == 1 and inc.value.mixed is False
+            assert all(same_bits(dest[k], v) for k, v in model(1).items())
+        got = in_thread(receiver.receive, load_fn=StagingLoader(dest))
+        sender.push(model(3).items(), 3)
+        assert got.result(timeout=10).version == 3
+        assert all(same_bits(dest[k], v) for k, v in model(3).items())
+
+
+def test_a_load_fn_check_refuses_a_push_before_any_byte_moves(private_tmp, in_thread):
+    seen: list[list[str]] = []
+
+    class Checked(StagingLoader):
+        def check(self, specs) -> None:  # the engine's own check of names, dtypes, shapes
+            seen.append([s.name for s in specs])
+            if any(s.name == "steps" for s in specs):
+                raise ValueError("the model has no tensor 'steps'")
+
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, load_fn=Checked(dest))
+        with pytest.raises(
+            RemoteError, match="refused the push: ValueError: the model has no tensor 'steps'"
+        ):
+            sender.push(model(1).items(), 1)
+        with pytest.raises(PushIncomplete) as inc:
+            got.result(timeout=10)
+        assert isinstance(inc.value.__cause__, LayoutError) and inc.value.stage == "accept"
+        assert receiver.version is None and not inc.value.mixed and all(not v.any() for v in dest.values())
+        got = in_thread(receiver.receive, load_fn=Checked(dest))
+        src = {k: v for k, v in model(1).items() if k != "steps"}
+        sender.push(src.items(), 1)
+        assert got.result(timeout=10).version == 1 and seen[-1] == list(src)
+        assert all(same_bits(dest[k], v) for k, v in src.items())
+
+
+def _raising_source(tensors: dict[str, torch.Tensor], at: int):
+    """The trainer's source, failing at its ``at``-th tensor (a gather that fails, a tensor that is gone)."""
+    for k, item in enumerate(tensors.items()):
+        if k == at:
+            raise KeyError(f"no tensor number {at}: the source broke")
+        yield item
+
+
+def test_a_source_that_raises_ends_the_receivers_wait_at_once(private_tmp, in_thread):
+    """The sender knows its source failed before the push starts: the receiver hears it then (an Abort),
+    not after timeout_s (120 s here; each wait below is bounded by 10 s), and nothing is touched."""
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=120, progress=False)
+    with session_pair(cfg) as (sender, receiver):
+        dest = zeros_like(model(0))
+        for version, first in ((1, True), (2, False)):  # before the session is up, and during it
+            got = in_thread(receiver.receive, into=dest)
+            with pytest.raises(KeyError, match="the source broke"):
+                sender.push(_raising_source(model(version), at=1), version)
+            with pytest.raises(RemoteError, match="KeyError.*the source broke") as e:
+                got.result(timeout=10)
+            assert e.value.stage == "source" and receiver.version == (None if first else 1)
+            assert all(
+                same_bits(dest[k], v) for k, v in (zeros_like(model(0)) if first else model(1)).items()
+            )
+            got = in_thread(receiver.receive, into=dest)  # the session goes on
+            sender.push(model(version).items(), version)
+            assert got.result(timeout=10).version == version
 
 
 def test_timeouts_name_peer_and_stage(private_tmp):
