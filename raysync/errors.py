@@ -118,3 +118,18 @@ class IntegrityError(RaysyncError):
 
 class TransportUnavailable(RaysyncError):
     """The requested transport cannot run here."""
+
+
+class ShmSegmentResized(RaysyncError):
+    """A mapped shm segment no longer has the size it was mapped with (Note [no SIGBUS] in raysync.transport.shm):
+    touching it would kill this process with SIGBUS, so the session stops here instead."""
+
+    def __init__(self, peer: str, stage: str, name: str, expected_bytes: int, actual_bytes: int):
+        self.peer, self.stage, self.name = peer, stage, name
+        self.expected_bytes, self.actual_bytes = expected_bytes, actual_bytes
+        super().__init__(
+            f"shm segment {name} has {actual_bytes} bytes, {expected_bytes} when it was mapped, at stage "
+            f"'{stage}': {peer} or another process of this user resized it. Touching it would kill this process "
+            f"(SIGBUS), so this session stops here: close both sides and start a new session, and look for the "
+            f"process that truncates files in /dev/shm"
+        )

@@ -38,8 +38,12 @@ def test_segments_are_0600_exclusive_and_unlinked_once_mapped():
 def test_free_space_is_checked_first():
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     before = raysync_shm_entries()
-    with pytest.raises(ShmSpaceError, match="free.*lower bucket_bytes"):
-        ShmRingSender(2, free // 2 + (1 << 20))
+    wanted = free // 2 + (1 << 20)
+    with pytest.raises(ShmSpaceError) as e:
+        ShmRingSender(2, wanted)
+    message = str(e.value)  # the sizes wanted and free, and the fix
+    assert f"2 x {wanted} bytes" in message and "MiB free" in message
+    assert "bucket_bytes or num_buffers" in message and "--shm-size" in message
     assert raysync_shm_entries() == before
 
 

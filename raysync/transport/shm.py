@@ -1,40 +1,63 @@
 """POSIX shared-memory ring: same node, no CUDA IPC (CPU, NPU, or IPC refused).
 
-    sender process                              /dev/shm (tmpfs)                  receiver process
-    params --pack--> [ buffer 0 ][ buffer 1 ]  raysync-<128 random bits> x N  --map--> unpack --> model
+    sender process                              /dev/shm (tmpfs)                          receiver process
+    params --pack--> [ buffer 0 ][ buffer 1 ]  raysync-<pid>-<start>-<ns>-<random> x N  --map--> unpack --> model
 
-Segments are created exclusively (O_EXCL | O_NOFOLLOW) with mode 0600 under names nobody can guess, space is
-reserved up front (posix_fallocate: a full /dev/shm is a clear error now, not a SIGBUS later), and every page
-is populated once per session. Where the process uses CUDA the mapping is registered with cudaHostRegister,
-so device <-> host copies run at pinned-memory speed.
+Segments are created exclusively (O_EXCL | O_NOFOLLOW) with mode 0600 under names nobody can guess that carry
+their owner (Note [names that outlive a crash]), and every page is reserved and populated once per session.
+Where the process uses CUDA the mapping is registered with cudaHostRegister, so device <-> host copies run at
+pinned-memory speed.
 
 # Note [shm names and crashes]
 # The receiver unlinks every name the moment it has mapped it (the sender does too when told, and on close),
 # so once a session is set up /dev/shm holds nothing of it: the kernel frees the memory when the last mapping
-# goes, whichever side is SIGKILLed. Only a crash inside the handshake itself can leave a name behind.
+# goes, whichever side is SIGKILLed. A crash inside the handshake itself leaves names behind; they carry the
+# dead owner's pid, and the next ring, sender or receiver made on the machine removes them (raysync.leftovers).
 # Python's multiprocessing.shared_memory is not used: on Python < 3.13 it registers every segment with the
 # resource_tracker, which warns about or unlinks segments it did not create.
+
+# Note [no SIGBUS]
+# Touching a page of a mapped file beyond the file's end kills the process with SIGBUS: no exception, no
+# cleanup. Two ways to get there, both closed here:
+# - a sparse segment whose pages cannot be allocated when first written (/dev/shm full, e.g. Docker's 64 MB
+#   beside Ray's object store): every segment is reserved with posix_fallocate when made, so a full /dev/shm
+#   is a ShmSpaceError at setup, naming the sizes and the fix;
+# - a segment that another process shrank (ftruncate) after it was mapped: each side keeps the segment's fd
+#   and checks its size (one fstat, ~1 us) before every pack and every unpack (``before_pack`` /
+#   ``before_unpack``, or ``check``), so it is a ShmSegmentResized naming the peer and the stage.
+# What the check cannot close: a process that shrinks a segment during the copy itself (after the check).
+# Only a process of the same user can, one that could as well kill ours.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
 from typing import ClassVar
 
 import torch
 
-from raysync.errors import LayoutError, ShmSpaceError
+from raysync import leftovers
+from raysync.errors import LayoutError, ShmSegmentResized, ShmSpaceError
+from raysync.leftovers import SHM_DIR
 from raysync.transport.base import HostRing
-from raysync.wire import SHM_NAME, Attached, RingInfo
+from raysync.wire import Attached, RingInfo
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# what a ring's segments are called (Note [names that outlive a crash]); the receiver maps nothing else
+SEGMENT_NAME = re.compile(r"raysync-[0-9]{1,10}-[0-9]{1,20}-[0-9]{1,20}-[0-9a-f]{32}")
+_FIX = (
+    "lower SyncConfig.bucket_bytes or num_buffers, give the container a larger /dev/shm (docker run "
+    "--shm-size=..., on Kubernetes an emptyDir with medium: Memory), or free /dev/shm (Ray's object store may "
+    "live there too)"
+)
 
 
 def _path(name: str) -> str:
@@ -48,8 +71,17 @@ def _unlink(name: str) -> None:
         pass
 
 
-class _Mapping:
-    """One mapped segment as a uint8 tensor, optionally registered with CUDA.
+def _shm_space() -> str:
+    st = os.statvfs(SHM_DIR)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return (
+        f"{free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB, {st.f_favail} of {st.f_files} inodes free"
+    )
+
+
+class _Segment:
+    """One mapped segment: its bytes as a uint8 tensor, optionally registered with CUDA, and its fd, kept for
+    the size check (Note [no SIGBUS]). Owns ``fd`` once made.
 
     # Note [shm buffer lifetime]
     # The tensor exports the mmap's buffer; the mmap cannot close while any view of it lives. close() drops
@@ -58,10 +90,17 @@ class _Mapping:
     # nothing outlives the process.
     """
 
-    def __init__(self, fd: int, nbytes: int, pin: bool):
+    def __init__(self, name: str, fd: int, nbytes: int, pin: bool, peer: str):
         self._mmap = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+        self.name, self.fd, self.nbytes, self.peer = name, fd, nbytes, peer
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._pinned = pin and _cuda_host_register(self.tensor)
+
+    def check(self, stage: str) -> None:
+        """Raise ShmSegmentResized if the segment no longer has the size it was mapped with."""
+        size = os.fstat(self.fd).st_size
+        if size != self.nbytes:
+            raise ShmSegmentResized(self.peer, stage, self.name, self.nbytes, size)
 
     def close(self) -> None:
         if self._pinned:
@@ -72,6 +111,9 @@ class _Mapping:
             self._mmap.close()
         except BufferError:
             logger.debug("a view of a ring buffer is still alive; its mapping closes when that view dies")
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _cuda_host_register(tensor: torch.Tensor) -> bool:
@@ -86,15 +128,48 @@ def _cuda_host_register(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _check_free_space(nbytes: int) -> None:
+def _check_free_space(num_buffers: int, buffer_bytes: int) -> None:
     st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
-    if free < nbytes:
+    free, wanted = st.f_bavail * st.f_frsize, num_buffers * buffer_bytes
+    if free < wanted:
         raise ShmSpaceError(
-            f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the ring needs {nbytes / 2**20:.0f} MiB: lower "
-            f"bucket_bytes or num_buffers, free {SHM_DIR} (Ray's object store lives there too), or enlarge it "
-            f"(docker run --shm-size=...)"
+            f"the shm ring needs {num_buffers} x {buffer_bytes} bytes = {wanted / 2**20:.1f} MiB, and {SHM_DIR} "
+            f"has {_shm_space()}: {_FIX}"
         )
+
+
+def create_segment(nbytes: int, pin: bool = True) -> _Segment:
+    """A new segment of ``nbytes`` with every page reserved (Note [no SIGBUS]); raises ShmSpaceError when
+    /dev/shm has no room or no inode left, and then leaves nothing behind."""
+    name = f"{leftovers.owner_tag()}-{secrets.token_hex(16)}"
+    try:
+        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise ShmSpaceError(
+            f"cannot create a shm segment in {SHM_DIR} ({e.strerror}; {_shm_space()}): with no inode left, "
+            f"remove what fills {SHM_DIR} or mount it with more (nr_inodes=); else {_FIX}"
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        _reserve(fd, nbytes)
+        return _Segment(name, fd, nbytes, pin, "the receiver")
+    except BaseException:
+        os.close(fd)
+        _unlink(name)
+        raise
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate every page now: writing a page of a sparse segment in a full /dev/shm raises SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise ShmSpaceError(
+            f"cannot reserve {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for a shm ring buffer in {SHM_DIR} "
+            f"({e.strerror}; {_shm_space()}): {_FIX}"
+        ) from None
 
 
 class ShmRingSender(HostRing):
@@ -107,47 +182,43 @@ class ShmRingSender(HostRing):
         return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
     def __init__(self, num_buffers: int, buffer_bytes: int, pin: bool = True):
-        _check_free_space(num_buffers * buffer_bytes)
+        leftovers.sweep(SHM_DIR)  # what dead processes left takes room: Note [names that outlive a crash]
+        _check_free_space(num_buffers, buffer_bytes)
         self.buffer_bytes = buffer_bytes
-        self._names: list[str] = []
-        self._maps: list[_Mapping] = []
+        self._segments: list[_Segment] = []
+        self._linked: list[str] = []  # names still in /dev/shm
         try:
             for _ in range(num_buffers):
-                self._maps.append(self._create(buffer_bytes, pin))
+                self._segments.append(create_segment(buffer_bytes, pin))
+                self._linked.append(self._segments[-1].name)
         except BaseException:
             self.close()
             raise
-        self.buffers = [m.tensor for m in self._maps]
-        logger.debug("shm ring: %d x %d bytes (%s)", num_buffers, buffer_bytes, ", ".join(self._names))
-
-    def _create(self, nbytes: int, pin: bool) -> _Mapping:
-        name = f"raysync-{secrets.token_hex(16)}"
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        self._names.append(name)
-        try:
-            os.fchmod(fd, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                raise ShmSpaceError(
-                    f"cannot reserve {nbytes} bytes in {SHM_DIR}: {e}; lower bucket_bytes"
-                ) from e
-            return _Mapping(fd, nbytes, pin)
-        finally:
-            os.close(fd)
+        self.buffers = [s.tensor for s in self._segments]
+        logger.debug("shm ring: %d x %d bytes (%s)", num_buffers, buffer_bytes, ", ".join(self._linked))
 
     def info(self) -> RingInfo:
-        return RingInfo(self.name, len(self._names), self.buffer_bytes, tuple(self._names))
+        names = tuple(s.name for s in self._segments)
+        return RingInfo(self.name, len(names), self.buffer_bytes, names)
+
+    def check(self, stage: str) -> None:
+        """Raise ShmSegmentResized if any buffer was resized since it was made (Note [no SIGBUS])."""
+        for s in self._segments:
+            s.check(stage)
+
+    def before_pack(self, slot: int) -> None:
+        self._segments[slot].check(f"pack into buffer {slot}")
 
     def receiver_attached(self, attached: Attached | None = None) -> None:
-        for name in self._names:
+        for name in self._linked:
             _unlink(name)
+        self._linked = []
 
     def close(self) -> None:
         self.receiver_attached()  # idempotent: unlink whatever is still named
-        for m in self._maps:
-            m.close()
-        self._maps, self.buffers = [], []
+        for s in self._segments:
+            s.close()
+        self._segments, self.buffers = [], []
 
 
 class ShmRingReceiver(HostRing):
@@ -156,22 +227,23 @@ class ShmRingReceiver(HostRing):
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or not 1 <= info.num_buffers == len(info.handles) <= 64:
             raise LayoutError(f"ring description does not fit the shm transport: {info}")
-        self._maps: list[_Mapping] = []
+        self._segments: list[_Segment] = []
         try:
             for name in info.handles:
-                self._maps.append(self._attach(name, info.buffer_bytes, pin))
+                self._segments.append(self._attach(name, info.buffer_bytes, pin))
         except BaseException:
             self.close()
             raise
         finally:
             for name in info.handles:  # Note [shm names and crashes]
-                if SHM_NAME.fullmatch(name):
+                if SEGMENT_NAME.fullmatch(name):
                     _unlink(name)
-        self.buffers = [m.tensor for m in self._maps]
+        self.buffers = [s.tensor for s in self._segments]
 
     @staticmethod
-    def _attach(name: str, nbytes: int, pin: bool) -> _Mapping:
-        if not SHM_NAME.fullmatch(name):
+    def _attach(name: str, nbytes: int, pin: bool) -> _Segment:
+        owner = leftovers.owner_of(name)
+        if owner is None or not SEGMENT_NAME.fullmatch(name):
             raise LayoutError(f"refusing shm segment name {name!r}: not one raysync makes")
         fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -180,11 +252,20 @@ class ShmRingReceiver(HostRing):
                 raise LayoutError(f"refusing shm segment {name!r}: owner {st.st_uid}, mode {oct(st.st_mode)}")
             if st.st_size != nbytes:  # a shorter segment would SIGBUS on access
                 raise LayoutError(f"shm segment {name!r} has {st.st_size} bytes, the ring says {nbytes}")
-            return _Mapping(fd, nbytes, pin)
-        finally:
+            return _Segment(name, fd, nbytes, pin, f"the sender (pid {owner.pid})")
+        except BaseException:
             os.close(fd)
+            raise
+
+    def check(self, stage: str) -> None:
+        """Raise ShmSegmentResized if any buffer was resized since it was mapped (Note [no SIGBUS])."""
+        for s in self._segments:
+            s.check(stage)
+
+    def before_unpack(self, slot: int) -> None:
+        self._segments[slot].check(f"unpack from buffer {slot}")
 
     def close(self) -> None:
-        for m in self._maps:
-            m.close()
-        self._maps, self.buffers = [], []
+        for s in self._segments:
+            s.close()
+        self._segments, self.buffers = [], []
