@@ -17,10 +17,13 @@ _YES, _NO = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no"
 class SyncConfig:
     """Settings shared by both halves of a session (the sender's values are the ones that count for the layout).
 
-    bucket_bytes    size of one ring buffer; a tensor larger than this is sliced over consecutive buckets
+    bucket_bytes    size of one ring buffer; a tensor larger than this is sliced over consecutive buckets. A
+                    multiple of align_bytes; a layout may make at most raysync.wire.MAX_LAYOUT_BUCKETS buckets
+                    (Note [layout bounds] in raysync.plan): the error says which size fits
     num_buffers     buffers in the ring: the sender packs bucket k+1 while the receiver loads bucket k (on two
                     GPUs; two processes on one GPU take turns on it, so there few, large buckets win)
-    align_bytes     every tensor starts at a multiple of this inside a bucket (views stay aligned for any dtype)
+    align_bytes     every tensor starts at a multiple of this inside a bucket (views stay aligned for any dtype):
+                    a power of two from 16 to 2 MiB
     timeout_s       limit of every blocking wait on a peer
     max_frame_bytes control frames above this are refused before they are parsed
     cast_dtype      cast floating-point tensors to this dtype on the sender ("bfloat16", ...), None to keep
@@ -71,14 +74,11 @@ class SyncConfig:
                     f"SyncConfig.{name} takes a tuple of names or patterns, got the string {value!r}"
                 )
             object.__setattr__(self, name, tuple(value))
-        a = self.align_bytes
-        if a < 16 or a & (a - 1):
-            raise ValueError(f"align_bytes={a}: must be a power of two >= 16 (the largest itemsize)")
-        if self.bucket_bytes < a or self.bucket_bytes % a:
-            raise ValueError(
-                f"bucket_bytes={self.bucket_bytes}: must be a positive multiple of align_bytes={a} "
-                f"(e.g. {max(a, self.bucket_bytes // a * a)})"
-            )
+        from raysync.plan import check_geometry  # imported here, like check_dtype_name below
+
+        check_geometry(
+            self.bucket_bytes, self.align_bytes
+        )  # the very check, and BadLayout, of a received Layout
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers}: need at least 1 (2 to overlap pack and load)")
         if not self.timeout_s > 0:

@@ -104,6 +104,13 @@ class LayoutError(RaysyncError, ValueError):
     """The tensors offered do not fit the destination, the bucket size or the dtype allowlist."""
 
 
+class BadLayout(LayoutError, SchemaError):
+    """A layout that no side plans: a degenerate geometry (bucket_bytes, align_bytes), a tensor no real model
+    has, or more tensors, buckets or chunks than the bounds in raysync.wire (Note [layout bounds] in
+    raysync.plan). The same error with the same message where the layout is made (SyncConfig, the sender) and
+    where it arrives (a decoded Layout frame): a ValueError there, a WireError here."""
+
+
 class EndpointError(RaysyncError, OSError):
     """A control endpoint could not be used safely (exists already, wrong interface, ...)."""
 

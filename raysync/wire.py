@@ -28,6 +28,7 @@ import msgpack
 import torch
 
 from raysync.errors import (
+    BadLayout,
     BadSignature,
     FrameTooLarge,
     LayoutError,
@@ -41,6 +42,18 @@ MAC_BYTES = 32
 SESSION_ID_BYTES = 16
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
+MAX_TENSOR_BYTES = 1 << 48  # beyond any real tensor
+
+# What one layout may ask of the two sides that plan it (Note [layout bounds] in raysync.plan). A layout
+# within them plans in about a second and a few hundred MB at most (docs/reliability.md); anything beyond is
+# refused, counted arithmetically, before a single bucket is made.
+MIN_ALIGN_BYTES = 16  # the largest itemsize (complex128): a view of any dtype stays aligned
+MAX_ALIGN_BYTES = 1 << 21  # a huge page: no copy gains from a coarser alignment
+MAX_BUCKET_BYTES = 1 << 40  # one ring buffer
+MAX_LAYOUT_TENSORS = 1 << 18  # the largest public checkpoints hold ~150k tensors
+MAX_LAYOUT_BUCKETS = 1 << 17  # every bucket costs two signed frames per push: use larger buckets instead
+MAX_LAYOUT_CHUNKS = MAX_LAYOUT_TENSORS + MAX_LAYOUT_BUCKETS  # a plan has at most tensors + buckets - 1
+MAX_ARRAY_ITEMS = MAX_LAYOUT_TENSORS  # any array in a frame (per-tensor lists are the longest)
 
 # --- dtypes: by name, from an allowlist --------------------------------------------------------------------------
 _DTYPE_NAMES = (
@@ -56,7 +69,7 @@ def check_dtype_name(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except (KeyError, TypeError):
-        raise LayoutError(f"dtype {name!r} is not in the allowlist {sorted(DTYPES)}") from None
+        raise BadLayout(f"dtype {name!r} is not in the allowlist {sorted(DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -96,12 +109,13 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > MAX_NAME_CHARS:
-            raise LayoutError(f"tensor name must have 1..{MAX_NAME_CHARS} characters, got {len(self.name)}")
+            raise BadLayout(f"tensor name must have 1..{MAX_NAME_CHARS} characters, got {len(self.name)}")
         check_dtype_name(self.dtype)
         if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
-            raise LayoutError(f"tensor {self.name!r}: bad shape {self.shape}")
-        if self.nbytes > 1 << 48:
-            raise LayoutError(f"tensor {self.name!r}: {self.nbytes} bytes is beyond any real tensor")
+            raise BadLayout(f"tensor {self.name!r}: bad shape {self.shape} (at most {MAX_NDIM} sizes >= 0)")
+        if self.nbytes > MAX_TENSOR_BYTES:
+            raise BadLayout(f"tensor {self.name!r}: {self.nbytes} bytes is beyond any real tensor "
+                            f"(limit {MAX_TENSOR_BYTES})")  # fmt: skip
 
     @property
     def numel(self) -> int:
@@ -166,7 +180,9 @@ class Attached:
 
 @dataclass(frozen=True)
 class Layout:
-    """sender -> receiver, once per session and again only when the tensors change."""
+    """sender -> receiver, once per session and again only when the tensors change. Checked on construction
+    against the layout bounds (plan.check_layout), on the side that makes it and on the side that decodes it,
+    with the same BadLayout."""
 
     layout_id: int
     bucket_bytes: int
@@ -174,10 +190,14 @@ class Layout:
     tensors: tuple[TensorSpec, ...]
 
     def __post_init__(self) -> None:
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise LayoutError(f"tensor name {dup!r} appears more than once in the layout")
+        from raysync.plan import check_layout  # plan imports this module; resolved once, then a dict lookup
+
+        check_layout(self.tensors, self.bucket_bytes, self.align_bytes)
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise BadLayout(f"tensor name {t.name!r} appears more than once in the layout")
+            seen.add(t.name)
 
 
 @dataclass(frozen=True)
@@ -288,9 +308,15 @@ def _build(cls: type, body: object, where: str) -> object:
     hints = _fields(cls)
     if set(body) != set(hints):
         raise SchemaError(f"{where}: fields {sorted(map(str, body))} != schema {sorted(hints)}")
+    if cls is Layout and isinstance(body["tensors"], (list, tuple)):
+        from raysync.plan import check_tensor_count
+
+        check_tensor_count(len(body["tensors"]))  # before a single TensorSpec is built
     values = {name: _check(hint, body[name], f"{where}.{name}") for name, hint in hints.items()}
     try:
         return cls(**values)
+    except BadLayout:
+        raise  # the very error, and message, that the side making this layout gets
     except (LayoutError, ValueError) as e:
         raise SchemaError(f"{where}: {e}") from None
 
@@ -306,6 +332,8 @@ def _check(hint: object, value: object, where: str) -> object:
         (item, _ellipsis) = typing.get_args(hint)
         if not isinstance(value, (tuple, list)):
             raise SchemaError(f"{where}: expected an array, got {type(value).__name__}")
+        if len(value) > MAX_ARRAY_ITEMS:
+            raise SchemaError(f"{where}: {len(value)} items, above the limit of {MAX_ARRAY_ITEMS}")
         return tuple(_check(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)  # type: ignore[arg-type]
