@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 from conftest import session_pair
-from workers import digest, model_receiver, pausing_receiver, perturb, plain_sender
+from workers import StagingLoader, digest, model_receiver, pausing_receiver, perturb, plain_sender
 
 from raysync import PeerTimeout, PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.version import MIXED
 
 pytest.importorskip("transformers")
 
@@ -68,33 +69,90 @@ def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread, capfd):
     assert "resource_tracker" not in capfd.readouterr().err
 
 
-def test_sigkill_sender_mid_push(private_tmp, spawn, capfd):
+class Killer:
+    """Called in every bucket a load function gets: SIGKILLs the sender (a real process) in the second."""
+
+    def __init__(self, victim: int, at: int = 2):
+        self.victim, self.at, self.calls = victim, at, 0
+        self.killed_at: list[float] = []
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(self.victim, signal.SIGKILL)
+            self.killed_at.append(time.monotonic())
+
+
+def loader_that_kills(dest: dict[str, torch.Tensor], kill: Killer, staged: bool):
+    """A load function writing ``dest`` in place as buckets land, or a staging one (applied by ``finish``)."""
+    if staged:
+
+        class Staging(StagingLoader):
+            def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+                kill()
+                super().__call__(batch)
+
+        return Staging(dest)
+
+    def in_place(batch: list[tuple[str, torch.Tensor]]) -> None:
+        kill()
+        with torch.no_grad():
+            for name, t in batch:
+                dest[name].copy_(t)
+
+    return in_place
+
+
+def _receive_while_the_sender_dies(receiver: WeightReceiver, dest: dict[str, torch.Tensor], victim: int,
+                                   staged: bool, timeout_s: float) -> None:  # fmt: skip
+    """The second push of a session, the sender SIGKILLed in its second bucket: the receiver fails within
+    timeout_s, and its version says what the destinations hold (Note [versions never lie])."""
+    kill = Killer(victim)
+    with pytest.raises(PushIncomplete, match="not delivered") as e:
+        receiver.receive(load_fn=loader_that_kills(dest, kill, staged))
+    elapsed = time.monotonic() - kill.killed_at[0]
+    assert isinstance(e.value.__cause__, PeerTimeout) and "sender" in str(e.value.__cause__)
+    assert elapsed <= timeout_s + 1, elapsed
+    assert e.value.undelivered and e.value.mixed is (not staged)
+    assert receiver.version == (1 if staged else MIXED)
+    assert ("mix of old and new weights" in str(e.value)) is (not staged)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in place", "staged load_fn"])
+def test_sigkill_sender_mid_push(private_tmp, spawn, capfd, staged):
     config = SyncConfig(bucket_bytes=16 << 10, timeout_s=2, progress=False)
     secret = SessionSecret.generate()
     out = spawn.ctx.Queue()
     child = spawn(plain_sender, secret, config, out)
     endpoint = out.get(timeout=30)
-    killed_at: list[float] = []
-    buckets = []
-
-    def load(batch):
-        buckets.append(batch)
-        if receiver.version == 1 and len(buckets) == 2:  # inside the second push
-            os.kill(child.pid, signal.SIGKILL)
-            killed_at.append(time.monotonic())
-
+    dest = {f"t{i}": torch.zeros(4096) for i in range(8)}
     with WeightReceiver(endpoint, secret, config) as receiver:
-        receiver.receive(load_fn=lambda batch: None)
+        receiver.receive(into=dest)
         assert out.get(timeout=30) == 1
-        with pytest.raises(PushIncomplete, match="not delivered") as e:
-            receiver.receive(load_fn=load)
-        elapsed = time.monotonic() - killed_at[0]
-        assert isinstance(e.value.__cause__, PeerTimeout) and "sender" in str(e.value.__cause__)
-        assert elapsed <= config.timeout_s + 1, elapsed
-        assert receiver.version == 1 and e.value.undelivered
+        _receive_while_the_sender_dies(receiver, dest, child.pid, staged, config.timeout_s)
     child.join(timeout=10)
     assert child.exitcode == -signal.SIGKILL
     _next_session_works()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("staged", [False, True], ids=["in place", "staged load_fn"])
+def test_cuda_ipc_sender_sigkilled_mid_push_leaves_mixed_unless_staged(spawn, no_leftovers, staged):
+    from workers import ipc_sender_forever
+
+    from raysync.models import allocate
+
+    config = SyncConfig(transport="cuda_ipc", bucket_bytes=64 << 10, timeout_s=3, progress=False)
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    child = spawn(ipc_sender_forever, secret, config, "qwen2-tiny", out)
+    torch.cuda.set_device(0)
+    dest = allocate("qwen2-tiny", device="cuda", fill=False)
+    with WeightReceiver(out.get(timeout=120), secret, config) as receiver:
+        receiver.receive(into=dest)
+        assert receiver.version == 1
+        _receive_while_the_sender_dies(receiver, dest, child.pid, staged, config.timeout_s)
+    child.join(timeout=30)
 
 
 def _next_session_works() -> None:

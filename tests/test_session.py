@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 from conftest import same_bits, session_pair
+from workers import StagingLoader
 
 from raysync import (
     LayoutError,
@@ -23,7 +24,7 @@ from raysync import (
     WeightReceiver,
     WeightSender,
 )
-from raysync.errors import EndpointError, SchemaError, WeightsMixed
+from raysync.errors import EndpointError, SchemaError
 from raysync.version import MIXED
 from raysync.wire import FrameCodec, Hello
 
@@ -214,35 +215,6 @@ def test_a_sender_failing_mid_push_leaves_mixed_unless_staged(private_tmp, in_th
         assert report.skipped is staged  # only intact weights may skip a push of the version they hold
         assert got.result(timeout=10).version == 1 == receiver.version
         assert all(same_bits(dest[k], v) for k, v in model(1).items())
-
-
-class StagingLoader:
-    """A load function that keeps every bucket and applies the push in ``finish`` (raysync.vllm's contract):
-    ``fail`` makes the n-th bucket raise ("call"), or the apply fail part-way and put the old weights back
-    ("restore") or not ("mixed": it raises WeightsMixed)."""
-
-    def __init__(self, dest: dict[str, torch.Tensor], fail: str = "", at: int = 2):
-        self.dest, self.fail, self.at = dest, fail, at
-        self.staged: list[tuple[str, torch.Tensor]] = []
-        self.calls = 0
-
-    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        self.calls += 1
-        if self.fail == "call" and self.calls == self.at:
-            raise RuntimeError("loader exploded")
-        self.staged += [(n, t.clone()) for n, t in batch]
-
-    def finish(self) -> None:
-        staged, self.staged = self.staged, []
-        old = {n: t.clone() for n, t in self.dest.items()}
-        for k, (name, t) in enumerate(staged):
-            if self.fail in ("restore", "mixed") and k == self.at:
-                if self.fail == "mixed":
-                    raise WeightsMixed(f"applied {k} of {len(staged)} tensors, cannot undo them")
-                for n, v in old.items():
-                    self.dest[n].copy_(v)
-                raise RuntimeError("apply failed; the old weights are back")
-            self.dest[name].copy_(t)
 
 
 @pytest.mark.parametrize("fail", ["call", "restore", "mixed"])

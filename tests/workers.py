@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.errors import WeightsMixed
 
 
 def digest(named) -> dict[str, str]:
@@ -20,6 +21,35 @@ def perturb(model, version: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
+
+
+class StagingLoader:
+    """A load function that keeps every bucket and applies the push in ``finish`` (raysync.vllm's contract):
+    ``fail`` makes the n-th bucket raise ("call"), or the apply fail part-way and put the old weights back
+    ("restore") or not ("mixed": it raises WeightsMixed)."""
+
+    def __init__(self, dest: dict[str, torch.Tensor], fail: str = "", at: int = 2):
+        self.dest, self.fail, self.at = dest, fail, at
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.calls = 0
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self.calls += 1
+        if self.fail == "call" and self.calls == self.at:
+            raise RuntimeError("loader exploded")
+        self.staged += [(n, t.clone()) for n, t in batch]
+
+    def finish(self) -> None:
+        staged, self.staged = self.staged, []
+        old = {n: t.clone() for n, t in self.dest.items()}
+        for k, (name, t) in enumerate(staged):
+            if self.fail in ("restore", "mixed") and k == self.at:
+                if self.fail == "mixed":
+                    raise WeightsMixed(f"applied {k} of {len(staged)} tensors, cannot undo them")
+                for n, v in old.items():
+                    self.dest[n].copy_(v)
+                raise RuntimeError("apply failed; the old weights are back")
+            self.dest[name].copy_(t)
 
 
 def model_receiver(
