@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from conftest import random_tensor, same_bits
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 
 from raysync.config import SyncConfig
-from raysync.plan import plan_buckets
+from raysync.errors import BadLayout
+from raysync.plan import (
+    LayoutBounds,
+    check_layout,
+    check_tensor_count,
+    direct_buckets,
+    fitting_bucket_bytes,
+    layout_size,
+    plan_buckets,
+)
 from raysync.sink import IntoLoadFn, IntoTensors
 from raysync.source import pack_bucket, select
-from raysync.wire import DTYPES, TensorSpec
+from raysync.wire import DTYPES, MAX_LAYOUT_BUCKETS, MAX_LAYOUT_TENSORS, TensorSpec
 
 ALIGN = 256
 TESTED_DTYPES = [n for n in DTYPES if n != "float4_e2m1fn_x2"]  # float4 packs two values per byte: no arange
@@ -45,8 +56,124 @@ def test_plan_table(sizes, bucket, expected):
 
 
 def test_plan_rejects_unaligned_bucket():
-    with pytest.raises(ValueError, match="multiple of align_bytes"):
+    with pytest.raises(BadLayout, match="multiple of align_bytes"):
         plan_buckets([spec("a", 8)], 1000, ALIGN)
+
+
+# --- layout bounds (Note [layout bounds]) ------------------------------------------------------------------------
+def plan_counts(buckets) -> tuple[int, int]:
+    return len(buckets), sum(len(b.chunks) for b in buckets)
+
+
+SMALL_SIZES = (0, 1, 15, 16, 17, 31, 32, 33, 48, 64, 65, 100)
+
+
+def test_layout_size_counts_every_small_layout_exactly():
+    """Every sequence of up to three tensors of these sizes, in buckets of 1-4 alignment units: the arithmetic
+    count is what the planner makes (so a bound checked on the count is a bound on the plan)."""
+    layouts = [()] + [(a,) for a in SMALL_SIZES] + [(a, b) for a in SMALL_SIZES for b in SMALL_SIZES]
+    layouts += [(a, b, c) for a in SMALL_SIZES[::2] for b in SMALL_SIZES for c in SMALL_SIZES[1::2]]
+    for sizes in layouts:
+        specs = [spec(f"t{i}", n) for i, n in enumerate(sizes)]
+        for bucket in (16, 32, 48, 64):
+            size = layout_size(specs, bucket, 16)
+            assert (size.buckets, size.chunks) == plan_counts(plan_buckets(specs, bucket, 16)), (
+                sizes,
+                bucket,
+            )
+            assert size.nbytes == sum(sizes)
+
+
+sizes_mixed = st.one_of(
+    st.integers(0, 3000), st.integers(3000, 40_000), st.sampled_from([0, 16, 255, 256, 257])
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["uint8", "bfloat16", "float32", "complex128"]), sizes_mixed),
+                max_size=10),
+       st.sampled_from([16, 32, 256, 1024]), st.integers(1, 64))  # fmt: skip
+def test_layout_size_is_what_plan_buckets_makes(items, align, units):
+    specs = [TensorSpec(f"t{i}", d, (n // DTYPES[d].itemsize,)) for i, (d, n) in enumerate(items)]
+    size = layout_size(specs, units * align, align)
+    buckets, chunks = plan_counts(plan_buckets(specs, units * align, align))
+    assert (size.buckets, size.chunks) == (buckets, chunks)
+    assert chunks <= len(specs) + buckets - 1 or not specs  # why MAX_LAYOUT_CHUNKS bounds every plan
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(sizes_mixed, max_size=12), st.sampled_from([16, 32, 256]), st.integers(1, 16),
+       st.integers(1, 12), st.integers(1, 24), st.integers(0, 12))  # fmt: skip
+def test_refused_layouts_name_a_bucket_size_that_fits(sizes, align, units, max_tensors, max_buckets, extra):
+    """With small bounds, so that both outcomes are common: a layout within them plans within them; a refused
+    one raises BadLayout before planning, and the bucket size it names (and any larger) fits."""
+    bounds = LayoutBounds(max_tensors, max_buckets, max_tensors + extra)
+    specs = [spec(f"t{i}", n) for i, n in enumerate(sizes)]
+    try:
+        size = check_layout(specs, units * align, align, bounds)
+        event("accepted")
+    except BadLayout as e:
+        event("refused")
+        if len(specs) > max_tensors:
+            assert "fewer tensors" in str(e)
+            return
+        size = layout_size(specs, units * align, align)
+        assert size.buckets > bounds.buckets or size.chunks > bounds.chunks
+        fit = fitting_bucket_bytes(size, align, bounds)
+        if fit is None:
+            assert len(specs) > bounds.chunks and "fewer tensors" in str(e)
+            return
+        assert f"raise bucket_bytes to {fit} or more" in str(e)
+        for bucket in (fit, fit + align, 2 * fit, 7 * fit):
+            check_layout(specs, bucket, align, bounds)  # does not raise
+        return
+    buckets, chunks = plan_counts(plan_buckets(specs, units * align, align))
+    assert (buckets, chunks) == (size.buckets, size.chunks)
+    assert buckets <= bounds.buckets and chunks <= bounds.chunks and len(specs) <= bounds.tensors
+
+
+def refusal_peak_bytes(call) -> int:
+    """Peak bytes Python allocated while ``call`` raised BadLayout."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadLayout):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "nbytes, bucket, align",
+    [
+        (1 << 30, 16, 16),  # 67M slices of 16 bytes
+        (1 << 47, 256, 256),  # 2**39 slices
+        ((MAX_LAYOUT_BUCKETS + 1) * 256, 256, 256),  # one bucket above the bound: 32 MB of plan if entered
+    ],
+)
+def test_hostile_layouts_are_refused_before_a_bucket_is_made(nbytes, bucket, align):
+    specs = [spec("w", nbytes)]
+    peak = refusal_peak_bytes(lambda: plan_buckets(specs, bucket, align))
+    assert peak < 64 << 10  # the refusal made no plan: a plan of this size holds over 100k Chunk objects
+    with pytest.raises(BadLayout, match=r"raise bucket_bytes to \d+ or more") as e:
+        check_layout(specs, bucket, align)
+    assert f"makes {-(-nbytes // bucket)} buckets" in str(e.value)
+
+
+def test_many_tiny_tensors_are_refused_on_their_count():
+    with pytest.raises(BadLayout, match=f"above the limit of {MAX_LAYOUT_TENSORS}.*fewer tensors"):
+        check_tensor_count(MAX_LAYOUT_TENSORS + 1)
+    check_tensor_count(MAX_LAYOUT_TENSORS)  # the bound itself is allowed
+
+
+def test_direct_plan_refuses_more_storages_than_tensors_before_planning():
+    specs = (TensorSpec("a", "float32", (4,)),)
+    with pytest.raises(BadLayout, match="2 storages exported for 1 tensors"):
+        direct_buckets(specs, (0,), (0,), (16, 16))
+    hostile = [16] * (1 << 16)
+    peak = refusal_peak_bytes(lambda: direct_buckets(specs, (0,), (0,), hostile))
+    assert peak < 64 << 10  # no list per storage was made
+    assert len(direct_buckets(specs, (0,), (0,), (16,))) == 1
 
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)

@@ -7,20 +7,36 @@ import hashlib
 import hmac
 import os
 import pickle
+import tracemalloc
 
 import hypothesis.strategies as st
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 
-from raysync.errors import BadSignature, FrameTooLarge, MalformedFrame, ReplayedFrame, SchemaError, WireError
+from raysync.config import SyncConfig
+from raysync.errors import (
+    BadLayout,
+    BadSignature,
+    FrameTooLarge,
+    MalformedFrame,
+    ReplayedFrame,
+    SchemaError,
+    WireError,
+)
+from raysync.plan import check_layout, check_tensor_count, layout_size, plan_buckets
 from raysync.wire import (
     MAC_BYTES,
+    MAX_ARRAY_ITEMS,
+    MAX_LAYOUT_BUCKETS,
+    MAX_LAYOUT_CHUNKS,
+    MAX_LAYOUT_TENSORS,
     Abort,
     BucketReady,
     FrameCodec,
     Hello,
     Layout,
+    PushDigest,
     PushStart,
     RingInfo,
     SessionSecret,
@@ -177,3 +193,134 @@ def test_signed_garbage_never_crashes(obj):
         except WireError:
             continue
         assert dataclasses.is_dataclass(msg)
+
+
+# --- layouts as a peer sends them: hostile or degenerate, refused with one BadLayout ---------------------------
+def layout_frame(
+    bucket_bytes: int, align_bytes: int, tensors: list[tuple[str, str, list[int]]], seq: int = 1
+):
+    body = {"layout_id": 1, "bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
+            "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in tensors]}  # fmt: skip
+    return signed(["rs1", SECRET.session_id, seq, "Layout", body])
+
+
+def made_here(make, *args, **kwargs) -> str | None:
+    """What the side that makes a layout gets from ``make(*args, **kwargs)``: None when accepted, else the
+    BadLayout's message."""
+    try:
+        make(*args, **kwargs)
+    except BadLayout as e:
+        return str(e)
+    return None
+
+
+def received(frame: bytes) -> str | None:
+    """What the side that receives a layout gets from the same values (the receiver decodes the frame)."""
+    _, rx = pair(max_frame_bytes=1 << 24)
+    try:
+        rx.decode(frame)
+    except BadLayout as e:
+        return str(e)
+    return None
+
+
+ALIGNS = [0, 1, 2, 8, 15, 16, 17, 24, 32, 48, 256, 4096, 1 << 21, (1 << 21) + 16, 1 << 22, 1 << 40, 2**63 - 1]
+BUCKETS = [0, 1, 15, 16, 17, 32, 255, 256, 257, 512, 1000, 4096, 1 << 21, 1 << 40, (1 << 40) + 256, 2**63 - 1]
+
+
+def test_degenerate_geometry_is_one_error_with_one_message_on_both_sides():
+    """Every pair of these bucket sizes and alignments: SyncConfig (the sender's side) and a decoded Layout
+    frame (the receiver's side) both accept it, or both raise BadLayout with the same message."""
+    refused = 0
+    for align in ALIGNS:
+        for bucket in BUCKETS:
+            here = made_here(SyncConfig, bucket_bytes=bucket, align_bytes=align)
+            there = received(layout_frame(bucket, align, [("w", "bfloat16", [3, 4])]))
+            assert here == there, (bucket, align)
+            refused += here is not None
+            if here is not None:
+                assert f"={bucket}:" in here or f"={align}:" in here  # names the value
+                assert isinstance(BadLayout(here), ValueError)  # old `except ValueError` callers still work
+    assert 0 < refused < len(ALIGNS) * len(BUCKETS)
+
+
+def _hostile_tensor(draw_size: int, dtype: str, nd: int) -> list[int]:
+    """A shape of ``nd`` dims whose product is about draw_size elements."""
+    if nd == 0:
+        return []
+    head = max(1, round(draw_size ** (1 / nd)))
+    return [head] * (nd - 1) + [max(0, draw_size // head ** (nd - 1))]
+
+
+elements = st.one_of(
+    st.integers(0, 4096), st.integers(1 << 20, 1 << 30), st.sampled_from([0, 1, 1 << 47, 1 << 49])
+)
+geometry = st.tuples(st.sampled_from([16, 256, 4096, 1 << 20, 1 << 30, 1 << 40, 0, 1 << 41]),
+                     st.sampled_from([16, 256, 4096, 16, 256, 0, 24, 1 << 22]))  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(elements, st.sampled_from(["uint8", "float32", "complex128"]), st.integers(0, 3)),
+                max_size=8),
+       geometry, st.sampled_from(["unique", "unique", "unique", "duplicate", "empty"]))  # fmt: skip
+def test_hostile_layouts_off_the_wire_plan_within_bounds_or_are_refused_before_planning(
+    items, geometry, names
+):
+    """A Layout frame as a peer would send it (signed, any values the schema lets through): the receiver either
+    decodes a layout whose plan is within the bounds, or raises BadLayout with exactly the message the sender
+    gets when it makes a Layout of the same values, having allocated no plan."""
+    bucket, align = geometry
+    tensors = [(f"t{i}", dtype, _hostile_tensor(n, dtype, nd)) for i, (n, dtype, nd) in enumerate(items)]
+    if tensors and names != "unique":
+        tensors[-1] = (tensors[0][0] if names == "duplicate" else "",) + tensors[-1][1:]
+    _, rx = pair(max_frame_bytes=1 << 24)
+    tracemalloc.start()
+    try:
+        layout, refusal = rx.decode(layout_frame(bucket, align, tensors)), None
+    except BadLayout as e:
+        layout, refusal = None, str(e)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    # decoding made no plan: a refused plan here would hold >131k chunks (>30 MB); hypothesis's own tracing
+    # allocates a few hundred KB inside the window
+    assert peak < 4 << 20
+    assert refusal == made_here(
+        lambda: Layout(1, bucket, align, tuple(TensorSpec(n, d, tuple(dims)) for n, d, dims in tensors))
+    )
+    event("refused" if refusal else "accepted")
+    if refusal is not None:
+        return
+    size = check_layout(layout.tensors, bucket, align)
+    assert size.buckets <= MAX_LAYOUT_BUCKETS and size.chunks <= MAX_LAYOUT_CHUNKS
+    if size.chunks <= 4096:  # plan the small ones in full (test_plan holds the count exact for all)
+        buckets = plan_buckets(layout.tensors, bucket, align)
+        assert (len(buckets), sum(len(b.chunks) for b in buckets)) == (size.buckets, size.chunks)
+
+
+def test_the_hostile_layouts_of_issue_22_are_refused_at_decode():
+    for bucket, align, shape in [(16, 16, [1 << 30]), (256, 256, [1 << 47])]:
+        frame = layout_frame(bucket, align, [("w", "uint8", shape)])
+        message = received(frame)
+        assert message is not None and "raise bucket_bytes to" in message
+        assert message == made_here(check_layout, [TensorSpec("w", "uint8", tuple(shape))], bucket, align)
+    sizes = layout_size([TensorSpec("w", "uint8", (1 << 30,))], 1 << 20, 256)
+    assert received(layout_frame(1 << 20, 256, [("w", "uint8", [1 << 30])])) is None and sizes.chunks == 1024
+
+
+def test_too_many_tensors_are_refused_before_they_are_decoded():
+    tensors = [("t", "bool", [])] * MAX_LAYOUT_TENSORS + [("last", "pickle", [])]
+    message = received(layout_frame(1 << 20, 256, tensors))
+    # the count, not the last tensor's dtype (refused if it were decoded), is what the receiver names
+    assert message == made_here(check_tensor_count, MAX_LAYOUT_TENSORS + 1)
+
+
+def test_every_array_in_a_frame_is_bounded():
+    _, rx = pair(max_frame_bytes=1 << 24)
+    frame = signed(
+        ["rs1", SECRET.session_id, 1, "PushDigest", {"push_id": 1, "digests": [1] * (MAX_ARRAY_ITEMS + 1)}]
+    )
+    with pytest.raises(SchemaError, match="above the limit"):
+        rx.decode(frame)
+    tx, _ = pair(max_frame_bytes=1 << 24)
+    assert rx.decode(tx.encode(PushDigest(1, (1,) * MAX_ARRAY_ITEMS))).digests[-1] == 1
