@@ -4,7 +4,7 @@ push rounds across all pairs at once, and repairs pairs whose actor was restarte
     sync = WeightSync(senders=[trainer], receivers=[engine_a, engine_b], config=SyncConfig(...))
     print(sync.plan)                  # who sends to whom, over what, and why
     report = sync.push(version=1)     # every pair at once; raises SyncError naming the failed endpoints
-    sync.versions()                   # each receiver's last fully applied version
+    sync.versions()                   # what each receiver holds: a version, "mixed" or None
     sync.close()                      # or use `with WeightSync(...) as sync:`
 
 Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
@@ -13,6 +13,11 @@ anything else — a sink may return a dict of tensors or a ``load_weights``-styl
 be an engine adapter (``raysync.vllm.VllmEngine(actor)``): one receiver per engine worker, each loading
 through the engine's own path. ``plan``, ``versions()`` and reports number receivers that way: an engine of
 two workers is two receivers.
+
+Ray restarts actors (``max_restarts``): every call that reaches actors goes through ``_ask``, which asks an
+actor again while Ray restarts it ("The actor is restarting", ActorUnavailableError) up to setup_timeout_s,
+then gives that actor a typed error (ActorUnavailable, PeerTimeout). A push is not asked again (a restarted
+actor has no session): its pairs are reconnected, and pushed the full weights, at the next push.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +34,10 @@ from tqdm import tqdm
 
 from raysync import endpoint as ep
 from raysync.config import SyncConfig
-from raysync.errors import PeerTimeout, RaysyncError
+from raysync.errors import PeerTimeout, PeerUnavailable, RaysyncError
 from raysync.placement import PairPlan, Placement, assign, choose, format_plan
 from raysync.transport import registry
+from raysync.version import MIXED, Version
 from raysync.wire import SessionSecret
 
 logger = logging.getLogger(__name__)
@@ -46,16 +52,33 @@ class EndpointFailure:
 
 
 class SyncError(RaysyncError):
-    """A push round failed on one or more endpoints; each failure names the endpoint, stage and traceback."""
+    """A push round failed on one or more endpoints; each failure names the endpoint, stage and traceback.
+    ``mixed``: the receivers whose weights the failed push left a mix of two versions (Note [versions never
+    lie]): ``versions()`` says "mixed" for them until the next push, a full one, completes."""
 
-    def __init__(self, version: int, failures: list[EndpointFailure]):
-        self.version, self.failures = version, failures
+    def __init__(self, version: int, failures: list[EndpointFailure], mixed: Sequence[int] = ()):
+        self.version, self.failures, self.mixed = version, failures, tuple(mixed)
         first = failures[0]
         text = f"push of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at " \
                f"stage '{first.stage}': {first.error}"  # fmt: skip
+        if self.mixed:
+            text += (f"\nreceiver(s) {', '.join(f'#{j}' for j in self.mixed)} now hold a mix of two versions "
+                     f"(versions() says 'mixed'): the next push sends them the full weights")  # fmt: skip
         if first.traceback:
             text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
         super().__init__(text)
+
+
+class SyncClosed(RaysyncError):
+    """``push`` or ``versions`` on a WeightSync that was closed."""
+
+
+class ActorUnavailable(PeerUnavailable):
+    """A Ray actor could not answer: Ray was still restarting it at the deadline, or could not reach it."""
+
+
+class ActorGone(ActorUnavailable):
+    """A Ray actor died and Ray will not restart it (its ``max_restarts`` are spent, or it had none)."""
 
 
 @dataclass(frozen=True)
@@ -129,24 +152,90 @@ class WeightSync:
             raise ValueError("shard_sources pairs every sender with every receiver over the collective")
         self._broken: set[tuple[int, int]] = set()
         self._pair_bytes: dict[tuple[int, int], int] = {}
+        self._sender_at: list[Placement] = []
+        self._receiver_at: list[Placement] = []
+        self._slots: list[tuple[int, int]] = []  # receiver j -> (endpoint, slot)
+        self._closed = False
         self._setup()
 
-    # --- set-up ------------------------------------------------------------------------------------------------
-    def _get(self, refs: Any, stage: str, timeout_s: float) -> Any:
+    # --- calls to actors (Ray restarts them) -------------------------------------------------------------------
+    def _ask(self, calls: dict[tuple[str, int], Callable[[], Any]], stage: str,
+             timeout_s: float) -> dict[tuple[str, int], Any]:  # fmt: skip
+        """Make the calls (``calls[(role, index)]()`` returns an ObjectRef) and wait for them all, bounded by
+        ``timeout_s``. An actor that Ray is restarting answers at once with ActorUnavailableError: it is asked
+        again until it is back or the time is up. Returns each key's result, or a typed error in its place
+        (never raised here): ActorUnavailable, PeerTimeout, or the RayTaskError of a call that raised."""
         import ray
 
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise PeerTimeout("Ray actors", stage, timeout_s) from None
+        deadline = time.monotonic() + timeout_s
+        pending = {make(): key for key, make in calls.items()}
+        again: dict[tuple[str, int], float] = {}  # restarting: key -> when to ask again
+        out: dict[tuple[str, int], Any] = {}
+        while pending or again:
+            now = time.monotonic()
+            for key in [k for k, at in again.items() if at <= now]:
+                del again[key]
+                pending[calls[key]()] = key
+            if now >= deadline:
+                for key in [*pending.values(), *again]:
+                    out[key] = self._unanswered(key, stage, timeout_s, restarting=key in again)
+                break
+            wait = min([deadline, *again.values()]) - now
+            if not pending:
+                time.sleep(wait)  # Ray answers a restarting actor's calls at once: pace the next ask
+                continue
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            for ref in done:
+                key = pending.pop(ref)
+                try:
+                    out[key] = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    again[key] = time.monotonic() + 0.2
+                except ray.exceptions.RayError as e:
+                    out[key] = self._typed(e, key, stage)
+        return out
 
+    def _get(self, calls: dict[tuple[str, int], Callable[[], Any]], stage: str) -> list[Any]:
+        """``_ask`` for set-up: every result, in order, or the first error raised."""
+        answers = self._ask(calls, stage, self._setup_timeout_s)
+        for answer in answers.values():
+            if isinstance(answer, BaseException):
+                raise answer
+        return [answers[key] for key in calls]
+
+    def _unanswered(
+        self, key: tuple[str, int], stage: str, timeout_s: float, restarting: bool
+    ) -> RaysyncError:
+        if not restarting:
+            return PeerTimeout(self._label(*key), stage, timeout_s)
+        return ActorUnavailable(self._label(*key), stage, f"{self._label(*key)} did not answer at stage '{stage}': "
+                                f"Ray was still restarting it after {timeout_s:g}s (raise WeightSync's "
+                                f"setup_timeout_s if restarts take longer here)")  # fmt: skip
+
+    def _typed(self, error: Exception, key: tuple[str, int], stage: str) -> Exception:
+        """A Ray error as raysync's: an actor gone for good is ActorUnavailable; a call that raised stays
+        Ray's RayTaskError (it is also an instance of the remote exception's type)."""
+        import ray
+
+        if isinstance(error, ray.exceptions.RayTaskError):
+            return error
+        name = self._label(*key)
+        if isinstance(error, ray.exceptions.ActorDiedError):
+            return ActorGone(name, stage, f"{name} died at stage '{stage}' and Ray will not restart it "
+                             f"({_first_line(error)}): give WeightSync live actors, or let Ray restart them "
+                             f"(max_restarts)")  # fmt: skip
+        return ActorUnavailable(
+            name, stage, f"Ray could not reach {name} at stage '{stage}': {_first_line(error)}"
+        )
+
+    # --- set-up ------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
-        calls = [a.__ray_call__.remote(ep.where) for a in self.senders]
-        calls += [e.call(ep.where) for e in self.receivers]
-        placements = self._get(calls, "placement", self._setup_timeout_s)
+        calls = {
+            ("sender", i): lambda a=a: a.__ray_call__.remote(ep.where) for i, a in enumerate(self.senders)
+        }
+        calls |= {("receiver", e): lambda r=r: r.call(ep.where) for e, r in enumerate(self.receivers)}
+        placements = self._get(calls, "placement")
         self._sender_at = placements[: len(self.senders)]
-        self._slots: list[tuple[int, int]] = []  # receiver j -> (endpoint, slot)
-        self._receiver_at: list[Placement] = []
         for e, by_slot in enumerate(placements[len(self.senders) :]):
             for slot in sorted(by_slot):
                 self._slots.append((e, slot))
@@ -158,13 +247,15 @@ class WeightSync:
         self._connect({(p.sender, p.receiver) for p in self.plan})
         logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
 
-    def _on_receivers(self, fn: Any, args: dict[int, tuple]) -> dict[Any, int]:
-        """Run ``fn`` for receivers j (args per j), one Ray call per endpoint; returns ref -> endpoint."""
+    def _on_receivers(self, fn: Any, args: dict[int, tuple]) -> dict[tuple[str, int], Callable[[], Any]]:
+        """The calls of ``fn`` for receivers j (args per j), one Ray call per endpoint e, keyed ("receiver", e)
+        (for ``_ask``; call one to make it)."""
         by_endpoint: dict[int, dict[int, tuple]] = {}
         for j, a in args.items():
             e, slot = self._slots[j]
             by_endpoint.setdefault(e, {})[slot] = a
-        return {self.receivers[e].call(fn, per_slot): e for e, per_slot in by_endpoint.items()}
+        return {("receiver", e): lambda e=e, a=per_slot: self.receivers[e].call(fn, a)
+                for e, per_slot in by_endpoint.items()}  # fmt: skip
 
     def _by_receiver(self, e: int, by_slot: dict[int, Any]) -> dict[int, Any]:
         return {self._slots.index((e, slot)): r for slot, r in by_slot.items()}
@@ -200,64 +291,55 @@ class WeightSync:
         endpoint = None if same_host else f"tcp://{s.ip}:*"
         secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
         cfg = dataclasses.replace(self.config, transport=p.transport)
-        address, self._pair_bytes[p.sender, p.receiver] = self._get(self.senders[p.sender].__ray_call__.remote(
-            ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source),
-            f"connect sender #{p.sender}", self._setup_timeout_s)  # fmt: skip
-        self._get(list(self._on_receivers(ep.receiver_connect, {p.receiver: (
-            self._sync_id, cfg, address, secret, self._sink)})),
-            f"connect receiver #{p.receiver}", self._setup_timeout_s)  # fmt: skip
+        sender = self.senders[p.sender]
+        [(address, self._pair_bytes[p.sender, p.receiver])] = self._get({("sender", p.sender): lambda: (
+            sender.__ray_call__.remote(ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint,
+                                       self._source))}, f"connect sender #{p.sender}")  # fmt: skip
+        self._get(self._on_receivers(ep.receiver_connect, {p.receiver: (self._sync_id, cfg, address, secret,
+                                                                        self._sink)}),
+                  f"connect receiver #{p.receiver}")  # fmt: skip
 
     def _connect_group(self, i: int, receivers: list[int]) -> None:
         secret, cfg = SessionSecret.generate(), self.config
         share = (i, len(self.senders)) if self._shard else None
-        rendezvous, nbytes = self._get(self.senders[i].__ray_call__.remote(
-            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source, share),
-            f"open the broadcast group of sender #{i}", self._setup_timeout_s)  # fmt: skip
+        sender = self.senders[i]
+        [(rendezvous, nbytes)] = self._get({("sender", i): lambda: sender.__ray_call__.remote(
+            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source, share)},
+            f"open the broadcast group of sender #{i}")  # fmt: skip
         self._pair_bytes.update({(i, j): nbytes for j in receivers})
-        joins = [self.senders[i].__ray_call__.remote(ep.collective_join, self._sync_id)]
-        joins += list(self._on_receivers(ep.collective_connect, {j: (self._sync_id, cfg, rank, rendezvous, secret,
-                                                                     self._sink, share)
-                                                                 for rank, j in enumerate(receivers, start=1)}))  # fmt: skip
-        self._get(joins, f"join the broadcast group of sender #{i}", self._setup_timeout_s)
-
-    def _where(self, call: Any, stage: str) -> Any:
-        """Probe one endpoint (``call()`` makes the Ray call), waiting (up to setup_timeout_s) while Ray
-        restarts it."""
-        import ray
-
-        deadline = time.monotonic() + self._setup_timeout_s
-        while True:
-            try:
-                return self._get(call(), stage, max(1.0, deadline - time.monotonic()))
-            except ray.exceptions.ActorUnavailableError:  # restarting: Ray answers at once, so ask again
-                if time.monotonic() > deadline:
-                    raise PeerTimeout("a restarting actor", stage, self._setup_timeout_s) from None
-                time.sleep(0.2)
+        joins = {("sender", i): lambda: sender.__ray_call__.remote(ep.collective_join, self._sync_id)}
+        joins |= self._on_receivers(ep.collective_connect, {j: (self._sync_id, cfg, rank, rendezvous, secret,
+                                                                self._sink, share)
+                                                            for rank, j in enumerate(receivers, start=1)})  # fmt: skip
+        self._get(joins, f"join the broadcast group of sender #{i}")
 
     def _repair(self) -> None:
         """Re-probe, re-plan and reconnect the pairs of the last failed push (their actors may have been
-        restarted, maybe elsewhere)."""
+        restarted, maybe elsewhere: ``_ask`` waits for Ray to bring them back)."""
         if not self._broken:
             return
-        broken, self._broken = set(self._broken), set()
-        for i in {i for i, _ in broken}:
-            self._sender_at[i] = self._where(lambda a=self.senders[i]: a.__ray_call__.remote(ep.where),
-                                             f"placement of sender #{i}")  # fmt: skip
-        for e in {self._slots[j][0] for _, j in broken}:
-            at = self._where(
-                lambda e=e: self.receivers[e].call(ep.where), f"placement of receiver endpoint #{e}"
-            )
-            for j, p in self._by_receiver(e, at).items():
-                self._receiver_at[j] = p
+        broken = set(self._broken)  # kept until repaired: a repair that fails is tried again next push
+        calls = {("sender", i): lambda a=self.senders[i]: a.__ray_call__.remote(ep.where) for i, _ in broken}
+        calls |= {("receiver", e): lambda r=self.receivers[e]: r.call(ep.where)
+                  for e in {self._slots[j][0] for _, j in broken}}  # fmt: skip
+        placements = self._get(calls, "placement of the endpoints of the last failed push")
+        for (role, index), at in zip(calls, placements, strict=True):
+            if role == "sender":
+                self._sender_at[index] = at
+            else:
+                for j, p in self._by_receiver(index, at).items():
+                    self._receiver_at[j] = p
         for k, p in enumerate(self.plan):
             if (p.sender, p.receiver) in broken:
                 self.plan[k] = self._choose(p.sender, p.receiver)
                 logger.info("re-planned pair #%d -> #%d: %s", p.sender, p.receiver, self.plan[k].transport)
         self._connect(broken)
+        self._broken -= broken
 
     # --- push rounds -------------------------------------------------------------------------------------------
     def push(self, version: int) -> SyncReport:
         """One round: every sender pushes ``version`` to its receivers, all pairs at once."""
+        self._check_open("push")
         self._repair()
         started = time.perf_counter()
         by_sender: dict[int, list[int]] = {}
@@ -266,9 +348,7 @@ class WeightSync:
         refs = {self.senders[i].__ray_call__.remote(ep.sender_push, self._sync_id, version, js): ("sender", i)
                 for i, js in by_sender.items()}  # fmt: skip
         receiving = {j: (self._sync_id,) for js in by_sender.values() for j in js}
-        refs.update(
-            {ref: ("receiver", e) for ref, e in self._on_receivers(ep.receiver_receive, receiving).items()}
-        )
+        refs.update({make(): key for key, make in self._on_receivers(ep.receiver_receive, receiving).items()})
         results, failures = self._collect(refs, version)
         results["receiver"] = {j: r for e, by_slot in results.get("receiver", {}).items()
                                for j, r in self._by_receiver(e, by_slot).items()}  # fmt: skip
@@ -286,7 +366,8 @@ class WeightSync:
                 failures.append(self._failure("receiver", j, r))
                 self._broken.update((p.sender, p.receiver) for p in self.plan if p.receiver == j)
         if failures:
-            raise SyncError(version, failures)
+            mixed = sorted(j for j, r in results.get("receiver", {}).items() if r.get("version") == MIXED)
+            raise SyncError(version, failures, mixed)
         report = SyncReport(
             version, time.perf_counter() - started, tuple(sorted(pairs, key=lambda p: p.receiver))
         )
@@ -319,8 +400,9 @@ class WeightSync:
                         if role == "sender":  # a sender's result arrives when all of its pairs are done
                             bar.update(sum(b for (i, _), b in self._pair_bytes.items() if i == index))
                     except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
+                        # not asked again (a restarted actor has no session): the next push repairs the pairs
                         failures.append(EndpointFailure(self._label(role, index), f"push v{version}",
-                                                        f"{type(e).__name__}: {e}".splitlines()[0], str(e)))  # fmt: skip
+                                                        _first_line(e), str(e)))  # fmt: skip
                         self._mark_broken(role, index)
         finally:
             bar.close()
@@ -334,8 +416,11 @@ class WeightSync:
     def _label(self, role: str, index: int) -> str:
         """``index``: a sender, or a receiver endpoint (an engine adapter names all of its workers)."""
         if role == "sender":
-            return f"sender #{index} ({self._sender_at[index].label()})"
+            at = f" ({self._sender_at[index].label()})" if index < len(self._sender_at) else ""
+            return f"sender #{index}{at}"
         js = [j for j, (e, _) in enumerate(self._slots) if e == index]
+        if not js:  # before the placements are known
+            return f"receiver endpoint #{index}"
         return ", ".join(f"receiver #{j} ({self._receiver_at[j].label()})" for j in js)
 
     def _failure(self, role: str, index: int, r: dict, suffix: str = "") -> EndpointFailure:
@@ -346,19 +431,35 @@ class WeightSync:
         )
 
     # --- state and teardown ------------------------------------------------------------------------------------
-    def versions(self) -> list[int | None]:
-        """Each receiver's last fully applied version (None: nothing yet, or restarted and not pushed since)."""
-        refs = self._on_receivers(ep.receiver_version, {j: (self._sync_id,) for j in range(len(self._slots))})
-        versions: dict[int, int | None] = {}
-        for by_slot, e in zip(
-            self._get(list(refs), "versions", self._setup_timeout_s), refs.values(), strict=True
-        ):
+    def versions(self) -> list[Version]:
+        """What each receiver holds (Note [versions never lie]): the version of its last complete push,
+        "mixed" after a push that failed part-way (until the next one completes), None before any push (or
+        restarted by Ray and not pushed to since; also an actor that died for good). Waits (up to
+        setup_timeout_s) for actors that Ray is restarting; raises ActorUnavailable if one is still not back."""
+        self._check_open("versions")
+        calls = self._on_receivers(
+            ep.receiver_version, {j: (self._sync_id,) for j in range(len(self._slots))}
+        )
+        versions: dict[int, Version] = {}
+        for (_, e), by_slot in self._ask(calls, "versions", self._setup_timeout_s).items():
+            if isinstance(by_slot, ActorGone):
+                logger.warning("%s", by_slot)  # no process, no weights: it holds no version
+                by_slot = {slot: None for e_, slot in self._slots if e_ == e}
+            elif isinstance(by_slot, BaseException):
+                raise by_slot
             versions.update(self._by_receiver(e, by_slot))
         return [versions[j] for j in range(len(self._slots))]
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise SyncClosed(f"{what}() on WeightSync {self._sync_id}, which was closed (close() or the end of its "
+                             f"`with` block) and holds no sessions any more: make a new WeightSync")  # fmt: skip
+
     def close(self) -> None:
+        """End every session (idempotent). Actors that are gone or restarting have none left: not waited for."""
         import ray
 
+        self._closed = True
         calls = [e.call(ep.close, (self._sync_id,)) for e in self.receivers]
         calls += [a.__ray_call__.remote(ep.close, self._sync_id) for a in self.senders]
         ray.wait(calls, num_returns=len(calls), timeout=self.config.timeout_s)
@@ -368,3 +469,7 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0]

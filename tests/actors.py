@@ -14,10 +14,22 @@ from raysync.models import tiny_qwen2
 class Trainer:
     def __init__(self, seed: int = 0, on_gpu: bool = False):
         self.model = tiny_qwen2(seed).to("cuda" if on_gpu else "cpu")
+        self.break_at: int | None = None  # breakable_source raises at this tensor
 
     def step(self, version: int) -> dict[str, str]:
         perturb(self.model, version)
         return digest(self.model.named_parameters())
+
+    def break_source(self, at: int | None) -> None:
+        self.break_at = at
+
+
+def breakable_source(actor: Trainer):
+    """The trainer's parameters, raising at tensor ``actor.break_at`` once it is set (a gather that fails)."""
+    for k, item in enumerate(actor.model.named_parameters()):
+        if k == actor.break_at:
+            raise ValueError(f"the source broke at tensor {k}")
+        yield item
 
 
 class Engine:
@@ -32,6 +44,9 @@ class Engine:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def fail_at_call(self, n: int, how: str) -> None:
         """Make the n-th load call of the next push fail: how = "raise" or "die" (SIGKILL this process)."""

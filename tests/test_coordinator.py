@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -9,10 +11,13 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from actors import Engine, Trainer, engine_load  # noqa: E402
+from actors import Engine, Trainer, breakable_source, engine_load  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
+from raysync.coordinator import ActorGone, SyncClosed  # noqa: E402
+from raysync.endpoint import applied_version  # noqa: E402
 from raysync.placement import PlanError  # noqa: E402
+from raysync.version import MIXED  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
 ACTOR = {"num_cpus": 0.25}
@@ -42,7 +47,7 @@ def test_colocated_pairs_with_a_load_function(ray_local, no_leftovers):
         assert expected[0] != expected[1]
 
 
-def test_a_remote_error_surfaces_once_and_the_old_version_stays(ray_local, no_leftovers):
+def test_a_remote_error_surfaces_once_and_the_engine_says_its_weights_are_mixed(ray_local, no_leftovers):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engine = ray.remote(**ACTOR)(Engine).remote()
     with WeightSync([trainer], [engine], CFG, sink=engine_load) as sync:
@@ -58,11 +63,14 @@ def test_a_remote_error_surfaces_once_and_the_old_version_stays(ray_local, no_le
         assert any(
             f.endpoint.startswith("receiver #0") and "ValueError" in f.traceback for f in e.value.failures
         )
-        assert sync.versions() == [1]
-        assert ray.get(engine.digest.remote()) != good  # partly written ... but never reported as version 2
+        assert e.value.mixed == (0,) and "receiver(s) #0 now hold a mix of two versions" in str(e.value)
+        assert ray.get(engine.digest.remote()) != good  # partly written: neither version 1 nor 2 ...
+        assert sync.versions() == [MIXED]  # ... and said so, to the driver and inside the engine's actor
+        assert ray.get(engine.__ray_call__.remote(applied_version)) == MIXED
         expected = ray.get(trainer.step.remote(3))
         sync.push(3)  # the pair was repaired: a full push
         assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
+        assert ray.get(engine.__ray_call__.remote(applied_version)) == 3
 
 
 def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_leftovers):
@@ -84,6 +92,78 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
         sync.push(3)  # re-planned for the restarted actor, full weights
         assert ray.get(engine.pid.remote()) != first_pid
         assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
+
+
+def test_a_source_that_raises_fails_the_push_at_once_with_its_own_error(ray_local, no_leftovers):
+    """The trainer's source raises at its second tensor: the sender tells its receivers at once, so the push
+    fails long before timeout_s (120 s; this test waits 30 s at most) and the SyncError carries the source's
+    own exception; nothing was touched, and the next push goes through."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
+    config = dataclasses.replace(CFG, timeout_s=120)
+    with WeightSync([trainer], engines, config, source=breakable_source) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+        ray.get(trainer.break_source.remote(1))
+        ray.get(trainer.step.remote(2))
+        raised: list[BaseException] = []
+        pushing = threading.Thread(target=lambda: _catch(raised, sync.push, 2), daemon=True)
+        pushing.start()
+        pushing.join(timeout=30)
+        assert not pushing.is_alive(), "the push waited for timeout_s"
+        [error] = raised
+        assert isinstance(error, SyncError) and error.failures[0].endpoint.startswith("sender #0")
+        assert "at stage 'source': ValueError: the source broke at tensor 1" in str(error)
+        receivers = [f for f in error.failures if f.endpoint.startswith("receiver")]
+        assert len(receivers) == 2 and all("ValueError: the source broke" in f.error for f in receivers)
+        assert sync.versions() == [1, 1] and not error.mixed
+        ray.get(trainer.break_source.remote(None))
+        expected = ray.get(trainer.step.remote(3))
+        sync.push(3)
+        assert all(ray.get(e.digest.remote()) == expected for e in engines) and sync.versions() == [3, 3]
+
+
+def _catch(raised: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:
+        raised.append(e)
+
+
+def test_a_closed_sync_says_it_was_closed(ray_local, no_leftovers):
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    with WeightSync([trainer], [engine], CFG) as sync:
+        sync.push(1)
+    for call in (lambda: sync.push(2), sync.versions):
+        with pytest.raises(SyncClosed, match=r"WeightSync \w+, which was closed .* make a new WeightSync"):
+            call()
+
+
+def test_versions_and_pushes_across_an_engine_killed_then_gone_for_good(ray_local, no_leftovers):
+    """Killed and restarted by Ray: versions() waits for the restart and says None, the next push repairs.
+    Killed for good: versions() says None (no weights anywhere), the push fails naming it, and repairing it is
+    a typed error (ActorGone), not one of Ray's."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(max_restarts=1, **ACTOR)(Engine).remote()
+    with WeightSync([trainer], [engine], CFG) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(engine.die.remote())  # SIGKILLed; Ray restarts it (max_restarts=1)
+        assert sync.versions() == [None]
+        with pytest.raises(SyncError, match="receiver #0"):
+            sync.push(2)  # its session died with it
+        expected = ray.get(trainer.step.remote(3))
+        sync.push(3)
+        assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(engine.die.remote())  # no restart left
+        assert sync.versions() == [None]
+        with pytest.raises(SyncError, match="receiver #0"):
+            sync.push(4)
+        with pytest.raises(ActorGone, match="receiver #0 .* died .* Ray will not restart it"):
+            sync.push(5)
 
 
 def test_overrides_that_cannot_work_are_refused(ray_local):
