@@ -9,7 +9,8 @@ A share is a tuple of names for ``SyncConfig.include``, from ``shares()``: every
 from the same list of tensors (the same model), so the shares cover every tensor once. Each group is an
 ordinary collective group (raysync.transport.collective) with its own checks, timeouts and aborts; a
 ShardedReceiver runs the receives of all its groups at once and counts a version as applied only when every
-share has applied it. On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
+share has applied it: while the shares hold different versions the engine's weights are a mix that no trainer
+had, and ``version`` says MIXED (Note [versions never lie] in raysync.version). On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
 does not allow communicators of one GPU to be driven from several threads at once), so a share that stalls
 holds the others up until its timeout; on gloo each share has its own thread. The groups' joins run in
 threads, since each blocks until its own ranks are in.
@@ -24,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from raysync.config import SyncConfig
-from raysync.errors import LayoutError, PushIncomplete, RaysyncError, SchemaError
+from raysync.errors import LayoutError, PushIncomplete, RaysyncError, SchemaError, WeightsMixed
 from raysync.report import PushReport
 from raysync.sink import LoadFn
 from raysync.source import select
 from raysync.transport.collective import CollectiveReceiver
+from raysync.version import MIXED, Version
 
 
 def shares(
@@ -59,24 +61,33 @@ class ShardedReceiver:
         if not receivers:
             raise ValueError("ShardedReceiver needs the receiver of at least one share")
         self.receivers = list(receivers)
+        self._unmade: Version = None  # what the destinations of a share without a group yet hold
 
     def replace(self, k: int, receiver: CollectiveReceiver) -> None:
-        """Share k has a new group (made, or rebuilt after a failure): its old receiver is closed."""
+        """Share k has a new group (made, or rebuilt after a failure): its old receiver is closed. The same
+        destinations keep what they hold, so the new receiver starts at the old one's version."""
         old, self.receivers[k] = self.receivers[k], receiver
+        receiver.version = old.version if old is not None else self._unmade
         if old is not None:
             old.close()
 
     @property
-    def version(self) -> int | None:
-        """The version every share has applied; None while the shares differ (a push that failed in some)."""
-        versions = {r.version if r is not None else None for r in self.receivers}
-        return versions.pop() if len(versions) == 1 else None
+    def version(self) -> Version:
+        """The version every share holds; MIXED while the shares differ (the engine's weights are then parts
+        of several versions) or any share is MIXED: Note [versions never lie]."""
+        versions = {self._share_version(k) for k in range(len(self.receivers))}
+        return versions.pop() if len(versions) == 1 else MIXED
 
     @version.setter
-    def version(self, version: int | None) -> None:
+    def version(self, version: Version) -> None:
+        self._unmade = version
         for r in self.receivers:
             if r is not None:
                 r.version = version
+
+    def _share_version(self, k: int) -> Version:
+        r = self.receivers[k]
+        return r.version if r is not None else self._unmade
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Join every share's group at once (each returns when all of its ranks are in)."""
@@ -94,33 +105,58 @@ class ShardedReceiver:
             raise RaysyncError(f"shares {missing} have no group yet")
         self._check_disjoint()
         finish = getattr(load_fn, "finish", None)  # a staging loader applies once, after every share
+        staging = callable(finish)
         one_fn = _no_finish(load_fn) if load_fn is not None else None
-        pushes = [r.receiving(into=into, load_fn=one_fn, wait_s=wait_s) for r in self.receivers]
+        before = [r.version for r in self.receivers]
+        pushes = [
+            r.receiving(into=into, load_fn=one_fn, wait_s=wait_s, staging=staging) for r in self.receivers
+        ]
         nccl = any(r.device is not None for r in self.receivers)
         reports, failed = _take_turns(pushes) if nccl else _in_threads(pushes)
         if failed:  # the tensors of every share that stopped part-way; else the first error as it is
-            incomplete = [(k, e) for k, e in failed if isinstance(e, PushIncomplete)]
-            if not incomplete:
-                raise failed[0][1]
-            k, e = incomplete[0]
-            undelivered = [n for _, f in incomplete for n in f.undelivered]
-            raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered) from e
+            if staging:  # the loader only staged: nothing of this push reached the weights
+                self._restore(before)
+            self._raise_failed(failed)
         versions = sorted({r.version for r in reports})
         if len(versions) != 1:
             raise SchemaError(
                 f"the shares' senders pushed different versions {versions}: push one version from all"
             )
         self._check_disjoint()
-        if finish is not None and not all(r.skipped for r in reports):
-            try:
-                finish()
-            except Exception as e:
-                for r in self.receivers:  # nothing of this push counts as applied
-                    r.version = None
-                raise PushIncomplete(versions[0], "apply", f"{type(e).__name__}: {e}", []) from e
+        if staging and not all(r.skipped for r in reports):
+            self._apply(finish, versions[0], before)
         return PushReport(versions[0], self.name, sum(r.bytes for r in reports), sum(r.buckets for r in reports),
                           sum(r.tensors for r in reports), max(r.seconds for r in reports),
                           skipped=all(r.skipped for r in reports))  # fmt: skip
+
+    def _raise_failed(self, failed: list[tuple[int, Exception]]) -> None:
+        """One PushIncomplete naming the tensors of every share that stopped part-way (and whether the
+        destinations are now mixed); else the first error as it is."""
+        incomplete = [(k, e) for k, e in failed if isinstance(e, PushIncomplete)]
+        if not incomplete:
+            raise failed[0][1]
+        k, e = incomplete[0]
+        undelivered = [n for _, f in incomplete for n in f.undelivered]
+        mixed = self.version == MIXED
+        raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered, mixed=mixed) from e
+
+    def _apply(self, finish, version: int, before: list[Version]) -> None:
+        """A staging loader applies every share's part at once. If that fails it has put the old weights back
+        (its contract), unless it says WeightsMixed."""
+        try:
+            finish()
+        except Exception as e:
+            if isinstance(e, WeightsMixed):
+                self.version = MIXED
+            else:
+                self._restore(before)
+            raise PushIncomplete(
+                version, "apply", f"{type(e).__name__}: {e}", [], mixed=isinstance(e, WeightsMixed)
+            ) from e
+
+    def _restore(self, before: list[Version]) -> None:
+        for r, version in zip(self.receivers, before, strict=True):
+            r.version = version
 
     def _check_disjoint(self) -> None:
         """Two shares naming one tensor means the trainer ranks split different lists of tensors."""

@@ -1,14 +1,25 @@
-"""The collective transport on the CPU: a gloo group of one sender and 2-3 receiver processes."""
+"""The collective transport on the CPU: a gloo group of one sender and 2-3 receiver processes, and its
+rendezvous store under attack."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
+import struct
+import threading
 import time
 
+import msgpack
 import pytest
+import zmq
 from workers import collective_receiver, digest, perturb
 
 from raysync import PeerUnavailable, RemoteError, SessionSecret, SyncConfig
+from raysync.errors import EndpointError, PeerTimeout, WireError
 from raysync.transport.collective import CollectiveSender
+from raysync.transport.rendezvous import CurveKeys, StoreClient, StoreServer
+from raysync.version import MIXED
 
 pytest.importorskip("transformers")
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
@@ -66,21 +77,76 @@ def test_a_manifest_mismatch_is_a_clear_error_on_every_rank(spawn):
         sender.close()
 
 
-def test_a_receiver_killed_mid_broadcast_fails_everyone_within_timeout(spawn):
-    sender, model, out = _group(spawn, 2, pushes=2, special={2: ((2, 2), False)})
+def survivor(secret, config, rendezvous, out, inbox) -> None:
+    """Rank 1 of a group whose rank 2 dies in push 2: receives push 1, fails push 2 (reports its version and a
+    digest of its destinations), then joins the group the parent rebuilds, as an engine whose session is
+    replaced does (the new receiver keeps the old one's version), and receives once more."""
+    from raysync.models import tiny_qwen2
+    from raysync.transport.collective import CollectiveReceiver
+
+    params = dict(tiny_qwen2(seed=99).named_parameters())
+    receiver = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
+    receiver.join()
+    report = receiver.receive(into=params, wait_s=60)  # the parent may still be starting
+    out.put(("ok", report.version, digest(params.items())))
+    try:
+        receiver.receive(into=params)
+        out.put(("ok", receiver.version, digest(params.items())))
+    except Exception as e:
+        out.put(
+            (type(e).__name__, receiver.version, digest(params.items()), getattr(e, "mixed", None), str(e))
+        )
+    secret, rendezvous = inbox.get(timeout=60)
+    rebuilt = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
+    rebuilt.version = receiver.version  # the same destinations: what endpoint.py does when it reconnects
+    receiver.close()
+    rebuilt.join()
+    report = rebuilt.receive(into=params)
+    out.put((report.skipped, rebuilt.version, digest(params.items())))
+    rebuilt.close()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_receiver_killed_mid_broadcast_fails_everyone_in_time_and_the_survivor_says_mixed(spawn, staged):
+    """Rank 2 SIGKILLs itself inside push 2. Everyone fails within timeout_s; the survivor, whose destinations
+    took part of push 2 in place, says MIXED (staged: untouched, still version 1); a rebuilt group's push of
+    the same version 2 is not skipped and leaves it bit-exact at version 2."""
+    from raysync.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    secret = SessionSecret.generate()
+    sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=2, backend="gloo")
+    out, dead_out, inbox = spawn.ctx.Queue(), spawn.ctx.Queue(), spawn.ctx.Queue()
+    spawn(survivor, secret, dataclasses.replace(CFG, staged=staged), sender.rendezvous, out, inbox)
+    spawn(collective_receiver, secret, CFG, 2, sender.rendezvous, 2, dead_out, (2, 2), False)
+    sender.join()
+    rebuilt = None
     try:
         perturb(model, 1)
         sender.push(model.named_parameters(), 1)
-        assert sorted(out.get(timeout=60)[1] for _ in range(2)) == ["ok", "ok"]
+        v1 = digest(model.named_parameters())
+        assert out.get(timeout=60) == ("ok", 1, v1) and dead_out.get(timeout=60)[1] == "ok"
         perturb(model, 2)
         started = time.monotonic()
         with pytest.raises(PeerUnavailable):
             sender.push(model.named_parameters(), 2)
         assert time.monotonic() - started <= CFG.timeout_s + 1
-        rank, kind, detail, seconds = out.get(timeout=30)  # the survivor
-        assert (rank, kind) == (1, "PushIncomplete") and seconds <= CFG.timeout_s + 1, detail
+        kind, version, held, mixed, message = out.get(timeout=30)
+        assert kind == "PushIncomplete", message
+        if staged:  # atomic: the destinations are version 1's, and the error says they were not touched
+            assert (version, held, mixed) == (1, v1, False), message
+        else:
+            assert (version, mixed) == (MIXED, True), message
+        rebuilt_secret = SessionSecret.generate()
+        rebuilt = CollectiveSender(rebuilt_secret, CFG, host="127.0.0.1", num_receivers=1, backend="gloo")
+        inbox.put((rebuilt_secret, rebuilt.rendezvous))
+        rebuilt.join()
+        assert not rebuilt.push(model.named_parameters(), 2).skipped  # MIXED is no version: never skipped
+        assert out.get(timeout=60) == (False, 2, digest(model.named_parameters()))
     finally:
         sender.close()
+        if rebuilt is not None:
+            rebuilt.close()
 
 
 def test_destinations_that_change_between_pushes_are_refused_without_touching_them(spawn):
@@ -104,3 +170,126 @@ def test_destinations_that_change_between_pushes_are_refused_without_touching_th
         assert sorted(r[1] for r in (out.get(timeout=60), out.get(timeout=60))) == ["PushIncomplete"] * 2
     finally:
         sender.close()
+
+
+# --- the rendezvous store: strangers on its port -------------------------------------------------------------------
+_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00"  # ZMTP 3.0, then the mechanism's name padded to 20 bytes
+HOSTILE = {  # what a local process can write to the port: nothing of it may stall or grow the store
+    "garbage": os.urandom(4096),
+    "huge length prefix (ZMTP 1.0 framing)": b"\xff" + struct.pack(">Q", (1 << 63) - 1) + b"x" * 64,
+    "huge value (TCPStore's SET)": b"\x00" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 1 << 40) + b"v" * 64,
+    "NULL greeting, then a 4 EiB frame": _GREETING + b"NULL".ljust(20, b"\0") + bytes(32) + b"\x06"
+    + struct.pack(">Q", 1 << 62),
+    "CURVE greeting, then a 4 EiB frame": _GREETING + b"CURVE".ljust(20, b"\0") + bytes(32) + b"\x06"
+    + struct.pack(">Q", 1 << 62),
+}  # fmt: skip
+
+
+def _hit(port: int, payload: bytes) -> str:
+    """Connect, write ``payload``, read until the server closes: "closed", or "open" after 10 s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        try:
+            conn.sendall(payload)
+            while conn.recv(1 << 16):
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        except TimeoutError:
+            return "open"
+    return "closed"
+
+
+def _stranger_with_a_key(port: int, server_public: bytes) -> zmq.Socket:
+    """A zmq client that knows the server's public key (as if it leaked) but not the session's client key."""
+    public, secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    for option, value in ((zmq.LINGER, 0), (zmq.CURVE_SERVERKEY, server_public), (zmq.CURVE_PUBLICKEY, public),
+                          (zmq.CURVE_SECRETKEY, secret)):  # fmt: skip
+        sock.setsockopt(option, value)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn):
+    """Attackers write garbage, huge length prefixes and a leaked-key client's requests to the rendezvous port
+    from the start of the group's set-up to the end of its second push: the session completes bit-exact, the
+    server closed every hostile connection (none held it), and no stranger's key landed in the store."""
+    from raysync.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    secret = SessionSecret.generate()
+    sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=2, backend="gloo")
+    port, stop, results = sender.rendezvous.port, threading.Event(), []
+    stranger = _stranger_with_a_key(port, CurveKeys.of(secret).server_public)
+
+    def attack(with_key: bool) -> None:
+        while not stop.is_set():
+            for name, payload in HOSTILE.items():
+                results.append((name, _hit(port, payload)))
+            if with_key:  # zmq sockets are not thread-safe: one attacker owns this one
+                try:
+                    stranger.send(msgpack.packb([len(results), "set", ["1/start", b"forged"]]), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+    attackers = [threading.Thread(target=attack, args=(k == 0,), daemon=True) for k in range(2)]
+    for a in attackers:
+        a.start()
+    out = spawn.ctx.Queue()
+    for rank in (1, 2):
+        spawn(collective_receiver, secret, CFG, rank, sender.rendezvous, 2, out)
+    try:
+        sender.join()
+        for version in (1, 2):
+            perturb(model, version)
+            sender.push(model.named_parameters(), version)
+            got = [out.get(timeout=60) for _ in range(2)]
+            assert all(r[1] == "ok" and r[2] == (version, digest(model.named_parameters())) for r in got), got
+        stop.set()
+        for a in attackers:
+            a.join(timeout=30)
+        assert not any(a.is_alive() for a in attackers)
+        forged = sender._group.store.check(["1/start"])  # deleted by push 2; a forged set would be there
+        answered = stranger.poll(0)
+    finally:
+        stop.set()
+        stranger.close()
+        sender.close()
+    assert {name for name, _ in results} == set(HOSTILE)  # every kind of attack ran during the session
+    assert [r for r in results if r[1] != "closed"] == []  # the server closed every hostile connection
+    assert not forged and not answered and sender._server.refused > 0  # the leaked-key client: refused
+
+
+def test_the_store_answers_its_session_and_refuses_what_it_must():
+    secret = SessionSecret.generate()
+    server = StoreServer(secret, "127.0.0.1", max_value_bytes=4096)
+    client = StoreClient(secret, "127.0.0.1", server.port, timeout_s=5, max_value_bytes=4096)
+    other = StoreClient(SessionSecret.generate(), "127.0.0.1", server.port, timeout_s=1, max_value_bytes=4096)
+    try:
+        client.set("a", b"1")
+        assert client.get("a") == b"1" and client.add("n", 2) == 2 and client.add("n", 3) == 5
+        assert client.compare_set("c", b"", b"x") == b"x" and client.compare_set("c", b"y", b"z") == b"x"
+        assert client.check(["a", "n"]) and not client.check(["a", "missing"])
+        assert client.multi_get(["a", "c"]) == [b"1", b"x"] and client.delete_keys(["a", "c", "gone"]) == 2
+        with pytest.raises(PeerTimeout, match="store get missing"):  # bounded, named
+            client.wait_get("missing", 0.5)
+        with pytest.raises(WireError, match="5000 bytes exceed max_frame_bytes=4096"):
+            client.set("big", b"v" * 5000)
+        with pytest.raises(PeerTimeout):  # another session's client never completes the handshake
+            other.set("a", b"forged")
+        assert _hit(server.port, HOSTILE["CURVE greeting, then a 4 EiB frame"]) == "closed"
+        assert client.get("n") == b"5" and client.num_keys() == 1  # still serving, nothing forged
+    finally:
+        other.close()
+        client.close()
+        server.close()
+    with pytest.raises(PeerTimeout):  # the server is gone: every call ends in time
+        StoreClient(secret, "127.0.0.1", server.port, timeout_s=0.5, max_value_bytes=4096).get("n")
+
+
+@pytest.mark.parametrize(
+    "host", ["0", "0.0.0.0", "0x0", "000.000.000.000", "0.0", "::", "0:0:0:0:0:0:0:0", "::0"]
+)
+def test_the_rendezvous_never_listens_on_every_interface(host):
+    with pytest.raises(EndpointError, match="every interface"):
+        CollectiveSender(SessionSecret.generate(), CFG, host=host, num_receivers=1, backend="gloo")

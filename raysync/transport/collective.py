@@ -2,16 +2,20 @@
 process group (NCCL on GPUs, gloo on CPUs; "hccl" is accepted for Ascend but untested).
 
     rank 0 (sender)                      ranks 1..N (receivers)
-    TCPStore master on host:port  <---   join the store, then the group (rendezvous, bounded by a set-up limit)
+    rendezvous store on host:port <---   join the store, then the group (rendezvous, bounded by a set-up limit)
+    (raysync.transport.rendezvous: only holders of the session key get a byte in)
     signed frames in the store:          layout/<id>, <push>/start  ->  <push>/accept/<rank>
                                          <push>/go (Accept = stream, Abort = nobody streams)
     per bucket: one broadcast per chunk, grouped into one launch; chunks are read from the trainer's tensors
     and land in the destination tensors in place where they can, else they pass through the bucket's buffer
     finish: one all-reduce (MIN) of an ok flag; a rank that failed first leaves its reason in <push>/done/<rank>
 
-The group is the sync's own: it never touches a default process group that the trainer or vLLM use. Every
-control value in the store is a signed raysync frame (wire.py): the store is plain TCP, so what is read from
-it is checked like anything else off a socket. Each rank signs with its own derived key.
+The group is the sync's own: it never touches a default process group that the trainer or vLLM use. The
+store is raysync's own too (rendezvous.py, Note [who may talk to the rendezvous store]): torch's TCPStore
+serves anyone who connects, and one local process writing garbage to it stalled every rank. Every control
+value in the store is also a signed raysync frame (wire.py), checked like anything else off a socket; each
+rank signs with its own derived key. The sender deletes a push's keys at the start of the next one, so the
+store stays small however many pushes a group serves.
 
 # Note [no hangs in a collective]
 # A collective only finishes when every rank takes part, so a rank that fails mid-push must not just stop:
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from raysync.config import SyncConfig
-from raysync.errors import PeerTimeout, PushIncomplete, RaysyncError, RemoteError
+from raysync.errors import PeerTimeout, PushIncomplete, RaysyncError, RemoteError, WeightsMixed
 from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import IntoTensors, LoadFn, Sink, Sinks
 from raysync.source import direct_bytes, select, write_chunk
+from raysync.transport.rendezvous import StoreClient, StoreServer
+from raysync.version import MIXED, Version
 from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushStart, SessionSecret
 
 logger = logging.getLogger(__name__)
@@ -62,7 +67,7 @@ class _Group:
     """The store, the process group and the signed frames of one rank."""
 
     def __init__(
-        self, secret: SessionSecret, config: SyncConfig, rank: int, rdv: Rendezvous, store: dist.Store
+        self, secret: SessionSecret, config: SyncConfig, rank: int, rdv: Rendezvous, store: StoreClient
     ):
         self.rank, self.rdv, self.config, self.store = rank, rdv, config, store
         self.timeout = datetime.timedelta(seconds=config.timeout_s)
@@ -124,11 +129,14 @@ class _Group:
         """Wait for ``key`` (written by rank ``writer`` on ``stream``); check its signature and schema."""
         wait = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            self.store.wait([key], datetime.timedelta(seconds=wait))
-            frame = self.store.get(key)
-        except Exception:  # DistStoreError on timeout, or the store's host (rank 0) is gone
+            frame = self.store.wait_get(key, wait)
+        except PeerTimeout:  # the key never came, or the store's host (rank 0) is gone
             raise PeerTimeout(f"rank {writer} of the {self.rdv.backend} group", stage, wait) from None
         return self._verifier(writer, stream).decode(frame)
+
+    def forget(self, keys: list[str]) -> None:
+        """Delete keys nobody reads any more (one round trip)."""
+        self.store.delete_keys(keys)
 
     # --- collectives ---------------------------------------------------------------------------------------------
     def broadcast(self, views: list[torch.Tensor]) -> list:
@@ -194,15 +202,9 @@ class _Group:
                 pass
             self.pg = None
 
-
-def _store_listener(host: str) -> socket.socket:
-    """A listening socket on ``host`` only, for the TCPStore (which would otherwise listen on every interface)."""
-    if host in ("0.0.0.0", "::", "*", ""):
-        raise ValueError("give the collective group the address of one interface, not every interface")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.bind((host, 0))
-    sock.listen(128)
-    return sock
+    def close(self) -> None:
+        self.abort()
+        self.store.close()
 
 
 def _buffers(config: SyncConfig, device: torch.device | None) -> list[torch.Tensor]:
@@ -226,13 +228,14 @@ class CollectiveSender:
     def __init__(self, secret: SessionSecret, config: SyncConfig, *, host: str, num_receivers: int,
                  backend: str | None = None):  # fmt: skip
         self.config = config
-        listener = _store_listener(host)
-        port = listener.getsockname()[1]
-        world = num_receivers + 1
-        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False, use_libuv=False,
-                              timeout=datetime.timedelta(seconds=config.timeout_s),
-                              master_listen_fd=listener.detach())  # the store owns the socket from here  # fmt: skip
-        self.rendezvous = Rendezvous(host, port, world, backend or default_backend())
+        self._server = StoreServer(secret, host, config.max_frame_bytes)  # refuses every-interface hosts
+        try:
+            store = StoreClient(secret, host, self._server.port, timeout_s=config.timeout_s,
+                                max_value_bytes=config.max_frame_bytes)  # fmt: skip
+        except BaseException:
+            self._server.close()
+            raise
+        self.rendezvous = Rendezvous(host, self._server.port, num_receivers + 1, backend or default_backend())
         self._group = _Group(secret, config, 0, self.rendezvous, store)
         self._layout: Layout | None = None
         self._buckets: list = []
@@ -264,14 +267,18 @@ class CollectiveSender:
         specs = tuple(s.spec for s in sources)
         self._push_id += 1
         pid = self._push_id
+        ranks = range(1, self.rendezvous.world_size)
+        stale = _push_keys(pid - 1, ranks) if pid > 1 else []  # every rank is past push pid - 1
         confirm = not self._all_applied
         if self._layout is None or self._layout.tensors != specs:
             layout_id = self._layout.layout_id + 1 if self._layout else 1
+            stale += [f"layout/{layout_id - 1}"] if layout_id > 1 else []  # every rank has taken it
             self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
             self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
             g.put(f"layout/{layout_id}", self._layout, "layout")
             confirm = True
-        ranks = range(1, self.rendezvous.world_size)
+        if stale:
+            g.forget(stale)
         confirm = confirm or all(self._applied.get(r) == version for r in ranks)  # a skip is always confirmed
         self._all_applied = False
         g.put(f"{pid}/start", PushStart(pid, version, self._layout.layout_id, confirm), "control")
@@ -373,7 +380,14 @@ class CollectiveSender:
         )
 
     def close(self) -> None:
-        self._group.abort()
+        self._group.close()
+        self._server.close()
+
+
+def _push_keys(pid: int, ranks: range) -> list[str]:
+    """Every store key push ``pid`` may have written."""
+    per_rank = [f"{pid}/{what}/{r}" for r in ranks for what in ("accept", "done")]
+    return [f"{pid}/start", f"{pid}/go", *per_rank]
 
 
 class CollectiveReceiver:
@@ -383,14 +397,14 @@ class CollectiveReceiver:
 
     def __init__(self, secret: SessionSecret, config: SyncConfig, *, rank: int, rendezvous: Rendezvous):
         self.config = config
-        store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=config.timeout_s), use_libuv=False)  # fmt: skip
+        store = StoreClient(secret, rendezvous.host, rendezvous.port, timeout_s=config.timeout_s,
+                            max_value_bytes=config.max_frame_bytes)  # fmt: skip
         self._group = _Group(secret, config, rank, rendezvous, store)
         self._sinks = Sinks(config.staged, config.cuda_graphs)
         self._layout: Layout | None = None
         self._buckets: list = []
         self._push_id = 0
-        self.version: int | None = None
+        self.version: Version = None  # Note [versions never lie]: an int, None, or MIXED
 
     def join(self, timeout_s: float = 300.0) -> None:
         """Returns when every rank of the group has joined (all must call it at the same time)."""
@@ -409,7 +423,8 @@ class CollectiveReceiver:
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
-        """Serve one push, like WeightReceiver.receive."""
+        """Serve one push, like WeightReceiver.receive. ``version`` says what the destinations hold after it,
+        also when it fails: Note [versions never lie]."""
         steps = self.receiving(into=into, load_fn=load_fn, wait_s=wait_s)
         while True:
             try:
@@ -418,9 +433,11 @@ class CollectiveReceiver:
                 return done.value
 
     def receiving(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
-                  wait_s: float | None = None) -> Generator[None, None, PushReport]:  # fmt: skip
+                  wait_s: float | None = None, staging: bool = False) -> Generator[None, None, PushReport]:  # fmt: skip
         """``receive`` in steps: yields after each bucket, returns the report. raysync.sharded runs the pushes
-        of several groups from one thread by taking turns (NCCL: one thread issues every group's operations)."""
+        of several groups from one thread by taking turns (NCCL: one thread issues every group's operations).
+        ``staging``: ``load_fn`` only stages what it is given and the caller applies it after the push (as a
+        loader with a ``finish`` does), so a failure here leaves the destinations untouched."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
@@ -441,14 +458,18 @@ class CollectiveReceiver:
             go = g.take(f"{pid}/go", 0, "control", "go")
         names = [s.name for s in self._layout.tensors] if self._layout else []
         if isinstance(go, Abort) or (refusal is not None and start.confirm):
-            raise PushIncomplete(start.version, "accept", str(refusal or go.message), names) from refusal
+            raise PushIncomplete(
+                start.version, "accept", str(refusal or go.message), names, mixed=False
+            ) from refusal
         if not go.skip:
+            if sink is not None and sink.in_place and not staging:
+                self.version = MIXED  # Note [versions never lie]: before the first byte reaches a destination
             # with sink None (refused, unconfirmed) the bytes go into our buffers and touch nothing
             yield from self._stream(start, sink)
             if refusal is not None:
                 g.put(f"{pid}/done/{me}", Abort(pid, "accept", str(refusal), ""), "control")
                 g.agree(False, "finish")
-                raise PushIncomplete(start.version, "accept", str(refusal), names) from refusal
+                raise PushIncomplete(start.version, "accept", str(refusal), names, mixed=False) from refusal
             self.version = start.version
         g.agree(True, "finish")
         specs = self._layout.tensors
@@ -503,8 +524,10 @@ class CollectiveReceiver:
                 torch.cuda.current_stream().synchronize()  # applied means visible: every copy is done
             stage = "apply"
             if sink is not None:
-                sink.finish()
+                sink.finish()  # an atomic sink: raises WeightsMixed if it failed after touching the destinations
         except Exception as e:
+            if isinstance(e, WeightsMixed):
+                self.version = MIXED  # Note [versions never lie]
             try:  # leave the reason where the sender looks (the store lives in the sender's process)
                 g.put(f"{start.push_id}/done/{g.rank}", Abort(start.push_id, stage, f"{type(e).__name__}: {e}", ""),
                       "control")  # fmt: skip
@@ -512,7 +535,9 @@ class CollectiveReceiver:
                 pass
             g.abort()  # Note [no hangs in a collective]
             undelivered = sink.undelivered() if sink is not None else [s.name for s in self._layout.tensors]
-            raise PushIncomplete(start.version, stage, str(e), undelivered) from e
+            raise PushIncomplete(
+                start.version, stage, str(e), undelivered, mixed=self.version == MIXED
+            ) from e
 
     def close(self) -> None:
-        self._group.abort()
+        self._group.close()
