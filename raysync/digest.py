@@ -20,6 +20,10 @@ its offset in the tensor: the digests of the chunks add up to the digest of the 
 # * Two words swapped (i < j, v_i != v_j): delta = (2i+1)(v_j - v_i) + (2j+1)(v_i - v_j) = 2 (j - i) d.
 #   Zero mod 2**63 needs 2**62 | (j - i) d with |d| < 2**32, so 2**31 | (j - i): never within a tensor of fewer
 #   than 2**31 words (8 GiB; the largest tensor of a 70B model is about 2 GiB). Always detected below that.
+#   The same holds for two swapped elements of 1 or 2 bytes: in the same lane of their words, delta is 2 (j - i)
+#   times a difference below 2**16 times 256**lane; in different lanes, an odd number times 256**lane times
+#   the difference. Two swapped 8-byte elements are two words swapped twice: delta = 4 (j - i) (d_low + d_high),
+#   missed when the halves' differences cancel (d_low = -d_high).
 # * Anything else (several words changed, a longer permutation, a slice written at the wrong offset) is
 #   caught unless the changes cancel exactly mod 2**63 (a 3-cycle a, b, c -> c, a, b with a + b = 2c does).
 #   It is a checksum, not a hash.
@@ -27,17 +31,18 @@ its offset in the tensor: the digests of the chunks add up to the digest of the 
 # words mod 2**64 a flipped bit 63 is 2**63, which any even weight sends to 0, and no weighting makes every
 # difference of three weights odd. 32-bit words leave 31 bits of the accumulator for the index.
 #
-# # Note [one pass: the digest as an int8 matrix product]
+# Note [one pass: the digest as an int8 matrix product]
 # The weight of byte k = 4g + t (t = k % 4) is 256**t (2g + 1). With no per-byte weight ever materialized:
-#     bytes of a chunk as an int8 matrix [R, K] (K = ROW_BYTES): k = first_byte + r*K + c, c = 4q + t
+#     bytes of a chunk as an int8 matrix [R, K] (K = ROW_BYTES): row r, column c = 4q + t is the byte of
+#     word first_word + r K/4 + q, lane t
 #     P = matrix @ LANES        LANES [K, 16] int8: for each lane t, columns 1, q % 64, q // 64 on the
 #                                bytes of lane t (weights <= 63: no int16 saturation on any int8 path)
 #     D = sum_t 256**t sum_r ( (2 (first_word + r K/4) + 1) P[r,t] + 2 P[r,4+t] + 128 P[r,8+t] )
 # P is exact in int32 (|entries| < 2**24) and 64x smaller than the data; the sums over r are int64, which
 # wraps modulo 2**64 on every device torch runs on, so D is exact mod 2**63 after the last reduction.
 # The product is torch._int_mm: one read of the bytes on tensor cores (cuBLAS), or oneDNN on CPUs with
-# AVX512-VNNI. Elsewhere (and for the short last row) float64 products of small blocks: exact, as every
-# partial sum is an integer below 2**53.
+# AVX512-VNNI. Elsewhere, and for pieces of TABLE_ROWS rows or fewer (small tensors, the short last row),
+# the bytes are multiplied by their weights directly, TABLE_ROWS rows at a time, from a cached table.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import torch
 MOD = 1 << 63
 ROW_BYTES = 4096  # K: bytes per row of the matrix view
 GEMM_ROWS = 1 << 16  # rows per int8 product (256 MiB): element counts stay within cuBLAS's int32
-FLOAT_ROWS = 256  # rows per float64 product where there is no fast int8 one (an 8 MiB temporary)
+TABLE_ROWS = 16  # rows per step of the direct path (torch._int_mm needs more than 16 rows)
 _LANES = 4
 _COLUMNS = 16  # 3 per lane, padded to a multiple of 8 (torch._int_mm)
 
@@ -62,14 +67,14 @@ def partial(data: torch.Tensor, offset_bytes: int) -> torch.Tensor:
     signed = data.view(torch.int8)
     full_rows = signed.numel() // ROW_BYTES
     first_word = offset_bytes // _LANES
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    parts = []
     for r0 in range(0, full_rows, GEMM_ROWS):
         rows = signed[r0 * ROW_BYTES : min(r0 + GEMM_ROWS, full_rows) * ROW_BYTES].view(-1, ROW_BYTES)
-        total += _rows_digest(rows, first_word + r0 * ROW_BYTES // _LANES)
+        parts.append(_rows_digest(rows, first_word + r0 * ROW_BYTES // _LANES))
     if full_rows * ROW_BYTES < signed.numel():  # the last row, shorter
         last = signed[full_rows * ROW_BYTES :].view(1, -1)
-        total += _rows_digest(last, first_word + full_rows * ROW_BYTES // _LANES)
-    return total
+        parts.append(_table_digest(last, first_word + full_rows * ROW_BYTES // _LANES))
+    return _sum(parts, data.device)
 
 
 def finish(parts_per_tensor: list[list[torch.Tensor]]) -> list[int]:
@@ -100,27 +105,43 @@ def _check(data: torch.Tensor, offset_bytes: int) -> None:
 
 
 def _rows_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
-    """The digest of the bytes of ``rows`` (int8 [R, L], L <= ROW_BYTES, row r starting at word
-    first_word + r * ROW_BYTES / 4) mod 2**64 (Note [one pass: the digest as an int8 matrix product])."""
-    products = _lane_products(rows).to(torch.int64)  # [R, 16]
-    ramp = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
-    sums = torch.cat([products.sum(dim=0), (products[:, :_LANES] * ramp[:, None]).sum(dim=0)])  # [20]
+    """The digest mod 2**64 of the bytes of ``rows`` (int8 [R, ROW_BYTES]), row r starting at word
+    first_word + r * ROW_BYTES / 4."""
+    if rows.shape[0] > TABLE_ROWS and _fast_int8_product(rows.device):
+        return _product_digest(rows, first_word)
+    return _table_digest(rows, first_word)
+
+
+def _product_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
+    """Note [one pass: the digest as an int8 matrix product]."""
+    products = torch._int_mm(rows, _lane_matrix(rows.device)).to(torch.int64)  # [R, 16]
+    ramp = _ramp(rows.device)[: rows.shape[0], None]
+    sums = torch.cat([products.sum(dim=0), (products[:, :_LANES] * ramp).sum(dim=0)])  # [20]
     base, per_first_word = _coefficients(rows.device)
-    weights = torch.add(base, per_first_word, alpha=_as_int64(2 * first_word))
-    return (sums * weights).sum()
+    return (sums * torch.add(base, per_first_word, alpha=_as_int64(2 * first_word))).sum()
 
 
-def _lane_products(rows: torch.Tensor) -> torch.Tensor:
-    """rows @ LANES exactly: an int8 product where torch has a fast one, else float64 in small blocks."""
-    lanes = _lane_matrix(rows.device)[: rows.shape[1]]
-    if rows.shape[0] > 16 and rows.shape[1] == ROW_BYTES and _fast_int8_product(rows.device):
-        return torch._int_mm(rows, lanes)
-    wide = lanes.to(torch.float64)
-    return torch.cat(
-        [rows[i : i + FLOAT_ROWS].to(torch.float64) @ wide for i in range(0, rows.shape[0], FLOAT_ROWS)]
-    )
+def _table_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
+    """The digest as the definition reads, each byte times its weight, TABLE_ROWS rows of ``rows`` (int8
+    [R, L], L <= ROW_BYTES) at a time: a block's weights are the cached table plus 2 * first_word * 256**t."""
+    table, lane_scale = _weight_table(rows.device)
+    width = rows.shape[1]
+    parts = []
+    for r0 in range(0, rows.shape[0], TABLE_ROWS):
+        block = rows[r0 : r0 + TABLE_ROWS]
+        start = _as_int64(2 * (first_word + r0 * ROW_BYTES // _LANES))
+        weights = torch.add(table[: block.shape[0], :width], lane_scale[:width], alpha=start)
+        parts.append((block.to(torch.int64) * weights).sum())
+    return _sum(parts, rows.device)
 
 
+def _sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+# --- constants, made once per device ------------------------------------------------------------------------------
 _CACHE: dict[tuple[str, torch.device], object] = {}
 
 
@@ -140,8 +161,8 @@ def _lane_matrix(device: torch.device) -> torch.Tensor:
 
 
 def _coefficients(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """D = sum(sums * (base + 2 first_word * per_first_word)) with sums = [column sums of P (16), sum_r r P[r, t]
-    (4)]: the Note's formula, one coefficient per sum."""
+    """D = sum(sums * (base + 2 first_word * per_first_word)), sums = [the 16 column sums of P, then
+    sum_r r P[r, t] for the 4 lanes]: the Note's formula, one coefficient per sum."""
     key = ("coefficients", device)
     if key not in _CACHE:
         scale = [256**t for t in range(_LANES)]
@@ -155,9 +176,30 @@ def _coefficients(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _CACHE[key]  # type: ignore[return-value]
 
 
+def _weight_table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[TABLE_ROWS, ROW_BYTES] int64, the weight 256**t (2 (r ROW_BYTES/4 + q) + 1) of byte c = 4q + t of row r
+    of a block at word 0; and [ROW_BYTES] int64, 256**t: half of what one more word of offset adds."""
+    key = ("table", device)
+    if key not in _CACHE:
+        c = torch.arange(ROW_BYTES, dtype=torch.int64)
+        r = torch.arange(TABLE_ROWS, dtype=torch.int64)[:, None]
+        lane_scale = 1 << (8 * (c % _LANES))
+        table = lane_scale * (2 * (r * ROW_BYTES // _LANES + c // _LANES) + 1)
+        _CACHE[key] = (table.to(device), lane_scale.to(device))
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def _ramp(device: torch.device) -> torch.Tensor:
+    """0, 1, ..., GEMM_ROWS - 1 (int64): each row's index within one int8 product."""
+    key = ("ramp", device)
+    if key not in _CACHE:
+        _CACHE[key] = torch.arange(GEMM_ROWS, dtype=torch.int64, device=device)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
 def _fast_int8_product(device: torch.device) -> bool:
     """Whether torch._int_mm is fast here: cuBLAS on CUDA, oneDNN on CPUs with AVX512-VNNI (elsewhere torch
-    runs it as a scalar loop, ~1000x slower than float64 products)."""
+    runs it as a scalar loop, ~20 MB/s)."""
     if device.type == "cuda":
         return True
     if device.type != "cpu" or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
