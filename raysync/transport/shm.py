@@ -147,10 +147,7 @@ def create_segment(nbytes: int, pin: bool = True) -> _Segment:
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        raise ShmSpaceError(
-            f"cannot create a shm segment in {SHM_DIR} ({e.strerror}; {_shm_space()}): with no inode left, "
-            f"remove what fills {SHM_DIR} or mount it with more (nr_inodes=); else {_FIX}"
-        ) from None
+        raise _no_room_for_a_name() from None
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         _reserve(fd, nbytes)
@@ -159,6 +156,15 @@ def create_segment(nbytes: int, pin: bool = True) -> _Segment:
         os.close(fd)
         _unlink(name)
         raise
+
+
+def _no_room_for_a_name() -> ShmSpaceError:
+    if os.statvfs(SHM_DIR).f_favail == 0:  # tmpfs counts inodes apart from bytes: small files use them up
+        return ShmSpaceError(
+            f"cannot create a shm segment: {SHM_DIR} has no inode left ({_shm_space()}): remove the files that "
+            f"fill it (ls {SHM_DIR}), or give it more inodes (mount -o remount,nr_inodes=... {SHM_DIR})"
+        )
+    return ShmSpaceError(f"cannot create a shm segment: {SHM_DIR} is full ({_shm_space()}): {_FIX}")
 
 
 def _reserve(fd: int, nbytes: int) -> None:
