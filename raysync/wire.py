@@ -293,26 +293,62 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(M
 
 
 # --- schema checking ---------------------------------------------------------------------------------------------
+# Each schema type gets its checker made once (typing's introspection costs microseconds a call, and a Layout
+# frame holds up to MAX_LAYOUT_TENSORS specs of three fields each).
 _SCALARS = (int, str, bytes, bool, float)
+_INT_END = 1 << 63
+_Checker = typing.Callable[[object, str], object]
+
+
+def _check_int(value: object, where: str) -> object:
+    if type(value) is not int:  # exact: a bool is not an int here
+        raise SchemaError(f"{where}: expected int, got {type(value).__name__}")
+    if not 0 <= value < _INT_END:
+        raise SchemaError(f"{where}: integer {value} out of range [0, 2**63)")
+    return value
 
 
 @functools.cache
-def _fields(cls: type) -> dict[str, object]:
-    """A schema's field types (typing.get_type_hints costs tens of microseconds: once per class)."""
-    return typing.get_type_hints(cls)
+def _checker(hint: object) -> _Checker:
+    """The function that checks a received value against the schema type ``hint`` (and builds it)."""
+    if hint is int:
+        return _check_int
+    if hint in _SCALARS:
+
+        def check_scalar(value: object, where: str) -> object:
+            if type(value) is not hint:
+                raise SchemaError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")  # type: ignore[union-attr]
+            return value
+
+        return check_scalar
+    if typing.get_origin(hint) is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        return functools.partial(_check_array, _checker(item_hint))
+    if dataclasses.is_dataclass(hint):
+        fields = tuple((name, _checker(h)) for name, h in typing.get_type_hints(hint).items())
+        return functools.partial(_build, hint, fields, frozenset(name for name, _ in fields))
+    raise AssertionError(f"unsupported schema type {hint}")
 
 
-def _build(cls: type, body: object, where: str) -> object:
+def _check_array(item: _Checker, value: object, where: str) -> tuple:
+    if not isinstance(value, (tuple, list)):
+        raise SchemaError(f"{where}: expected an array, got {type(value).__name__}")
+    if len(value) > MAX_ARRAY_ITEMS:
+        raise SchemaError(f"{where}: {len(value)} items, above the limit of {MAX_ARRAY_ITEMS}")
+    if item is _check_int and all(type(v) is int and 0 <= v < _INT_END for v in value):
+        return tuple(value)  # the common case (shapes, offsets, digests) without a call per item
+    return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _build(cls: type, fields: tuple[tuple[str, _Checker], ...], names: frozenset[str], body: object,
+           where: str) -> object:  # fmt: skip
     if not isinstance(body, dict):
         raise SchemaError(f"{where}: expected a map, got {type(body).__name__}")
-    hints = _fields(cls)
-    if set(body) != set(hints):
-        raise SchemaError(f"{where}: fields {sorted(map(str, body))} != schema {sorted(hints)}")
-    if cls is Layout and isinstance(body["tensors"], (list, tuple)):
-        from raysync.plan import check_tensor_count
-
-        check_tensor_count(len(body["tensors"]))  # before a single TensorSpec is built
-    values = {name: _check(hint, body[name], f"{where}.{name}") for name, hint in hints.items()}
+    if body.keys() != names:
+        raise SchemaError(f"{where}: fields {sorted(map(str, body))} != schema {sorted(names)}")
+    if cls is Layout:
+        _precheck_layout(body)
+    values = {name: check(body[name], f"{where}.{name}") for name, check in fields}
     try:
         return cls(**values)
     except BadLayout:
@@ -321,23 +357,22 @@ def _build(cls: type, body: object, where: str) -> object:
         raise SchemaError(f"{where}: {e}") from None
 
 
-def _check(hint: object, value: object, where: str) -> object:
-    if hint in _SCALARS:
-        if type(value) is not hint:  # exact: a bool is not an int here
-            raise SchemaError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        if hint is int and not (0 <= value < 1 << 63):  # type: ignore[operator]
-            raise SchemaError(f"{where}: integer {value} out of range [0, 2**63)")
-        return value
-    if typing.get_origin(hint) is tuple:
-        (item, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, (tuple, list)):
-            raise SchemaError(f"{where}: expected an array, got {type(value).__name__}")
-        if len(value) > MAX_ARRAY_ITEMS:
-            raise SchemaError(f"{where}: {len(value)} items, above the limit of {MAX_ARRAY_ITEMS}")
-        return tuple(_check(item, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)  # type: ignore[arg-type]
-    raise AssertionError(f"unsupported schema type {hint}")
+def _precheck_layout(body: dict) -> None:
+    """The checks of a Layout that need no TensorSpec, made before one is built, so that a degenerate or
+    oversized layout costs its frame's scalars only: the geometry (which a sender's SyncConfig checked before
+    it selected a tensor), then the tensor count. The same BadLayout as on the sender; values the schema
+    refuses anyway are left to it."""
+    from raysync.plan import check_geometry, check_tensor_count
+
+    bucket, align = body["bucket_bytes"], body["align_bytes"]
+    if all(type(v) is int and 0 <= v < _INT_END for v in (bucket, align)):
+        check_geometry(bucket, align)
+    if isinstance(body["tensors"], (list, tuple)):
+        check_tensor_count(len(body["tensors"]))
+
+
+def _decode_body(cls: type, body: object, where: str) -> object:
+    return _checker(cls)(body, where)
 
 
 # --- framing -----------------------------------------------------------------------------------------------------
@@ -358,7 +393,9 @@ class FrameCodec:
 
     def encode(self, msg: Message) -> bytes:
         body = dataclasses.asdict(msg)  # type: ignore[call-overload]
-        _build(type(msg), body, type(msg).__name__)  # never send what the peer would refuse (e.g. version -1)
+        _decode_body(
+            type(msg), body, type(msg).__name__
+        )  # never send what the peer would refuse (e.g. version -1)
         self._sent_seq += 1
         payload = msgpack.packb([PROTOCOL, self._session_id, self._sent_seq, type(msg).__name__, body])
         if len(payload) + MAC_BYTES > self._max:
@@ -389,7 +426,7 @@ class FrameCodec:
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise SchemaError(f"unknown message kind {kind!r}")
-        msg = _build(cls, body, kind)
+        msg = _decode_body(cls, body, kind)
         self._seen_seq = seq
         return msg  # type: ignore[return-value]
 

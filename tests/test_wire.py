@@ -214,6 +214,13 @@ def made_here(make, *args, **kwargs) -> str | None:
     return None
 
 
+def sender_side(bucket: int, align: int, tensors: list[tuple[str, str, list[int]]]) -> Layout:
+    """What a sender does with these values: its SyncConfig, then its tensors' specs, then its Layout."""
+    config = SyncConfig(bucket_bytes=bucket, align_bytes=align)
+    specs = tuple(TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in tensors)
+    return Layout(1, config.bucket_bytes, config.align_bytes, specs)
+
+
 def received(frame: bytes) -> str | None:
     """What the side that receives a layout gets from the same values (the receiver decodes the frame)."""
     _, rx = pair(max_frame_bytes=1 << 24)
@@ -285,9 +292,7 @@ def test_hostile_layouts_off_the_wire_plan_within_bounds_or_are_refused_before_p
     # decoding made no plan: a refused plan here would hold >131k chunks (>30 MB); hypothesis's own tracing
     # allocates a few hundred KB inside the window
     assert peak < 4 << 20
-    assert refusal == made_here(
-        lambda: Layout(1, bucket, align, tuple(TensorSpec(n, d, tuple(dims)) for n, d, dims in tensors))
-    )
+    assert refusal == made_here(sender_side, bucket, align, tensors)
     event("refused" if refusal else "accepted")
     if refusal is not None:
         return
