@@ -28,6 +28,7 @@ CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embe
 def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
     from raysync.models import tiny_qwen2
 
+    model = tiny_qwen2(seed=0)  # before the group is up: receivers wait timeout_s for the first push
     secret = SessionSecret.generate()
     sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=receivers, backend="gloo")
     out = spawn.ctx.Queue()
@@ -43,7 +44,7 @@ def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
             *(special or {}).get(rank, (None, False)),
         )
     sender.join()
-    return sender, tiny_qwen2(seed=0), out
+    return sender, model, out
 
 
 @pytest.mark.parametrize("receivers", [2, 3])
