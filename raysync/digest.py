@@ -38,11 +38,13 @@ its offset in the tensor: the digests of the chunks add up to the digest of the 
 #     P = matrix @ LANES        LANES [K, 16] int8: for each lane t, columns 1, q % 64, q // 64 on the
 #                                bytes of lane t (weights <= 63: no int16 saturation on any int8 path)
 #     D = sum_t 256**t sum_r ( (2 (first_word + r K/4) + 1) P[r,t] + 2 P[r,4+t] + 128 P[r,8+t] )
-# P is exact in int32 (|entries| < 2**24) and 64x smaller than the data; the sums over r are int64, which
-# wraps modulo 2**64 on every device torch runs on, so D is exact mod 2**63 after the last reduction.
-# The product is torch._int_mm: one read of the bytes on tensor cores (cuBLAS), or oneDNN on CPUs with
-# AVX512-VNNI. Elsewhere, and for pieces of TABLE_ROWS rows or fewer (small tensors, the short last row),
-# the bytes are multiplied by their weights directly, TABLE_ROWS rows at a time, from a cached table.
+# P is exact in int32 (|entries| < 2**24) and 64x smaller than the data.
+# The product is torch._int_mm (LANES stored column-major: cuBLAS then picks a kernel 5x faster on an H200),
+# on tensor cores; on CPUs, oneDNN where the CPU has AVX512-VNNI. Its output meets a cached coefficient table
+# [GEMM_ROWS, 16] in one multiply and one sum. Elsewhere, and for what is left after the full rows (and any
+# piece under 17 rows), each byte is multiplied by its weight from a cached table of TABLE_BYTES weights.
+# Wrap-around: int64 products and sums wrap modulo 2**64 on every device torch runs on (as the sum of the
+# digest before this one did); every step is linear, so the result is exact mod 2**64, then mod 2**63.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ import torch
 MOD = 1 << 63
 ROW_BYTES = 4096  # K: bytes per row of the matrix view
 GEMM_ROWS = 1 << 16  # rows per int8 product (256 MiB): element counts stay within cuBLAS's int32
-TABLE_ROWS = 16  # rows per step of the direct path (torch._int_mm needs more than 16 rows)
+MIN_GEMM_ROWS = 17  # torch._int_mm needs more than 16 rows
+TABLE_BYTES = 1 << 18  # bytes per step of the direct path (its two int64 tables: 2 MiB each per device)
 _LANES = 4
 _COLUMNS = 16  # 3 per lane, padded to a multiple of 8 (torch._int_mm)
 
@@ -62,25 +65,28 @@ def partial(data: torch.Tensor, offset_bytes: int) -> torch.Tensor:
     tensor (a chunk's ``src_offset``; 0 for a whole tensor), as a 0-d int64 tensor on its device (no host
     sync). Chunks' partial digests add up, in ``finish``, to the digest of the whole tensor."""
     _check(data, offset_bytes)
-    if data.data_ptr() % 16:  # int8 products want aligned rows: read an aligned copy (rare: odd views)
-        data = data.clone()
     signed = data.view(torch.int8)
-    full_rows = signed.numel() // ROW_BYTES
     first_word = offset_bytes // _LANES
+    rows = signed.numel() // ROW_BYTES
+    if rows < MIN_GEMM_ROWS or not _fast_int8_product(data.device):
+        rows = 0
     parts = []
-    for r0 in range(0, full_rows, GEMM_ROWS):
-        rows = signed[r0 * ROW_BYTES : min(r0 + GEMM_ROWS, full_rows) * ROW_BYTES].view(-1, ROW_BYTES)
-        parts.append(_rows_digest(rows, first_word + r0 * ROW_BYTES // _LANES))
-    if full_rows * ROW_BYTES < signed.numel():  # the last row, shorter
-        last = signed[full_rows * ROW_BYTES :].view(1, -1)
-        parts.append(_table_digest(last, first_word + full_rows * ROW_BYTES // _LANES))
+    if rows:
+        matrix = signed[: rows * ROW_BYTES]
+        if matrix.data_ptr() % 16:  # the int8 product wants aligned rows: an aligned copy (odd views only)
+            matrix = matrix.clone()
+        for r0 in range(0, rows, GEMM_ROWS):
+            piece = matrix[r0 * ROW_BYTES : (r0 + GEMM_ROWS) * ROW_BYTES].view(-1, ROW_BYTES)
+            parts.append(_product_digest(piece, first_word + r0 * ROW_BYTES // _LANES))
+    done = rows * ROW_BYTES
+    parts += _table_digests(signed[done:], first_word + done // _LANES)
     return _sum(parts, data.device)
 
 
 def finish(parts_per_tensor: list[list[torch.Tensor]]) -> list[int]:
     """Each tensor's digest in [0, 2**63) from its partial digests: summed where they are, then read back
     with one host sync per device (never one per tensor)."""
-    sums: list[torch.Tensor | None] = [torch.stack(p).sum() if p else None for p in parts_per_tensor]
+    sums = [_sum(p, None) if p else None for p in parts_per_tensor]
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
         if s is not None:
@@ -104,38 +110,30 @@ def _check(data: torch.Tensor, offset_bytes: int) -> None:
         )
 
 
-def _rows_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
-    """The digest mod 2**64 of the bytes of ``rows`` (int8 [R, ROW_BYTES]), row r starting at word
-    first_word + r * ROW_BYTES / 4."""
-    if rows.shape[0] > TABLE_ROWS and _fast_int8_product(rows.device):
-        return _product_digest(rows, first_word)
-    return _table_digest(rows, first_word)
-
-
 def _product_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
-    """Note [one pass: the digest as an int8 matrix product]."""
-    products = torch._int_mm(rows, _lane_matrix(rows.device)).to(torch.int64)  # [R, 16]
-    ramp = _ramp(rows.device)[: rows.shape[0], None]
-    sums = torch.cat([products.sum(dim=0), (products[:, :_LANES] * ramp).sum(dim=0)])  # [20]
-    base, per_first_word = _coefficients(rows.device)
-    return (sums * torch.add(base, per_first_word, alpha=_as_int64(2 * first_word))).sum()
+    """The digest mod 2**64 of ``rows`` (int8 [R, ROW_BYTES], R > 16), row r starting at word
+    first_word + r * ROW_BYTES / 4 (Note [one pass: the digest as an int8 matrix product])."""
+    table, per_first_word = _coefficient_table(rows.device)
+    products = torch._int_mm(rows, _lane_matrix(rows.device))  # [R, 16] int32
+    coefficients = torch.add(table[: rows.shape[0]], per_first_word, alpha=_as_int64(2 * first_word))
+    return (products * coefficients).sum()
 
 
-def _table_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
-    """The digest as the definition reads, each byte times its weight, TABLE_ROWS rows of ``rows`` (int8
-    [R, L], L <= ROW_BYTES) at a time: a block's weights are the cached table plus 2 * first_word * 256**t."""
-    table, lane_scale = _weight_table(rows.device)
-    width = rows.shape[1]
+def _table_digests(flat: torch.Tensor, first_word: int) -> list[torch.Tensor]:
+    """The digest mod 2**64 of ``flat`` (int8, starting at word ``first_word``) as the definition reads, each
+    byte times its weight, TABLE_BYTES at a time: a step's weights are a cached table plus 2 * its first word
+    * 256**t; one 0-d tensor per step."""
+    table, lane_scale = _weight_table(flat.device)
     parts = []
-    for r0 in range(0, rows.shape[0], TABLE_ROWS):
-        block = rows[r0 : r0 + TABLE_ROWS]
-        start = _as_int64(2 * (first_word + r0 * ROW_BYTES // _LANES))
-        weights = torch.add(table[: block.shape[0], :width], lane_scale[:width], alpha=start)
-        parts.append((block.to(torch.int64) * weights).sum())
-    return _sum(parts, rows.device)
+    for b0 in range(0, flat.numel(), TABLE_BYTES):
+        step = flat[b0 : b0 + TABLE_BYTES]
+        n = step.numel()
+        weights = torch.add(table[:n], lane_scale[:n], alpha=_as_int64(2 * (first_word + b0 // _LANES)))
+        parts.append((step * weights).sum())
+    return parts
 
 
-def _sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _sum(parts: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
     if not parts:
         return torch.zeros((), dtype=torch.int64, device=device)
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
@@ -146,8 +144,8 @@ _CACHE: dict[tuple[str, torch.device], object] = {}
 
 
 def _lane_matrix(device: torch.device) -> torch.Tensor:
-    """LANES [ROW_BYTES, 16] int8: column t is 1 on lane t's bytes, column 4+t is q % 64 there, 8+t is q // 64
-    (q: the byte's word within the row); columns 12..15 are 0."""
+    """LANES [ROW_BYTES, 16] int8, column-major: column t is 1 on lane t's bytes, column 4+t is q % 64 there,
+    8+t is q // 64 (q: the byte's word within the row); columns 12..15 are 0."""
     key = ("lanes", device)
     if key not in _CACHE:
         c = torch.arange(ROW_BYTES)
@@ -156,44 +154,36 @@ def _lane_matrix(device: torch.device) -> torch.Tensor:
         m[c, lane] = 1
         m[c, _LANES + lane] = (q % 64).to(torch.int8)
         m[c, 2 * _LANES + lane] = (q // 64).to(torch.int8)
-        _CACHE[key] = m.to(device)
+        _CACHE[key] = m.to(device).t().contiguous().t()
     return _CACHE[key]  # type: ignore[return-value]
 
 
-def _coefficients(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """D = sum(sums * (base + 2 first_word * per_first_word)), sums = [the 16 column sums of P, then
-    sum_r r P[r, t] for the 4 lanes]: the Note's formula, one coefficient per sum."""
+def _coefficient_table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What multiplies P[r, j] (the Note's formula): table[r, j] + 2 first_word * per_first_word[j], where
+    table [GEMM_ROWS, 16] int64 is 256**t (1 + r ROW_BYTES/2) | 2 * 256**t | 128 * 256**t | 0 by column group
+    and per_first_word is 256**t on the 4 lane columns, 0 elsewhere."""
     key = ("coefficients", device)
     if key not in _CACHE:
-        scale = [256**t for t in range(_LANES)]
-        base = scale + [2 * s for s in scale] + [128 * s for s in scale] + [0] * _LANES
-        base += [ROW_BYTES // 2 * s for s in scale]  # row r starts r * ROW_BYTES / 4 words later
-        per_first_word = scale + [0] * (len(base) - _LANES)
-        _CACHE[key] = (
-            torch.tensor(base, dtype=torch.int64, device=device),
-            torch.tensor(per_first_word, dtype=torch.int64, device=device),
-        )
+        scale = torch.tensor([256**t for t in range(_LANES)], dtype=torch.int64)
+        r = torch.arange(GEMM_ROWS, dtype=torch.int64)[:, None]
+        table = torch.zeros(GEMM_ROWS, _COLUMNS, dtype=torch.int64)
+        table[:, :_LANES] = scale * (1 + r * (ROW_BYTES // 2))
+        table[:, _LANES : 2 * _LANES] = 2 * scale
+        table[:, 2 * _LANES : 3 * _LANES] = 128 * scale
+        per_first_word = torch.zeros(_COLUMNS, dtype=torch.int64)
+        per_first_word[:_LANES] = scale
+        _CACHE[key] = (table.to(device), per_first_word.to(device))
     return _CACHE[key]  # type: ignore[return-value]
 
 
 def _weight_table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[TABLE_ROWS, ROW_BYTES] int64, the weight 256**t (2 (r ROW_BYTES/4 + q) + 1) of byte c = 4q + t of row r
-    of a block at word 0; and [ROW_BYTES] int64, 256**t: half of what one more word of offset adds."""
+    """[TABLE_BYTES] int64 each: byte k's weight 256**(k % 4) (2 (k // 4) + 1) in a piece that starts at word
+    0, and 256**(k % 4), half of what one more word of offset adds."""
     key = ("table", device)
     if key not in _CACHE:
-        c = torch.arange(ROW_BYTES, dtype=torch.int64)
-        r = torch.arange(TABLE_ROWS, dtype=torch.int64)[:, None]
-        lane_scale = 1 << (8 * (c % _LANES))
-        table = lane_scale * (2 * (r * ROW_BYTES // _LANES + c // _LANES) + 1)
-        _CACHE[key] = (table.to(device), lane_scale.to(device))
-    return _CACHE[key]  # type: ignore[return-value]
-
-
-def _ramp(device: torch.device) -> torch.Tensor:
-    """0, 1, ..., GEMM_ROWS - 1 (int64): each row's index within one int8 product."""
-    key = ("ramp", device)
-    if key not in _CACHE:
-        _CACHE[key] = torch.arange(GEMM_ROWS, dtype=torch.int64, device=device)
+        k = torch.arange(TABLE_BYTES, dtype=torch.int64)
+        lane_scale = torch.ones_like(k) << (8 * (k % _LANES))
+        _CACHE[key] = ((lane_scale * (2 * (k // _LANES) + 1)).to(device), lane_scale.to(device))
     return _CACHE[key]  # type: ignore[return-value]
 
 
