@@ -11,8 +11,9 @@ import pytest
 from workers import digest, perturb, sharded_receiver
 
 from raysync import PeerTimeout, PushIncomplete, RemoteError, SessionSecret, SyncConfig
-from raysync.sharded import shares
-from raysync.transport.collective import CollectiveSender
+from raysync.sharded import ShardedReceiver, shares
+from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
+from raysync.version import MIXED
 
 pytest.importorskip("transformers")
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
@@ -39,23 +40,57 @@ def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
         shares(named[:2], 3)
 
 
+def test_an_engine_is_one_version_only_when_every_share_is():
+    """ShardedReceiver.version over every combination of its shares' versions that matters (Note [versions
+    never lie]): shares that differ, or one MIXED, make the engine's weights a mix."""
+    rdv = Rendezvous("127.0.0.1", 9, 2, "gloo")  # never joined: only versions are read here
+    parts = [CollectiveReceiver(SessionSecret.generate(), CFG, rank=1, rendezvous=rdv) for _ in range(4)]
+    engine = ShardedReceiver(parts[:2])
+    try:
+        table = {(None, None): None, (3, 3): 3, (3, 4): MIXED, (3, MIXED): MIXED, (MIXED, 3): MIXED,
+                 (MIXED, MIXED): MIXED, (None, 3): MIXED}  # fmt: skip
+        for (a, b), want in table.items():
+            parts[0].version, parts[1].version = a, b
+            assert engine.version == want, (a, b)
+        parts[0].version, parts[1].version = 3, MIXED
+        engine.replace(1, parts[2])  # share 1's group rebuilt: the same destinations, the same version
+        assert parts[2].version == MIXED and engine.version == MIXED
+        engine.version = 7
+        assert [p.version for p in parts[::2]] == [7, 7] and engine.version == 7
+        unmade = ShardedReceiver([None, None])  # WeightSync makes the groups one at a time
+        unmade.version = 5  # what the engine held before (endpoint.py carries it over)
+        unmade.replace(0, parts[3])
+        assert parts[3].version == 5 and unmade.version == 5
+    finally:
+        for p in parts:
+            p.close()
+
+
+def _senders(model, receivers: int) -> list[CollectiveSender]:
+    """One group per share of ``model``, rank 0 of each in this process."""
+    senders = []
+    for share in shares(model.named_parameters(), 2, CFG):
+        config = dataclasses.replace(CFG, include=share)
+        senders.append(CollectiveSender(SessionSecret.generate(), config, host="127.0.0.1",
+                                        num_receivers=receivers, backend="gloo"))  # fmt: skip
+    return senders
+
+
+def _join(senders) -> None:
+    with ThreadPoolExecutor(len(senders)) as pool:
+        list(pool.map(lambda s: s.join(), senders))
+
+
 def _setup(spawn, receivers: int, pushes: int, die: dict | None = None):
     from raysync.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
-    senders = []
-    for share in shares(model.named_parameters(), 2, CFG):
-        secret = SessionSecret.generate()
-        config = dataclasses.replace(CFG, include=share)
-        senders.append(
-            CollectiveSender(secret, config, host="127.0.0.1", num_receivers=receivers, backend="gloo")
-        )
+    senders = _senders(model, receivers)
     out = spawn.ctx.Queue()
     for rank in range(1, receivers + 1):
         spawn(sharded_receiver, [s._group._secret for s in senders], CFG, rank, [s.rendezvous for s in senders],
               pushes, out, (die or {}).get(rank))  # fmt: skip
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda s: s.join(), senders))
+    _join(senders)
     return senders, model, out
 
 
@@ -88,19 +123,68 @@ def test_two_senders_each_broadcast_their_share_bit_exact(spawn):
             s.close()
 
 
-def test_a_receiver_killed_mid_push_fails_both_senders_and_the_other_receiver_in_time(spawn):
-    senders, model, out = _setup(spawn, receivers=2, pushes=2, die={2: 2})
+def sharded_survivor(secrets, config, rendezvous, out, inbox) -> None:
+    """An engine (rank 1 of both shares' groups) whose peer engine dies in push 2: receives push 1, fails push
+    2 (reports its version), then takes both rebuilt groups as WeightSync does (``replace``: each share keeps
+    what its destinations hold) and receives once more."""
+    from raysync.models import tiny_qwen2
+
+    params = dict(tiny_qwen2(seed=99).named_parameters())
+    engine = ShardedReceiver(
+        [
+            CollectiveReceiver(s, config, rank=1, rendezvous=r)
+            for s, r in zip(secrets, rendezvous, strict=True)
+        ]
+    )
+    engine.join()
+    report = engine.receive(into=params, wait_s=60)  # the parent may still be starting
+    out.put(("ok", report.version, digest(params.items())))
+    try:
+        engine.receive(into=params)
+        out.put(("ok", engine.version, None, ""))
+    except Exception as e:
+        out.put((type(e).__name__, engine.version, getattr(e, "mixed", None), str(e)))
+    secrets, rendezvous = inbox.get(timeout=60)
+    for k, (s, r) in enumerate(zip(secrets, rendezvous, strict=True)):
+        engine.replace(k, CollectiveReceiver(s, config, rank=1, rendezvous=r))
+    engine.join()
+    engine.receive(into=params)
+    out.put((engine.version, digest(params.items())))
+    engine.close()
+
+
+def test_a_receiver_killed_mid_push_fails_everyone_in_time_and_the_survivor_says_mixed(spawn):
+    """The other engine SIGKILLs itself in push 2: both senders and the surviving engine fail within
+    timeout_s, the survivor's version is MIXED (its destinations took part of push 2 in place), and after
+    both groups are rebuilt the same version 2 lands bit-exact and the version says 2."""
+    from raysync.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    senders = _senders(model, receivers=2)
+    secrets, rendezvous = [s._group._secret for s in senders], [s.rendezvous for s in senders]
+    out, dead_out, inbox = spawn.ctx.Queue(), spawn.ctx.Queue(), spawn.ctx.Queue()
+    spawn(sharded_survivor, secrets, CFG, rendezvous, out, inbox)
+    spawn(sharded_receiver, secrets, CFG, 2, rendezvous, 2, dead_out, 2)
+    _join(senders)
+    rebuilt: list[CollectiveSender] = []
     try:
         with ThreadPoolExecutor(2) as pool:
             perturb(model, 1)
             assert all(not isinstance(r, Exception) for r in _push_all(pool, senders, model, 1))
-            assert all(out.get(timeout=60)[1] == "ok" for _ in range(2))
+            assert out.get(timeout=60) == ("ok", 1, digest(model.named_parameters()))
+            assert dead_out.get(timeout=60)[1] == "ok"
+            perturb(model, 2)
             started = time.monotonic()
             results = _push_all(pool, senders, model, 2)
             assert time.monotonic() - started <= CFG.timeout_s + 5
             assert all(isinstance(r, (PeerTimeout, RemoteError, PushIncomplete)) for r in results), results
-            rank, error, detail, seconds = out.get(timeout=60)
-            assert (rank, error) == (1, "PushIncomplete") and seconds <= CFG.timeout_s + 5, detail
+            error, version, mixed, detail = out.get(timeout=60)
+            assert (error, version, mixed) == ("PushIncomplete", MIXED, True), detail
+            rebuilt = _senders(model, receivers=1)
+            inbox.put(([s._group._secret for s in rebuilt], [s.rendezvous for s in rebuilt]))
+            _join(rebuilt)
+            assert all(not isinstance(r, Exception) for r in _push_all(pool, rebuilt, model, 2))
+            assert out.get(timeout=60) == (2, digest(model.named_parameters()))
     finally:
-        for s in senders:
+        for s in senders + rebuilt:
             s.close()
