@@ -62,14 +62,27 @@ def allocate(layout: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
     return out
 
 
-def tiny_qwen2(seed: int, *, hidden: int = 128, layers: int = 2, vocab: int = 512):
+def tiny_qwen2(seed: int, *, hidden: int = 128, layers: int = 2, vocab: int = 512, tied: bool = False):
     """A small Qwen2ForCausalLM with random weights (transformers), made locally. The CPU attention of vLLM
-    needs head_dim >= 32: 4 heads of 32 for hidden=128."""
+    needs head_dim >= 32: 4 heads of 32 for hidden=128. ``tied``: the output head is the embedding
+    (``tie_word_embeddings``, as in Qwen2.5-0.5B/1.5B/3B and Llama-3.2-1B/3B)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).eval()
+
+
+def describe(model: torch.nn.Module) -> str:
+    """One line saying which model this is: architecture, layers, hidden size, vocabulary, whether the output
+    head is the embedding, and the parameter count (tied tensors counted once, as in named_parameters)."""
+    count = sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    if config is None:
+        return f"{type(model).__name__} (torch), {count / 1e6:.2f}M parameters"
+    tied = "tied to the embedding" if config.tie_word_embeddings else "its own tensor"
+    return (f"{type(model).__name__}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+            f"{config.vocab_size}, output head {tied}, {count / 1e6:.2f}M parameters")  # fmt: skip

@@ -13,10 +13,15 @@ Every engine worker is one receiver (a tensor-parallel engine of 2 workers is 2 
 placement, holds its own session, and loads each push through vLLM's own path, which shards and fuses the
 checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
 
+    check ``check(specs)`` when the push is accepted, before a byte moves: the push runs through vLLM's own
+          loader on a meta twin of the model (raysync.vllm_model); a name, shape or dtype the model does not
+          take, or a parameter the push leaves out, refuses it with the tensors and the model named;
     GPU   ``model.load_weights(bucket)`` for every bucket as it lands (the path RL frameworks use);
     CPU   the push is staged (one copy of the weights) and applied at its end by
           ``model_runner.reload_weights(..., is_checkpoint_format=True)``: a second plain load_weights fails
-          on the CPU backend, which repacks linear weights after the first load.
+          on the CPU backend, which repacks linear weights after the first load. A reload that fails part-way
+          is undone before the failure is reported (or the engine's version becomes MIXED), and an output head
+          tied to the embedding is re-made from it (Notes [undoing a failed reload], [tied output heads]).
 
 After a push the adapter resets the engine's prefix cache (cached KV blocks were computed with the old weights).
 An engine put to sleep (``llm.sleep()``, GPU only) is woken in vLLM's order: weights before the load, the KV
@@ -35,18 +40,20 @@ This module never imports vllm itself: the driver can build a WeightSync without
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from raysync import endpoint as ep
 from raysync.config import SyncConfig
-from raysync.errors import SchemaError
+from raysync.errors import RaysyncError, SchemaError, WeightsMixed
 from raysync.placement import Placement
 from raysync.sink import LoadFn
 from raysync.transport.collective import Rendezvous
-from raysync.wire import SessionSecret
+from raysync.version import MIXED, Version
+from raysync.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
+from raysync.wire import DTYPES, SessionSecret, TensorSpec
 
 _FUNCTIONS: dict[str, Callable] = {f.__name__: f for f in (
     ep.where, ep.receiver_connect, ep.collective_connect, ep.receiver_receive, ep.receiver_version, ep.close,
@@ -56,34 +63,90 @@ _SINK = "__raysync_sink__"  # stands for the driver's sink: the worker loads thr
 
 
 # --- the worker's loading path -----------------------------------------------------------------------------------
+_PARTIAL = "_raysync_partial"  # {sync_id: whether the session's SyncConfig selects part of the tensors}
+_RECEIVING = "_raysync_receiving"  # the sync_id of the receive running in this worker
+_CHECKED = "_raysync_checked"  # the last push layout checked against this worker's model, and what was wrong
+
+
 def engine_loader(worker: Any) -> LoadFn:
-    """The sink of an engine worker: a load function over vLLM's own loading path."""
+    """The sink of an engine worker: a load function over vLLM's own loading path, which checks each push
+    against the engine's model before anything is touched (``check``, Note [checking a push before loading])."""
+    partial = worker.__dict__.get(_PARTIAL, {}).get(worker.__dict__.get(_RECEIVING), False)
+    if ep.applied_version(worker) == MIXED:
+        partial = False  # a mix of two versions is repaired only by a push of every tensor
+    check = PushCheck(worker.model_runner, partial, worker.__dict__.setdefault(_CHECKED, {}))
     if worker.device.type == "cpu":
-        return StagedReload(worker.model_runner)
-    model = worker.model_runner.get_model()
-    return model.load_weights
+        return StagedReload(worker.model_runner, check)
+    return DirectLoad(worker.model_runner.get_model(), check)
+
+
+class DirectLoad:
+    """GPU: every bucket goes straight into the model through ``model.load_weights`` (the path RL frameworks
+    use). An output head tied to the embedding is the embedding's Parameter there, so it follows by itself.
+    Not atomic: a push that fails part-way leaves the weights mixed, and the receiver says so."""
+
+    def __init__(self, model: Any, check: PushCheck):
+        self._model, self._check = model, check
+
+    def check(self, specs: Sequence[TensorSpec]) -> None:
+        """Called by the receiver when a push is accepted, before any byte moves."""
+        self._check([(s.name, DTYPES[s.dtype], tuple(s.shape)) for s in specs])
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self._model.load_weights(batch)
 
 
 class StagedReload:
-    """Keeps a copy of every tensor of a push and applies the whole push at its end through
-    ``reload_weights``: a push that fails part-way leaves the engine's weights as they were."""
+    """CPU: keeps a copy of every tensor of a push and applies the whole push at its end through
+    ``reload_weights`` (a second plain load_weights fails on the CPU backend, which repacks linear weights).
+    Atomic: a reload that fails part-way is undone (Note [undoing a failed reload]), or says WeightsMixed."""
 
-    def __init__(self, model_runner: Any):
-        self._runner = model_runner
+    def __init__(self, model_runner: Any, check: PushCheck):
+        self._runner, self._check = model_runner, check
         self._staged: list[tuple[str, torch.Tensor]] = []
+
+    def check(self, specs: Sequence[TensorSpec]) -> None:
+        """Called by the receiver when a push is accepted, before any byte moves."""
+        self._check([(s.name, DTYPES[s.dtype], tuple(s.shape)) for s in specs])
 
     def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         self._staged.extend((name, t.clone()) for name, t in batch)  # Note [ring buffer views]
 
     def finish(self) -> None:
         staged, self._staged = self._staged, []
-        self._runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        self._check([(name, t.dtype, tuple(t.shape)) for name, t in staged])  # also where no receiver asked
+        model = self._runner.get_model()
+        heads = tied_heads(model)  # found before the reload: while it runs, ties are broken
+        undo = Undo(model)
+        try:
+            self._runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+            follow_embedding(heads)
+        except Exception as e:
+            self._undo(undo, e)
+            raise ReloadFailed(
+                f"vLLM's reload of the push into {describe_engine(self._runner)} failed part-way "
+                f"({type(e).__name__}: {e}); the engine's weights were put back as they were before the push"
+            ) from e
+
+    def _undo(self, undo: Undo, error: Exception) -> None:
+        try:
+            undo.restore()
+        except Exception as e:
+            raise WeightsMixed(
+                f"vLLM's reload of the push into {describe_engine(self._runner)} failed part-way "
+                f"({type(error).__name__}: {error}) and the old weights could not be put back ({type(e).__name__}: "
+                f"{e}): the engine holds a mix of two versions until a push of every tensor completes"
+            ) from error
+
+
+class ReloadFailed(RaysyncError):
+    """vLLM's reload of a push failed part-way and was undone: the engine keeps the weights it had."""
 
 
 # --- the worker extension ----------------------------------------------------------------------------------------
 class WorkerExtension:
-    """``LLM(..., worker_extension_cls="raysync.vllm.WorkerExtension")``. Every name starts with ``raysync_``:
-    vLLM refuses to start when an extension's attribute clashes with its Worker's."""
+    """``LLM(..., worker_extension_cls="raysync.vllm.WorkerExtension")``. Every name starts with ``raysync_``
+    or ``_raysync_``: vLLM refuses to start when an extension's attribute clashes with its Worker's."""
 
     def raysync_call(self, name: str, args: list | dict[str, list]) -> dict[str, Any]:
         """Run endpoint function ``name`` in this worker: ``args`` for every worker, or per worker rank.
@@ -96,18 +159,32 @@ class WorkerExtension:
             if rank not in args:
                 return {}
             args = args[rank]
-        return {rank: to_plain(fn(self, *from_plain(args)))}
+        values = from_plain(args)
+        self._raysync_note_session(name, values)
+        return {rank: to_plain(fn(self, *values))}
 
-    def raysync_version(self) -> int | None:
-        """The last version this worker applied completely."""
+    def _raysync_note_session(self, name: str, values: list) -> None:
+        """Whether a session's pushes may be partial is in its SyncConfig (include/exclude), which only the
+        connect calls carry: kept per session for the loader of each receive (Note [checking a push ...])."""
+        if name in ("receiver_connect", "collective_connect"):
+            sync_id, config = values[0], values[1]
+            self.__dict__.setdefault(_PARTIAL, {})[sync_id] = bool(config.include or config.exclude)
+        elif name == "receiver_receive":
+            self.__dict__[_RECEIVING] = values[0]
+
+    def raysync_version(self) -> Version:
+        """What this worker's weights hold: the last version applied completely, MIXED, or None."""
         return ep.applied_version(self)
 
 
-def weight_version(llm: Any) -> int | None:
-    """The engine's weight version (inside the process that holds ``llm``): the oldest of its workers', None
-    until every worker has applied a push."""
-    versions = llm.collective_rpc("raysync_version")
-    return None if None in versions else min(versions)
+def weight_version(llm: Any) -> Version:
+    """The engine's weight version (inside the process that holds ``llm``): None until every worker has applied
+    a push; MIXED while any worker is MIXED or the workers hold different versions (the engine's tensor-parallel
+    shards then come from several versions: Note [versions never lie] in raysync.version)."""
+    versions = set(llm.collective_rpc("raysync_version"))
+    if None in versions:
+        return None
+    return versions.pop() if len(versions) == 1 else MIXED
 
 
 # --- the driver's adapter ----------------------------------------------------------------------------------------
