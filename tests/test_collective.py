@@ -150,6 +150,24 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_in_time_and_the_survivor
             rebuilt.close()
 
 
+def test_a_sender_whose_source_fails_tells_every_receiver_and_the_next_push_lands(spawn):
+    """CollectiveSender.abort (the trainer's source raised before the push started): every receiver raises
+    the source's error (a RemoteError, not a timeout), touches nothing, and the group serves the next push."""
+    sender, model, out = _group(spawn, 2, pushes=2)
+    try:
+        sender.abort(ValueError("the trainer's source raised"))
+        got = [out.get(timeout=60) for _ in range(2)]
+        assert all(
+            r[1] == "RemoteError" and "ValueError: the trainer's source raised" in r[2] for r in got
+        ), got
+        perturb(model, 1)
+        assert not sender.push(model.named_parameters(), 1).skipped
+        got = [out.get(timeout=60) for _ in range(2)]
+        assert all(r[1] == "ok" and r[2] == (1, digest(model.named_parameters())) for r in got), got
+    finally:
+        sender.close()
+
+
 def test_destinations_that_change_between_pushes_are_refused_without_touching_them(spawn):
     """After pushes that everyone applied, receivers do not confirm first (Note [when receivers confirm]):
     a receiver whose destinations stopped fitting takes part in the broadcast and reports at the end."""

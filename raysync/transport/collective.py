@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+import traceback
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -300,6 +301,25 @@ class CollectiveSender:
         return PushReport(version, self.name, nbytes, len(self._buckets) * (not skip), len(specs),
                           time.perf_counter() - started, skipped=skip)  # fmt: skip
 
+    def abort(self, error: BaseException, stage: str = "source") -> None:
+        """This push failed here before it started (e.g. the trainer's source raised): its start is an Abort,
+        so every receiver raises ``error``'s type and message at once instead of waiting timeout_s for a push
+        that will not come. Nothing was touched anywhere; the group stays usable for the next push."""
+        g = self._group
+        if g.pg is None:
+            return  # aborted by an earlier failure: the receivers know already
+        self._push_id += 1
+        message = f"{type(error).__name__}: {error}"
+        traceback_text = "".join(traceback.format_exception(error))
+        ranks = range(1, self.rendezvous.world_size)
+        stale = _push_keys(self._push_id - 1, ranks) if self._push_id > 1 else []
+        try:
+            if stale:
+                g.forget(stale)
+            g.put(f"{self._push_id}/start", Abort(self._push_id, stage, message, traceback_text), "control")
+        except RaysyncError:  # best effort: the receivers then time out as before
+            logger.debug("could not tell the receivers that push %d failed at %s", self._push_id, stage)
+
     def _failure(self, pid: int, ranks: range) -> RemoteError:
         return self._reason(pid, "finish") or RemoteError(
             "a rank", "finish", "reported failure without a reason"
@@ -448,6 +468,8 @@ class CollectiveReceiver:
         pid = self._push_id + 1
         start = g.take(f"{pid}/start", 0, "control", "waiting for a push", wait_s)
         self._push_id = pid
+        if isinstance(start, Abort):  # the sender failed before this push started (CollectiveSender.abort)
+            raise RemoteError("rank 0 (the sender)", start.stage, start.message, start.traceback)
         started = time.perf_counter()
         sink, refusal = self._check(start, into, load_fn)
         go = Accept(pid, False)  # unconfirmed: the start itself says go (Note [when receivers confirm])
