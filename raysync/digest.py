@@ -67,18 +67,9 @@ def partial(data: torch.Tensor, offset_bytes: int) -> torch.Tensor:
     _check(data, offset_bytes)
     signed = data.view(torch.int8)
     first_word = offset_bytes // _LANES
-    rows = signed.numel() // ROW_BYTES
-    if rows < MIN_GEMM_ROWS or not _fast_int8_product(data.device):
-        rows = 0
-    parts = []
-    if rows:
-        matrix = signed[: rows * ROW_BYTES]
-        if matrix.data_ptr() % 16:  # the int8 product wants aligned rows: an aligned copy (odd views only)
-            matrix = matrix.clone()
-        for r0 in range(0, rows, GEMM_ROWS):
-            piece = matrix[r0 * ROW_BYTES : (r0 + GEMM_ROWS) * ROW_BYTES].view(-1, ROW_BYTES)
-            parts.append(_product_digest(piece, first_word + r0 * ROW_BYTES // _LANES))
-    done = rows * ROW_BYTES
+    parts, done = [], 0
+    if signed.numel() >= MIN_GEMM_ROWS * ROW_BYTES and _fast_int8_product(data.device):
+        parts, done = _product_digests(signed, first_word)
     parts += _table_digests(signed[done:], first_word + done // _LANES)
     return _sum(parts, data.device)
 
@@ -108,6 +99,21 @@ def _check(data: torch.Tensor, offset_bytes: int) -> None:
             f"digest.partial: offset_bytes={offset_bytes} must be a non-negative multiple of {_LANES} "
             "(chunks are cut at multiples of align_bytes, see raysync.plan)"
         )
+
+
+def _product_digests(signed: torch.Tensor, first_word: int) -> tuple[list[torch.Tensor], int]:
+    """The digests of the leading full rows of ``signed`` by int8 products of GEMM_ROWS rows, and how many
+    bytes they cover (a last piece under MIN_GEMM_ROWS rows is left to the table)."""
+    rows = signed.numel() // ROW_BYTES
+    rows -= rows % GEMM_ROWS if rows % GEMM_ROWS < MIN_GEMM_ROWS else 0
+    matrix = signed[: rows * ROW_BYTES]
+    if matrix.data_ptr() % 16:  # the int8 product wants aligned rows: an aligned copy (odd views only)
+        matrix = matrix.clone()
+    parts = []
+    for r0 in range(0, rows, GEMM_ROWS):
+        piece = matrix[r0 * ROW_BYTES : (r0 + GEMM_ROWS) * ROW_BYTES].view(-1, ROW_BYTES)
+        parts.append(_product_digest(piece, first_word + r0 * ROW_BYTES // _LANES))
+    return parts, rows * ROW_BYTES
 
 
 def _product_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:

@@ -59,6 +59,15 @@ def test_partial_equals_the_definition(product, n, offset):
     assert of(data, offset) == reference(bytes(data.numpy()), offset)
 
 
+def test_several_int8_products_and_a_short_last_piece_add_up(product, monkeypatch):
+    """A chunk longer than one int8 product (GEMM_ROWS rows, made small here), whose last piece is too short
+    for one (under 17 rows: the table takes it) or long enough."""
+    monkeypatch.setattr(digest, "GEMM_ROWS", 20)
+    for n in (2 * 20 * ROWS + 3 * ROWS + 5, 20 * ROWS + 17 * ROWS):
+        data = random_bytes(n, seed=n)
+        assert of(data, 4096) == reference(bytes(data.numpy()), 4096)
+
+
 def test_a_view_at_an_odd_address_gives_the_same_digest():
     data = random_bytes(3 * ROWS + 40, seed=1)
     for start in (1, 2, 3, 4, 8):  # a chunk of a destination tensor can start anywhere in its storage
