@@ -320,6 +320,14 @@ def test_too_many_tensors_are_refused_before_they_are_decoded():
     assert message == made_here(check_tensor_count, MAX_LAYOUT_TENSORS + 1)
 
 
+def test_degenerate_geometry_is_refused_before_the_tensors_are_decoded():
+    tensors = [("t", "bool", [])] * 1000 + [("last", "pickle", [])]
+    for bucket, align in [(0, 256), (1000, 256), (256, 24), (1 << 41, 256)]:
+        message = received(layout_frame(bucket, align, tensors))
+        assert message is not None and "pickle" not in message  # the last tensor was never looked at
+        assert message == made_here(SyncConfig, bucket_bytes=bucket, align_bytes=align)
+
+
 def test_every_array_in_a_frame_is_bounded():
     _, rx = pair(max_frame_bytes=1 << 24)
     frame = signed(
