@@ -121,7 +121,7 @@ def _product_digest(rows: torch.Tensor, first_word: int) -> torch.Tensor:
     first_word + r * ROW_BYTES / 4 (Note [one pass: the digest as an int8 matrix product])."""
     table, per_first_word = _coefficient_table(rows.device)
     products = torch._int_mm(rows, _lane_matrix(rows.device))  # [R, 16] int32
-    coefficients = torch.add(table[: rows.shape[0]], per_first_word, alpha=_as_int64(2 * first_word))
+    coefficients = _shifted(table[: rows.shape[0]], per_first_word, first_word)
     return (products * coefficients).sum()
 
 
@@ -134,9 +134,17 @@ def _table_digests(flat: torch.Tensor, first_word: int) -> list[torch.Tensor]:
     for b0 in range(0, flat.numel(), TABLE_BYTES):
         step = flat[b0 : b0 + TABLE_BYTES]
         n = step.numel()
-        weights = torch.add(table[:n], lane_scale[:n], alpha=_as_int64(2 * (first_word + b0 // _LANES)))
+        weights = _shifted(table[:n], lane_scale[:n], first_word + b0 // _LANES)
         parts.append((step * weights).sum())
     return parts
+
+
+def _shifted(weights: torch.Tensor, per_word: torch.Tensor, first_word: int) -> torch.Tensor:
+    """``weights`` of a piece at word 0 moved to ``first_word``: + 2 first_word per_word (no kernel for a
+    piece at word 0, the case of every whole tensor: a kernel launch costs more than most small tensors)."""
+    if first_word == 0:
+        return weights
+    return torch.add(weights, per_word, alpha=_as_int64(2 * first_word))
 
 
 def _sum(parts: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
