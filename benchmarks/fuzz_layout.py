@@ -195,11 +195,13 @@ def attempt(rx: FrameCodec, what: str, value: object, plan_max_chunks: int) -> t
 def _reason(message: str) -> str:
     for key, reason in (("buckets and", "buckets / chunks over the bound"), ("tensors is above", "tensor count"),
                         ("align_bytes=", "geometry"), ("bucket_bytes=", "geometry"), ("beyond any real", "tensor size"),
-                        ("storages", "direct storages"), ("more than once", "duplicate name"),
-                        ("allowlist", "dtype"), ("shape", "shape"), ("name must", "name")):  # fmt: skip
+                        ("do not fit", "direct: outside its storage"), ("itemsize", "direct: half an element"),
+                        ("offsets for", "direct: lists disagree"), ("storages exported for", "direct: storage count"),
+                        ("more than once", "duplicate name"), ("allowlist", "dtype"), ("shape", "shape"),
+                        ("name must", "name")):  # fmt: skip
         if key in message:
             return reason
-    return "other"
+    return "other: " + message[:80]
 
 
 def sweep(n: int, seed: int, plan_max_chunks: int) -> dict:
@@ -336,10 +338,10 @@ def main() -> None:
         f"to accept and plan: median {1e3 * r['accept_s'].get('median', 0):.2f} ms, "
         f"max {1e3 * r['accept_s'].get('max', 0):.1f} ms; largest plan made: {r['max_chunks_planned']} chunks"
     )
-    print(f"{'kind':<28}{'outcomes':<60}refuse median / max us")
+    print(f"{'kind':<28}{'outcomes':<80}refuse median / max us")
     for kind, c in r["outcomes"].items():
         med, top = r["refuse_us"]["by_kind_median"].get(kind, 0), r["refuse_us"]["by_kind_max"].get(kind, 0)
-        print(f"{kind:<28}{', '.join(f'{o} {n}' for o, n in sorted(c.items())):<60}{med:.1f} / {top:.1f}")
+        print(f"{kind:<28}{', '.join(f'{o} {n}' for o, n in sorted(c.items())):<80}{med:.1f} / {top:.1f}")
     print("refusals by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["refusal_reasons"].items())))
     for name, w in worst.items():
         print(f"worst accepted, {name}: frame {w['frame_bytes'] / 2**20:.1f} MiB, decode {w['decode_s']:.2f} s, "

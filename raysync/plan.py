@@ -169,8 +169,8 @@ def check_layout(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: in
 
 
 def fitting_bucket_bytes(size: LayoutSize, align_bytes: int, bounds: LayoutBounds = BOUNDS) -> int | None:
-    """The smallest power of two from which on every bucket size plans ``size`` within ``bounds``, or None
-    when no bucket size does (too many tensors for the chunk bound).
+    """A power of two with which, and with any larger multiple of align_bytes, as bucket size ``size`` plans
+    within ``bounds``; None when no bucket size does (too many tensors for the chunk bound).
 
     Why it fits: in a plan every bucket but the last, together with the next one, holds at least bucket_bytes
     of padded bytes (a bucket is closed only when the next tensor does not fit behind it), so

@@ -44,9 +44,9 @@ MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48  # beyond any real tensor
 
-# What one layout may ask of the two sides that plan it (Note [layout bounds] in raysync.plan). A layout
-# within them plans in about a second and a few hundred MB at most (docs/reliability.md); anything beyond is
-# refused, counted arithmetically, before a single bucket is made.
+# What one layout may ask of the two sides that plan it (Note [layout bounds] in raysync.plan): anything beyond
+# is refused, counted arithmetically, before a single bucket is made. What the costliest layout within them
+# costs to decode and plan is measured in docs/reliability.md (benchmarks/fuzz_layout.py).
 MIN_ALIGN_BYTES = 16  # the largest itemsize (complex128): a view of any dtype stays aligned
 MAX_ALIGN_BYTES = 1 << 21  # a huge page: no copy gains from a coarser alignment
 MAX_BUCKET_BYTES = 1 << 40  # one ring buffer
