@@ -136,7 +136,7 @@ class _Group:
         return self._verifier(writer, stream).decode(frame)
 
     def forget(self, keys: list[str]) -> None:
-        """Delete keys nobody reads any more (one round trip)."""
+        """Delete keys nobody reads any more (not answered: costs a push no round trip)."""
         self.store.delete_keys(keys)
 
     # --- collectives ---------------------------------------------------------------------------------------------

@@ -207,6 +207,8 @@ class StoreServer:
         self._wake_waiters()
 
     def _reply(self, peer: bytes, request_id: int, ok: bool, result: object) -> None:
+        if request_id == _NO_REPLY:
+            return
         try:
             self._sock.send_multipart([peer, msgpack.packb([request_id, ok, result])], zmq.NOBLOCK)
         except zmq.ZMQError:  # the client went away: it raises its own timeout
@@ -293,6 +295,7 @@ class StoreServer:
 
 
 _PENDING = object()  # the answer comes when the keys are set (or the request's deadline passes)
+_NO_REPLY = 0  # the request id of a request whose sender does not wait for an answer
 
 
 def _parse_request(frame: bytes) -> tuple[int, str, list]:
@@ -400,9 +403,11 @@ class StoreClient(dist.Store):
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", [key], key)
 
-    def delete_keys(self, keys: list[str]) -> int:
-        """Delete every key of ``keys`` that exists, in one round trip; returns how many there were."""
-        return self._call("delete_keys", [list(keys)], ",".join(keys))
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete every key of ``keys`` that exists, without waiting for the answer (a push's clean-up need
+        not cost it a round trip; zmq keeps this client's requests in order, so a later set lands after)."""
+        with self._lock:
+            self._send(_NO_REPLY, "delete_keys", [list(keys)], ",".join(keys))
 
     def num_keys(self) -> int:
         return self._call("num_keys", [], "")
@@ -431,20 +436,24 @@ class StoreClient(dist.Store):
         limit_s = self._timeout_s() if wait_s is None else wait_s
         stage = f"store {op} {key}"
         with self._lock:
-            if self._closed:
-                raise RaysyncError(f"the rendezvous store client of {self.endpoint} is closed ({stage})")
             self._request_id += 1
             request_id = self._request_id
-            try:
-                self._sock.send(msgpack.packb([request_id, op, args]), zmq.NOBLOCK)
-            except zmq.Again:
-                raise PeerTimeout(f"the rendezvous store at {self.endpoint}", stage, limit_s) from None
+            self._send(request_id, op, args, key)
             ok, result = self._answer(request_id, stage, limit_s)
         if not ok:
             if str(result).startswith("timeout"):
                 raise PeerTimeout(f"the rendezvous store at {self.endpoint}", stage, limit_s)
             raise WireError(f"the rendezvous store at {self.endpoint} refused {stage}: {result}")
         return result
+
+    def _send(self, request_id: int, op: str, args: list, key: str) -> None:
+        if self._closed:
+            raise RaysyncError(f"the rendezvous store client of {self.endpoint} is closed (store {op} {key})")
+        try:
+            self._sock.send(msgpack.packb([request_id, op, args]), zmq.NOBLOCK)
+        except zmq.Again:  # nothing queued: the server is not reachable
+            stage = f"store {op} {key}"
+            raise PeerTimeout(f"the rendezvous store at {self.endpoint}", stage, self._timeout_s()) from None
 
     def _answer(self, request_id: int, stage: str, limit_s: float) -> tuple[bool, object]:
         deadline = time.monotonic() + limit_s
