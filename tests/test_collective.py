@@ -272,6 +272,8 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
         answered = stranger.poll(0)
     finally:
         stop.set()
+        for a in attackers:
+            a.join(timeout=30)  # before closing the socket one of them uses
         stranger.close()
         sender.close()
     assert {name for name, _ in results} == set(HOSTILE)  # every kind of attack ran during the session
