@@ -61,6 +61,7 @@ def _error(e: BaseException) -> tuple[str, str]:
 def shrink_victim(role: str, secret: SessionSecret, conn) -> None:
     """Serves sessions until told to stop: a sender pushes 3 versions per session, a receiver receives them."""
     torch.set_num_threads(1)
+    conn.send("ready")  # imports done: a session's timeout_s starts only now
     while (msg := conn.recv()) != "stop":
         try:
             if role == "sender":
@@ -89,6 +90,8 @@ class Victim:
         self.proc = self.ctx.Process(target=shrink_victim, args=(self.role, self.secret, theirs), daemon=True)
         self.proc.start()
         theirs.close()  # EOF here when the victim dies
+        if not (self.conn.poll(120) and self.conn.recv() == "ready"):
+            raise TimeoutError(f"the {self.role} victim did not start within 120 s")
 
     def outcome(self) -> tuple[str, str]:
         try:
