@@ -1,9 +1,15 @@
 """Real vLLM engines (the CPU build) inside Ray actors receive a trainer's weights through WeightSync and then
-generate what transformers generates with those weights."""
+generate what transformers generates with those weights; a push that does not fit the engine's model, or whose
+reload fails inside vLLM, leaves the engine generating with the weights it had."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import fnmatch
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -11,11 +17,12 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from actors import Policy, VllmHost  # noqa: E402
+import torch  # noqa: E402
+from actors import ENGINE_ARGS, Policy, VllmHost, greedy  # noqa: E402
 
-from raysync import SyncConfig, WeightSync  # noqa: E402
+from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
 from raysync.models import tiny_qwen2  # noqa: E402
-from raysync.vllm import VllmEngine  # noqa: E402
+from raysync.vllm import VllmEngine, WorkerExtension  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -26,11 +33,13 @@ ONE_PROCESS = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """The engines' starting checkpoint: another random init than the trainer's."""
-    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
-    tiny_qwen2(seed=1).save_pretrained(path)
-    return path
+def model_dirs(tmp_path_factory) -> dict[bool, str]:
+    """The engines' starting checkpoints, {tied: path}: another random init than the trainers'."""
+    paths = {}
+    for tied in (False, True):
+        paths[tied] = str(tmp_path_factory.mktemp("tiny-qwen2-tied" if tied else "tiny-qwen2"))
+        tiny_qwen2(seed=1, tied=tied).save_pretrained(paths[tied])
+    return paths
 
 
 @pytest.fixture
@@ -44,42 +53,231 @@ def vllm_segments_cleaned():
     assert not left, f"vLLM left {sorted(left)} in /dev/shm"
 
 
-def engine(model_dir: str, runtime_env: dict | None = None):
-    return ray.remote(num_cpus=0.5)(VllmHost).options(runtime_env=runtime_env).remote(model_dir)
+def engine(model_dir: str, runtime_env: dict | None = None, host: type = VllmHost, **overrides):
+    return ray.remote(num_cpus=0.5)(host).options(runtime_env=runtime_env).remote(model_dir, **overrides)
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
+def stop(*hosts) -> None:
+    ray.get([h.shutdown.remote() for h in hosts])
+    for h in hosts:
+        ray.kill(h)
+
+
+class TiedPolicy(Policy):
+    """A trainer whose model ties its output head to the embedding (it sends that tensor once)."""
+
+    def __init__(self, seed: int = 0):
+        self.model = tiny_qwen2(seed, tied=True)
+
+
+@pytest.mark.parametrize(
+    ("transport", "tied"),
+    [("shm", False), ("shm", True), ("collective", True)],
+    ids=["shm", "shm-tied", "gloo-tied"],
+)
 def test_one_engine_generates_with_the_pushed_weights(
-    transport, ray_local, model_dir, no_leftovers, vllm_segments_cleaned
+    transport, tied, ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
 ):
-    trainer = ray.remote(num_cpus=0.25)(Policy).remote()
-    host = engine(model_dir, ONE_PROCESS)
+    trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote()
+    host = engine(model_dirs[tied], ONE_PROCESS)
     try:
         with WeightSync([trainer], [VllmEngine(host)], CFG, transport=transport) as sync:
             assert [p.transport for p in sync.plan] == [transport]  # collective: a gloo group beside vLLM's
             before = ray.get(host.generate.remote(PROMPTS, TOKENS))
             assert ray.get(host.weight_version.remote()) is None
-            for version in (1, 2):  # the second push goes through the CPU reload path again
+            for version in (1, 2, 3):  # the later pushes go through the CPU reload path again
                 ray.get(trainer.step.remote(version))
                 expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
                 report = sync.push(version)
                 assert report.pairs[0].bytes > 0
                 got = ray.get(host.generate.remote(PROMPTS, TOKENS))  # the long prompt is in the prefix cache
-                assert got == expected, f"version {version}"
+                assert got == expected, f"version {version}"  # tied: the output head follows the embedding
                 assert got != before
                 before = got
-            assert ray.get(host.weight_version.remote()) == 2 and sync.versions() == [2]
-            assert sync.push(2).pairs[0].bytes == 0  # the same version again: nothing moves
+            assert ray.get(host.weight_version.remote()) == 3 and sync.versions() == [3]
+            assert sync.push(3).pairs[0].bytes == 0  # the same version again: nothing moves
     finally:
-        ray.get(host.shutdown.remote())
-        ray.kill(host)
+        stop(host)
 
 
+# --- pushes that do not fit the engine's model --------------------------------------------------------------------
+EXTRA = "model.layers.0.mlp.extra_proj.weight"  # no such parameter in Qwen2
+NORM = "model.layers.1.input_layernorm.weight"
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # one of the three parts of vLLM's fused qkv_proj
+
+
+class MisfitPolicy(Policy):
+    """A trainer whose push can be made not to fit the engine's model, and that can say what a model made of
+    two of its versions generates (the reference for a partial push)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.misfit: str | None = None
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def set_misfit(self, misfit: str | None) -> None:
+        self.misfit = misfit
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = list(self.model.named_parameters())
+        if self.misfit == "unknown name":
+            return [*named, (EXTRA, torch.zeros(256, 128))]
+        if self.misfit == "wrong shape":
+            return [(n, t[:64] if n == NORM else t) for n, t in named]
+        if self.misfit == "missing tensor":
+            return [(n, t) for n, t in named if n != K_PROJ]
+        return named
+
+    def keep(self) -> None:
+        self.kept = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+
+    def greedy_mixed(
+        self, prompts: list[list[int]], tokens: int, patterns: tuple[str, ...]
+    ) -> list[list[int]]:
+        """Greedy tokens of the kept weights with the tensors matching ``patterns`` taken from the current ones."""
+        mixed = copy.deepcopy(self.model)
+        now = self.model.state_dict()
+        mixed.load_state_dict({n: now[n] if any(fnmatch.fnmatch(n, p) for p in patterns) else t
+                               for n, t in self.kept.items()})  # fmt: skip
+        return greedy(mixed, prompts, tokens)
+
+
+def misfit_tensors(actor: MisfitPolicy) -> list[tuple[str, torch.Tensor]]:
+    return actor.tensors()
+
+
+def refusal(sync: WeightSync, version: int) -> str:
+    """The push fails; the text of every endpoint's failure."""
+    with pytest.raises(SyncError) as failed:
+        sync.push(version)
+    return "\n".join(f.error for f in failed.value.failures)
+
+
+def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_weights(
+    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
+):
+    trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=3)
+    host = engine(model_dirs[False], ONE_PROCESS)
+    try:
+        with WeightSync([trainer], [VllmEngine(host)], CFG, source=misfit_tensors) as sync:
+            ray.get(trainer.step.remote(1))
+            sync.push(1)
+            old = ray.get(host.generate.remote(PROMPTS, TOKENS))
+            assert old == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+            ray.get(trainer.step.remote(2))  # a refused push would change the tokens if any of it landed
+            for misfit, named in [("unknown name", [EXTRA]), ("wrong shape", [NORM]),
+                                  ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"])]:  # fmt: skip
+                ray.get(trainer.set_misfit.remote(misfit))
+                text = refusal(sync, 2)
+                assert all(n in text for n in named), f"{misfit}: {text}"
+                assert "Qwen2ForCausalLM" in text and model_dirs[False] in text, text  # the engine's model
+                assert "does not fit the engine's model" in text
+                assert sync.versions() == [1], misfit  # refused at accept: nothing touched, not mixed
+                assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old, misfit
+            ray.get(trainer.set_misfit.remote(None))
+            sync.push(2)
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+                trainer.greedy.remote(PROMPTS, TOKENS)
+            )
+            assert sync.versions() == [2]
+    finally:
+        stop(host)
+
+
+def test_a_partial_push_writes_whole_parameters_only(
+    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
+):
+    """SyncConfig.include makes a push partial: engine parameters it leaves out keep their weights, but one it
+    touches must be written completely (q_proj alone is a third of vLLM's qkv_proj)."""
+    trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=4)
+    host = engine(model_dirs[False], ONE_PROCESS)
+    norms = ("*layernorm.weight", "model.norm.weight")
+    try:
+        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+            ray.get(trainer.step.remote(1))
+            sync.push(1)
+        ray.get(trainer.keep.remote())
+        ray.get(trainer.step.remote(2))
+        q_only = dataclasses.replace(CFG, include=("model.layers.0.self_attn.q_proj.*",))
+        with WeightSync([trainer], [VllmEngine(host)], q_only) as sync:
+            text = refusal(sync, 2)
+            assert "model.layers.0.self_attn.qkv_proj.weight" in text and "does not write completely" in text
+        with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
+            sync.push(2)
+            assert sync.versions() == [2]
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+            trainer.greedy_mixed.remote(PROMPTS, TOKENS, norms)
+        )
+    finally:
+        stop(host)
+
+
+# --- a reload that fails inside vLLM ------------------------------------------------------------------------------
+BROKEN_LAYER = "model.layers.1.mlp.down_proj"  # after the embedding and layer 0 were reloaded
+
+
+class FaultyLoads(WorkerExtension):
+    """raysync's worker extension, plus a fault inside vLLM's load path: the next reload fails while vLLM
+    processes one layer's loaded weights (repacking them for the CPU GEMM), after the layers before it took
+    the new weights. (A weight loader that raised would be caught by the check before loading, which runs
+    vLLM's loaders on the meta device: that is the misfit test.)"""
+
+    def raysync_test_break_next_reload(self, layer_name: str) -> None:
+        layer = self.model_runner.get_model().get_submodule(layer_name)
+        method = layer.quant_method
+
+        def fail_once(layer: torch.nn.Module) -> None:
+            del method.process_weights_after_loading  # the next reload works again
+            raise RuntimeError(f"injected: repacking {layer_name} failed")
+
+        method.process_weights_after_loading = fail_once
+
+
+class FaultyHost(VllmHost):
+    def __init__(self, model_dir: str):
+        from vllm import LLM
+
+        self.llm = LLM(model_dir, worker_extension_cls="test_vllm.FaultyLoads", **ENGINE_ARGS)
+
+    def break_next_reload(self, layer_name: str) -> None:
+        self.llm.collective_rpc("raysync_test_break_next_reload", args=(layer_name,))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_reload_that_fails_part_way_is_undone(
+    tied, ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
+):
+    trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote(seed=6)
+    host = engine(model_dirs[tied], ONE_PROCESS, host=FaultyHost)
+    try:
+        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+            ray.get(trainer.step.remote(1))
+            sync.push(1)
+            old = ray.get(host.generate.remote(PROMPTS, TOKENS))
+            ray.get(trainer.step.remote(2))
+            ray.get(host.break_next_reload.remote(BROKEN_LAYER))
+            text = refusal(sync, 2)  # returns within timeout_s: nothing waits on the broken engine
+            assert f"injected: repacking {BROKEN_LAYER} failed" in text and "were put back" in text, text
+            assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old  # not a mix, not on the meta device
+            sync.push(2)  # vLLM's reload state was reset too: the next push lands
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+                trainer.greedy.remote(PROMPTS, TOKENS)
+            )
+            assert sync.versions() == [2]
+    finally:
+        stop(host)
+
+
+# --- more workers --------------------------------------------------------------------------------------------------
 def test_two_engines_one_in_vllms_multiprocess_layout(
-    ray_local, model_dir, no_leftovers, vllm_segments_cleaned
+    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
 ):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=5)
-    hosts = [engine(model_dir, ONE_PROCESS), engine(model_dir)]  # the second: EngineCore + worker processes
+    hosts = [
+        engine(model_dirs[False], ONE_PROCESS),
+        engine(model_dirs[False]),
+    ]  # the second: EngineCore + worker
     try:
         with WeightSync([trainer], [VllmEngine(h) for h in hosts], CFG) as sync:
             assert len(sync.plan) == 2
@@ -93,20 +291,36 @@ def test_two_engines_one_in_vllms_multiprocess_layout(
             assert ray.get([h.generate.remote(PROMPTS, TOKENS) for h in hosts]) == [expected, expected]
             assert sync.versions() == [1, 1]
     finally:
-        ray.get([h.shutdown.remote() for h in hosts])
-        for h in hosts:
-            ray.kill(h)
+        stop(*hosts)
+
+
+@pytest.fixture
+def vllm_rendezvous_dir():
+    """A temp dir of its own for one engine (TMPDIR): vLLM's workers meet through a file store there named
+    vllm_dist_<uuid>, and name their CPU shared-memory segments after it (/dev/shm/vllm_dist_<uuid>-...).
+    vLLM's shutdown leaves those segments behind: this removes the ones named after this engine's file store,
+    and only those."""
+    path = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: vLLM's zmq ipc paths live here too
+    idents: list[str] = []
+    yield path, idents
+    shutil.rmtree(path, ignore_errors=True)
+    ours = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"{i}-") for i in idents)]
+    for name in ours:
+        os.unlink(os.path.join("/dev/shm", name))
+    assert not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"{i}-") for i in idents)]
 
 
 def test_a_tensor_parallel_engine_is_one_receiver_per_worker(
-    ray_local, model_dir, no_leftovers, vllm_segments_cleaned
+    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned, vllm_rendezvous_dir
 ):
+    rendezvous, idents = vllm_rendezvous_dir
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=7)
-    bind = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per worker (one NUMA node here)
-    host = (
-        ray.remote(num_cpus=0.5)(VllmHost).options(runtime_env=bind).remote(model_dir, tensor_parallel_size=2)
-    )
+    env = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "TMPDIR": rendezvous}}  # one core per worker
+    host = engine(model_dirs[False], env, tensor_parallel_size=2)
     try:
+        ray.get(host.weight_version.remote())  # the engine is up
+        idents += [n for n in os.listdir(rendezvous) if n.startswith("vllm_dist_")]
+        assert len(idents) == 1, os.listdir(rendezvous)  # the segments the fixture removes are named after it
         with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
             assert [(p.sender, p.receiver) for p in sync.plan] == [
                 (0, 0),
@@ -119,5 +333,4 @@ def test_a_tensor_parallel_engine_is_one_receiver_per_worker(
             assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected
             assert sync.versions() == [1, 1] and ray.get(host.weight_version.remote()) == 1
     finally:
-        ray.get(host.shutdown.remote())
-        ray.kill(host)
+        stop(host)
