@@ -156,7 +156,10 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     try:
         named = list(side.source(actor))  # once, shared by all sessions (read-only)
     except Exception as e:
-        _abort_sessions([side.senders[j] for j in receivers if j in side.senders], e)
+        targets: list[WeightSender | CollectiveSender] = [
+            side.senders[j] for j in receivers if j in side.senders
+        ]
+        _abort_sessions(targets + ([side.group] if in_group else []), e)
         return {j: _failure("source", e) for j in receivers}
 
     def one(target: Any) -> dict:
@@ -173,9 +176,9 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     return {j: r for js, r in results.items() for j in js}
 
 
-def _abort_sessions(senders: list[WeightSender], error: Exception) -> None:
+def _abort_sessions(senders: list[WeightSender | CollectiveSender], error: Exception) -> None:
     """The source raised: every receiver hears it now (their waits end at once, nothing touched) rather than
-    at timeout_s. The collective's receivers are not told yet (CollectiveSender has no abort): they time out."""
+    at timeout_s: ring sessions each, a broadcast group once for all its receivers."""
     if not senders:
         return
     with ThreadPoolExecutor(max_workers=len(senders)) as pool:

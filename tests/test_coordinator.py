@@ -94,14 +94,16 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
         assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
 
 
-def test_a_source_that_raises_fails_the_push_at_once_with_its_own_error(ray_local, no_leftovers):
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_a_source_that_raises_fails_the_push_at_once_with_its_own_error(ray_local, no_leftovers, transport):
     """The trainer's source raises at its second tensor: the sender tells its receivers at once, so the push
     fails long before timeout_s (120 s; this test waits 30 s at most) and the SyncError carries the source's
     own exception; nothing was touched, and the next push goes through."""
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
     config = dataclasses.replace(CFG, timeout_s=120)
-    with WeightSync([trainer], engines, config, source=breakable_source) as sync:
+    with WeightSync([trainer], engines, config, source=breakable_source, transport=transport) as sync:
+        assert {p.transport for p in sync.plan} == {transport}
         ray.get(trainer.step.remote(1))
         sync.push(1)
         ray.get(trainer.break_source.remote(1))
