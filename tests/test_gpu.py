@@ -60,7 +60,7 @@ def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
             for k, v in src.items():
                 expect = v if k in ("w", "ids") else v.to(torch.bfloat16)
                 assert same_bits(dest[k], expect), k
-        assert all(m._pinned for m in sender._ring._maps) and all(m._pinned for m in receiver._ring._maps)
+        assert all(m._pinned for m in sender._ring._segments) and all(m._pinned for m in receiver._ring._segments)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
