@@ -4,7 +4,8 @@ that the engines got the trainer's weights. Nothing is downloaded.
 
 With vLLM the check is what a user sees: the engines' greedy tokens equal transformers' on the trainer's
 weights (and differ from the engines' tokens before the first push). With torch modules it is a fingerprint
-of every parameter, bit for bit.
+of every parameter, bit for bit. The demo first says which engines and which model it uses (``--tied``: a
+model whose output head is its embedding, as Qwen2.5-0.5B and Llama-3.2-1B have).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import torch
 
 from raysync import SyncConfig, WeightSync
+from raysync.models import describe
 
 PROMPT = [(7 * i) % 8000 + 1 for i in range(48)]
 TOKENS = 8
@@ -25,12 +27,12 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32"
                    max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20)  # fmt: skip
 
 
-def make_model(seed: int) -> torch.nn.Module:
+def make_model(seed: int, tied: bool = False) -> torch.nn.Module:
     """A small Qwen2 (transformers, random init) if transformers is installed, else a small torch module."""
     try:
         from raysync.models import tiny_qwen2
 
-        return tiny_qwen2(seed, hidden=256, layers=4, vocab=8192)
+        return tiny_qwen2(seed, hidden=256, layers=4, vocab=8192, tied=tied)
     except ImportError:
         torch.manual_seed(seed)
         return torch.nn.Sequential(
@@ -49,8 +51,11 @@ def fingerprint(model: torch.nn.Module) -> str:
 class Trainer:
     """A stand-in for a trainer rank: holds ``self.model`` (WeightSync's default source)."""
 
-    def __init__(self) -> None:
-        self.model = make_model(seed=0)
+    def __init__(self, tied: bool = False) -> None:
+        self.model = make_model(seed=0, tied=tied)
+
+    def describe(self) -> str:
+        return describe(self.model)
 
     def step(self, version: int) -> str:
         """Stands in for an optimizer step: new weights, deterministic per version."""
@@ -69,8 +74,8 @@ class Trainer:
 class Engine:
     """A stand-in for a rollout engine: holds ``self.model`` (WeightSync's default destination)."""
 
-    def __init__(self) -> None:
-        self.model = make_model(seed=1)  # different weights until the first push
+    def __init__(self, tied: bool = False) -> None:
+        self.model = make_model(seed=1, tied=tied)  # different weights until the first push
 
     def fingerprint(self) -> str:
         return fingerprint(self.model)
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=4)
     ap.add_argument("--engine", choices=["auto", "vllm", "torch"], default="auto",
                     help="auto: vLLM engines when vLLM is installed, else torch modules")  # fmt: skip
+    ap.add_argument("--tied", action="store_true", help="a model whose output head is its embedding")
     args = ap.parse_args(argv)
     use_vllm = args.engine == "vllm" or (args.engine == "auto" and vllm_usable())
 
@@ -121,23 +127,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(ray, args, use_vllm: bool, checkpoint: str) -> int:
-    trainer = ray.remote(num_cpus=0.25)(Trainer).remote()
+    trainer = ray.remote(num_cpus=0.25)(Trainer).remote(args.tied)
     if use_vllm:
+        import vllm
+
         from raysync.vllm import VllmEngine
 
-        make_model(seed=1).save_pretrained(checkpoint)
-        one_process = {
-            "env_vars": {
-                "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            }
-        }
-        print(f"starting {args.engines} vLLM engine(s) from a local checkpoint of random weights ...")
-        actors = [ray.remote(num_cpus=0.5)(VllmRollout).options(runtime_env=one_process).remote(checkpoint)
+        make_model(seed=1, tied=args.tied).save_pretrained(checkpoint)
+        one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        layout = "one process each" if one_process == "0" else "EngineCore and worker processes each"
+        print(f"engines: {args.engines} x vLLM {vllm.__version__} (LLM with raysync's worker extension, {layout}), "
+              f"started from a local checkpoint of other random weights")  # fmt: skip
+        print(f"model: {ray.get(trainer.describe.remote())}")
+        env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": one_process}}
+        actors = [ray.remote(num_cpus=0.5)(VllmRollout).options(runtime_env=env).remote(checkpoint)
                   for _ in range(args.engines)]  # fmt: skip
         receivers = [VllmEngine(a) for a in actors]
         before = ray.get([a.greedy.remote(PROMPT, TOKENS) for a in actors])
     else:
-        actors = receivers = [ray.remote(num_cpus=0.25)(Engine).remote() for _ in range(args.engines)]
+        print(f"engines: {args.engines} x torch module (an actor's model, written in place)")
+        print(f"model: {ray.get(trainer.describe.remote())}")
+        actors = receivers = [
+            ray.remote(num_cpus=0.25)(Engine).remote(args.tied) for _ in range(args.engines)
+        ]
     ok = True
     try:
         with WeightSync(
