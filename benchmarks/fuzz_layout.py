@@ -212,6 +212,7 @@ def sweep(n: int, seed: int, plan_max_chunks: int) -> dict:
     refuse_s: dict[str, list[float]] = defaultdict(list)
     accept_s: list[float] = []
     crashes: list[str] = []
+    slowest: list[tuple[float, str, str, int]] = []  # (seconds, kind, reason, input bytes) of refusals
     max_chunks_planned = 0
     for kind, make in inputs(n, seed):
         what, value = make(peer)
@@ -221,11 +222,14 @@ def sweep(n: int, seed: int, plan_max_chunks: int) -> dict:
         if outcome.startswith("refused"):
             refuse_s[kind].append(seconds)
             reasons[detail] += 1
+            size = len(value) if isinstance(value, bytes) else 0
+            slowest = sorted([*slowest, (seconds, kind, detail, size)], reverse=True)[:8]
         elif outcome.startswith("accepted"):
             accept_s.append(seconds)
         else:
             crashes.append(f"{kind}: {detail}")
-    every_refusal = sorted(t for ts in refuse_s.values() for t in ts)
+    # the random inputs; the fixed layouts of many tiny tensors are reported in their own row
+    every_refusal = sorted(t for k, ts in refuse_s.items() if k != "many tiny tensors" for t in ts)
     return {
         "inputs": sum(sum(c.values()) for c in outcomes.values()),
         "outcomes": {k: dict(c) for k, c in outcomes.items()},
@@ -234,12 +238,16 @@ def sweep(n: int, seed: int, plan_max_chunks: int) -> dict:
         "refusal_reasons": dict(reasons),
         "refuse_us": {
             "median": 1e6 * statistics.median(every_refusal),
+            "p99": 1e6 * every_refusal[int(0.99 * (len(every_refusal) - 1))],
             "max": 1e6 * every_refusal[-1],
             "by_kind_median": {k: 1e6 * statistics.median(v) for k, v in refuse_s.items()},
             "by_kind_max": {k: 1e6 * max(v) for k, v in refuse_s.items()},
         },  # fmt: skip
         "accept_s": {"median": statistics.median(accept_s), "max": max(accept_s)} if accept_s else {},
         "max_chunks_planned": max_chunks_planned,
+        "slowest_refusals": [
+            {"us": 1e6 * t, "kind": k, "reason": why, "frame_bytes": b} for t, k, why, b in slowest
+        ],
     }
 
 
@@ -334,7 +342,8 @@ def main() -> None:
         f"{t.get('refused (other WireError)', 0)} refused by another WireError, {len(r['crashes'])} crashes"
     )
     print(
-        f"time to refuse: median {r['refuse_us']['median']:.1f} us, max {r['refuse_us']['max']:.1f} us; "
+        f"time to refuse (random inputs): median {r['refuse_us']['median']:.1f} us, p99 "
+        f"{r['refuse_us']['p99']:.1f} us, max {r['refuse_us']['max']:.1f} us; "
         f"to accept and plan: median {1e3 * r['accept_s'].get('median', 0):.2f} ms, "
         f"max {1e3 * r['accept_s'].get('max', 0):.1f} ms; largest plan made: {r['max_chunks_planned']} chunks"
     )
@@ -342,6 +351,8 @@ def main() -> None:
     for kind, c in r["outcomes"].items():
         med, top = r["refuse_us"]["by_kind_median"].get(kind, 0), r["refuse_us"]["by_kind_max"].get(kind, 0)
         print(f"{kind:<28}{', '.join(f'{o} {n}' for o, n in sorted(c.items())):<80}{med:.1f} / {top:.1f}")
+    print("slowest refusals: " + "; ".join(f"{s['kind']} ({s['reason']}, {s['frame_bytes']} B) {s['us']:.0f} us"
+                                          for s in r["slowest_refusals"]))  # fmt: skip
     print("refusals by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["refusal_reasons"].items())))
     for name, w in worst.items():
         print(f"worst accepted, {name}: frame {w['frame_bytes'] / 2**20:.1f} MiB, decode {w['decode_s']:.2f} s, "
