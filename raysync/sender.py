@@ -136,7 +136,11 @@ class WeightSender:
         with every BucketFreed), and nothing is signalled until the receiver accepts."""
         ahead = min(len(self._ring.buffers), len(self._buckets))
         for k in range(ahead):
-            self._pack(k)
+            try:
+                self._pack(k)
+            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
+                self.abort(e, f"pack bucket {k} ahead of the push")
+                raise
         return ahead
 
     def _pack(self, k: int) -> None:
