@@ -311,7 +311,7 @@ def test_the_store_answers_its_session_and_refuses_what_it_must():
 
 
 @pytest.mark.parametrize(
-    "host", ["0", "0.0.0.0", "0x0", "000.000.000.000", "0.0", "::", "0:0:0:0:0:0:0:0", "::0"]
+    "host", ["0", "0.0.0.0", "0x0", "000.000.000.000", "0.0", "::", "[::]", "::0", "::ffff:0.0.0.0", "*", ""]
 )
 def test_the_rendezvous_never_listens_on_every_interface(host):
     with pytest.raises(EndpointError, match="every interface"):

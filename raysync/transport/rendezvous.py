@@ -38,6 +38,7 @@ import torch.distributed as dist
 import zmq
 from zmq.utils import z85
 
+from raysync.control import binds_every_interface, bound_to_every_interface
 from raysync.errors import EndpointError, MalformedFrame, PeerTimeout, RaysyncError, WireError
 from raysync.wire import SessionSecret
 
@@ -79,19 +80,28 @@ def _derived_secret(secret: SessionSecret, role: str) -> bytes:
 
 
 def interface_address(host: str) -> str:
-    """The numeric address of the one interface ``host`` names; every spelling of "all interfaces" (0, 0x0,
-    000.000.000.000, ::, a name resolving to one of those) is refused, whatever the string looks like."""
+    """The numeric address of the one interface ``host`` names (a name is resolved here). Every spelling of
+    "all interfaces" is refused, decided by what it resolves to (raysync.control's guard, and any resolved
+    address that is unspecified, IPv4-mapped too), never by how the string looks."""
+    bare = host[1:-1] if len(host) >= 2 and host[0] == "[" and host[-1] == "]" else host
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError) as e:
-        raise EndpointError(f"collective host {host!r} does not resolve ({e}); give this node's IP") from None
-    address = ipaddress.ip_address(infos[0][4][0].split("%", 1)[0])
-    if any(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_unspecified for info in infos):
-        raise EndpointError(
-            f"collective host {host!r} resolves to {address}, every interface; give the address of the one "
-            f"interface the receivers reach (this node's IP)"
+        infos = (
+            [] if binds_every_interface(host) else socket.getaddrinfo(bare, None, proto=socket.IPPROTO_TCP)
         )
-    return str(address)
+    except (OSError, UnicodeError, ValueError) as e:
+        raise EndpointError(f"collective host {host!r} does not resolve ({e}); give this node's IP") from None
+    addresses = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    if not addresses or any(_unspecified(a) for a in addresses):
+        raise EndpointError(
+            f"collective host {host!r} is every interface; give the address of the one interface the "
+            f"receivers reach (this node's IP)"
+        )
+    return str(addresses[0])
+
+
+def _unspecified(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:0.0.0.0 is 0.0.0.0 to a dual-stack socket
+    return address.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 def _endpoint(address: str, port: int | str) -> str:
@@ -137,7 +147,12 @@ class StoreServer:
         except zmq.ZMQError as e:
             self._close_sockets()
             raise EndpointError(f"cannot bind the rendezvous store on {address}: {e}") from None
-        self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if bound_to_every_interface(bound):  # a spelling nothing above foresaw
+            self._close_sockets()
+            raise EndpointError(f"the rendezvous store bound {bound}, every interface, for host {host!r}; "
+                                f"give this node's IP")  # fmt: skip
+        self.port = int(bound.rsplit(":", 1)[1])
         self.refused = 0  # connections refused at the handshake
         self._data: dict[str, bytes] = {}
         self._waiters: list[_Waiter] = []
