@@ -352,8 +352,12 @@ def _value(value: object, max_bytes: int) -> bytes:
 
 # --- the client ------------------------------------------------------------------------------------------------------
 class StoreClient(dist.Store):
-    """One rank's handle on the rendezvous store, usable by ProcessGroupGloo / ProcessGroupNCCL (torch calls
-    these methods from its own threads too: one request at a time, under a lock)."""
+    """One rank's handle on the rendezvous store, usable by ProcessGroupGloo / ProcessGroupNCCL.
+
+    torch calls these methods from its own threads too: ProcessGroupNCCL's heartbeat monitor calls ``check``
+    about once a second (seen on an H200, torch 2.11). Requests go one at a time, under a lock, so while this
+    rank waits for a key (up to that wait's timeout) the monitor's check waits too; it only looks for debug
+    dump signals, which raysync never sets."""
 
     def __init__(
         self, secret: SessionSecret, host: str, port: int, *, timeout_s: float, max_value_bytes: int
