@@ -49,9 +49,8 @@ MAX_KEY_CHARS = 1024
 MAX_WAITERS = 1024  # blocked get / wait requests held by the server at once
 _ENVELOPE_BYTES = 64 << 10  # a request's key, op and msgpack framing on top of its value
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP protocol (RFC 27), one per zmq context
-_HANDSHAKE_MS = (
-    5000  # a connection that has not completed the handshake by then is closed (a client reconnects)
-)
+# a connection that has not completed its handshake by then is closed (one of ours reconnects by itself)
+_HANDSHAKE_MS = 5000
 
 
 # --- keys ----------------------------------------------------------------------------------------------------------
@@ -167,9 +166,10 @@ class StoreServer:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._sock.close(linger=0)
-        self._zap.close(linger=0)
-        self._ctx.term()
+        if not self._ctx.closed:
+            self._sock.close(linger=0)
+            self._zap.close(linger=0)
+            self._ctx.term()
 
     # the loop ------------------------------------------------------------------------------------------------------
     def _serve(self) -> None:
