@@ -8,8 +8,6 @@ import copy
 import dataclasses
 import fnmatch
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -42,25 +40,69 @@ def model_dirs(tmp_path_factory) -> dict[bool, str]:
     return paths
 
 
-@pytest.fixture
-def vllm_segments_cleaned():
-    """vLLM's own shared memory (psm_*) must be gone once its engines are shut down."""
-    before = set(os.listdir("/dev/shm"))
-    yield
-    left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")}
-    for name in left:  # leave the machine clean for the next test, then fail
-        os.unlink(os.path.join("/dev/shm", name))
-    assert not left, f"vLLM left {sorted(left)} in /dev/shm"
-
-
 def engine(model_dir: str, runtime_env: dict | None = None, host: type = VllmHost, **overrides):
     return ray.remote(num_cpus=0.5)(host).options(runtime_env=runtime_env).remote(model_dir, **overrides)
 
 
-def stop(*hosts) -> None:
-    ray.get([h.shutdown.remote() for h in hosts])
+@pytest.fixture
+def engines():
+    """``engines(model_dir, runtime_env, host=..., **engine_args)`` starts an engine actor. At the end of the test
+    each is shut down, and the shared memory that vLLM made for it must be gone: the segments (psm_*, and
+    vllm_dist_* of tensor-parallel CPU workers) that its processes (the actor, EngineCore, workers) had mapped.
+    Any left are removed, then the test fails. Segments of other processes are not looked at."""
+    hosts: list = []
+
+    def start(*args, **kwargs):
+        hosts.append(engine(*args, **kwargs))
+        return hosts[-1]
+
+    yield start
+    ours = set().union(*(vllm_segments(h) for h in hosts))
+    ray.get([h.__ray_call__.remote(shut_down) for h in hosts])
     for h in hosts:
         ray.kill(h)
+    left = sorted(n for n in ours if os.path.exists(os.path.join("/dev/shm", n)))
+    for name in left:  # leave the machine clean for the next test, then fail
+        os.unlink(os.path.join("/dev/shm", name))
+    assert not left, f"vLLM left {left} in /dev/shm"
+
+
+def shut_down(host: VllmHost) -> None:
+    """vLLM's own shutdown, with time to finish: by default its EngineCore gets 5 s to stop its workers and
+    remove its shared memory, then is killed, which on a loaded 2-core machine leaves the segments behind."""
+    host.llm.llm_engine.engine_core.shutdown(timeout=60)
+
+
+def vllm_segments(host) -> set[str]:
+    """The segments in /dev/shm named as vLLM names its own (psm_*, vllm_dist_*) that the engine's processes
+    map: the actor's process and every process under it."""
+    pid = ray.get(host.__ray_call__.remote(lambda actor: os.getpid()))
+    found = set().union(*(mapped_from_dev_shm(p) for p in process_tree(pid)))
+    return {n for n in found if n.startswith(("psm_", "vllm_dist_"))}
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process under it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except OSError:
+            continue  # exited meanwhile
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def mapped_from_dev_shm(pid: int) -> set[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return {line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line}
+    except OSError:
+        return set()  # exited meanwhile
 
 
 class TiedPolicy(Policy):
@@ -76,28 +118,25 @@ class TiedPolicy(Policy):
     ids=["shm", "shm-tied", "gloo-tied"],
 )
 def test_one_engine_generates_with_the_pushed_weights(
-    transport, tied, ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
+    transport, tied, ray_local, model_dirs, no_leftovers, engines
 ):
     trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote()
-    host = engine(model_dirs[tied], ONE_PROCESS)
-    try:
-        with WeightSync([trainer], [VllmEngine(host)], CFG, transport=transport) as sync:
-            assert [p.transport for p in sync.plan] == [transport]  # collective: a gloo group beside vLLM's
-            before = ray.get(host.generate.remote(PROMPTS, TOKENS))
-            assert ray.get(host.weight_version.remote()) is None
-            for version in (1, 2, 3):  # the later pushes go through the CPU reload path again
-                ray.get(trainer.step.remote(version))
-                expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
-                report = sync.push(version)
-                assert report.pairs[0].bytes > 0
-                got = ray.get(host.generate.remote(PROMPTS, TOKENS))  # the long prompt is in the prefix cache
-                assert got == expected, f"version {version}"  # tied: the output head follows the embedding
-                assert got != before
-                before = got
-            assert ray.get(host.weight_version.remote()) == 3 and sync.versions() == [3]
-            assert sync.push(3).pairs[0].bytes == 0  # the same version again: nothing moves
-    finally:
-        stop(host)
+    host = engines(model_dirs[tied], ONE_PROCESS)
+    with WeightSync([trainer], [VllmEngine(host)], CFG, transport=transport) as sync:
+        assert [p.transport for p in sync.plan] == [transport]  # collective: a gloo group beside vLLM's
+        before = ray.get(host.generate.remote(PROMPTS, TOKENS))
+        assert ray.get(host.weight_version.remote()) is None
+        for version in (1, 2, 3):  # the later pushes go through the CPU reload path again
+            ray.get(trainer.step.remote(version))
+            expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+            report = sync.push(version)
+            assert report.pairs[0].bytes > 0
+            got = ray.get(host.generate.remote(PROMPTS, TOKENS))  # the long prompt is in the prefix cache
+            assert got == expected, f"version {version}"  # tied: the output head follows the embedding
+            assert got != before
+            before = got
+        assert ray.get(host.weight_version.remote()) == 3 and sync.versions() == [3]
+        assert sync.push(3).pairs[0].bytes == 0  # the same version again: nothing moves
 
 
 # --- pushes that do not fit the engine's model --------------------------------------------------------------------
@@ -154,62 +193,54 @@ def refusal(sync: WeightSync, version: int) -> str:
 
 
 def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_weights(
-    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
+    ray_local, model_dirs, no_leftovers, engines
 ):
     trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=3)
-    host = engine(model_dirs[False], ONE_PROCESS)
-    try:
-        with WeightSync([trainer], [VllmEngine(host)], CFG, source=misfit_tensors) as sync:
-            ray.get(trainer.step.remote(1))
-            sync.push(1)
-            old = ray.get(host.generate.remote(PROMPTS, TOKENS))
-            assert old == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
-            ray.get(trainer.step.remote(2))  # a refused push would change the tokens if any of it landed
-            for misfit, named in [("unknown name", [EXTRA]), ("wrong shape", [NORM]),
-                                  ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"])]:  # fmt: skip
-                ray.get(trainer.set_misfit.remote(misfit))
-                text = refusal(sync, 2)
-                assert all(n in text for n in named), f"{misfit}: {text}"
-                assert "Qwen2ForCausalLM" in text and model_dirs[False] in text, text  # the engine's model
-                assert "does not fit the engine's model" in text
-                assert sync.versions() == [1], misfit  # refused at accept: nothing touched, not mixed
-                assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old, misfit
-            ray.get(trainer.set_misfit.remote(None))
-            sync.push(2)
-            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
-                trainer.greedy.remote(PROMPTS, TOKENS)
-            )
-            assert sync.versions() == [2]
-    finally:
-        stop(host)
+    host = engines(model_dirs[False], ONE_PROCESS)
+    with WeightSync([trainer], [VllmEngine(host)], CFG, source=misfit_tensors) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+        old = ray.get(host.generate.remote(PROMPTS, TOKENS))
+        assert old == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+        ray.get(trainer.step.remote(2))  # a refused push would change the tokens if any of it landed
+        for misfit, named in [("unknown name", [EXTRA]), ("wrong shape", [NORM]),
+                              ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"])]:  # fmt: skip
+            ray.get(trainer.set_misfit.remote(misfit))
+            text = refusal(sync, 2)
+            assert all(n in text for n in named), f"{misfit}: {text}"
+            assert "Qwen2ForCausalLM" in text and model_dirs[False] in text, text  # the engine's model
+            assert "does not fit the engine's model" in text
+            assert sync.versions() == [1], misfit  # refused at accept: nothing touched, not mixed
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old, misfit
+        ray.get(trainer.set_misfit.remote(None))
+        sync.push(2)
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+            trainer.greedy.remote(PROMPTS, TOKENS)
+        )
+        assert sync.versions() == [2]
 
 
-def test_a_partial_push_writes_whole_parameters_only(
-    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
-):
+def test_a_partial_push_writes_whole_parameters_only(ray_local, model_dirs, no_leftovers, engines):
     """SyncConfig.include makes a push partial: engine parameters it leaves out keep their weights, but one it
     touches must be written completely (q_proj alone is a third of vLLM's qkv_proj)."""
     trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=4)
-    host = engine(model_dirs[False], ONE_PROCESS)
+    host = engines(model_dirs[False], ONE_PROCESS)
     norms = ("*layernorm.weight", "model.norm.weight")
-    try:
-        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
-            ray.get(trainer.step.remote(1))
-            sync.push(1)
-        ray.get(trainer.keep.remote())
-        ray.get(trainer.step.remote(2))
-        q_only = dataclasses.replace(CFG, include=("model.layers.0.self_attn.q_proj.*",))
-        with WeightSync([trainer], [VllmEngine(host)], q_only) as sync:
-            text = refusal(sync, 2)
-            assert "model.layers.0.self_attn.qkv_proj.weight" in text and "does not write completely" in text
-        with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
-            sync.push(2)
-            assert sync.versions() == [2]
-        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
-            trainer.greedy_mixed.remote(PROMPTS, TOKENS, norms)
-        )
-    finally:
-        stop(host)
+    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+    ray.get(trainer.keep.remote())
+    ray.get(trainer.step.remote(2))
+    q_only = dataclasses.replace(CFG, include=("model.layers.0.self_attn.q_proj.*",))
+    with WeightSync([trainer], [VllmEngine(host)], q_only) as sync:
+        text = refusal(sync, 2)
+        assert "model.layers.0.self_attn.qkv_proj.weight" in text and "does not write completely" in text
+    with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
+        sync.push(2)
+        assert sync.versions() == [2]
+    assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+        trainer.greedy_mixed.remote(PROMPTS, TOKENS, norms)
+    )
 
 
 # --- a reload that fails inside vLLM ------------------------------------------------------------------------------
@@ -244,93 +275,54 @@ class FaultyHost(VllmHost):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_reload_that_fails_part_way_is_undone(
-    tied, ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
-):
+def test_a_reload_that_fails_part_way_is_undone(tied, ray_local, model_dirs, no_leftovers, engines):
     trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote(seed=6)
-    host = engine(model_dirs[tied], ONE_PROCESS, host=FaultyHost)
-    try:
-        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
-            ray.get(trainer.step.remote(1))
-            sync.push(1)
-            old = ray.get(host.generate.remote(PROMPTS, TOKENS))
-            ray.get(trainer.step.remote(2))
-            ray.get(host.break_next_reload.remote(BROKEN_LAYER))
-            text = refusal(sync, 2)  # returns within timeout_s: nothing waits on the broken engine
-            assert f"injected: repacking {BROKEN_LAYER} failed" in text and "were put back" in text, text
-            assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
-            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old  # not a mix, not on the meta device
-            sync.push(2)  # vLLM's reload state was reset too: the next push lands
-            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
-                trainer.greedy.remote(PROMPTS, TOKENS)
-            )
-            assert sync.versions() == [2]
-    finally:
-        stop(host)
+    host = engines(model_dirs[tied], ONE_PROCESS, host=FaultyHost)
+    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+        old = ray.get(host.generate.remote(PROMPTS, TOKENS))
+        ray.get(trainer.step.remote(2))
+        ray.get(host.break_next_reload.remote(BROKEN_LAYER))
+        text = refusal(sync, 2)  # returns within timeout_s: nothing waits on the broken engine
+        assert f"injected: repacking {BROKEN_LAYER} failed" in text and "were put back" in text, text
+        assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old  # not a mix, not on the meta device
+        sync.push(2)  # vLLM's reload state was reset too: the next push lands
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+            trainer.greedy.remote(PROMPTS, TOKENS)
+        )
+        assert sync.versions() == [2]
 
 
 # --- more workers --------------------------------------------------------------------------------------------------
-def test_two_engines_one_in_vllms_multiprocess_layout(
-    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned
-):
+def test_two_engines_one_in_vllms_multiprocess_layout(ray_local, model_dirs, no_leftovers, engines):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=5)
-    hosts = [
-        engine(model_dirs[False], ONE_PROCESS),
-        engine(model_dirs[False]),
-    ]  # the second: EngineCore + worker
-    try:
-        with WeightSync([trainer], [VllmEngine(h) for h in hosts], CFG) as sync:
-            assert len(sync.plan) == 2
-            host_pids = ray.get([h.__ray_call__.remote(lambda a: os.getpid()) for h in hosts])
-            plan = str(sync.plan)
-            assert f"pid {host_pids[0]}" in plan  # one process: the worker runs in the actor
-            assert f"pid {host_pids[1]}" not in plan  # multiprocess: the worker is vLLM's own process
-            ray.get(trainer.step.remote(1))
-            expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
-            sync.push(1)
-            assert ray.get([h.generate.remote(PROMPTS, TOKENS) for h in hosts]) == [expected, expected]
-            assert sync.versions() == [1, 1]
-    finally:
-        stop(*hosts)
+    hosts = [engines(model_dirs[False], ONE_PROCESS), engines(model_dirs[False])]  # the second: multiprocess
+    with WeightSync([trainer], [VllmEngine(h) for h in hosts], CFG) as sync:
+        assert len(sync.plan) == 2
+        host_pids = ray.get([h.__ray_call__.remote(lambda a: os.getpid()) for h in hosts])
+        plan = str(sync.plan)
+        assert f"pid {host_pids[0]}" in plan  # one process: the worker runs in the actor
+        assert f"pid {host_pids[1]}" not in plan  # multiprocess: the worker is vLLM's own process
+        ray.get(trainer.step.remote(1))
+        expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+        sync.push(1)
+        assert ray.get([h.generate.remote(PROMPTS, TOKENS) for h in hosts]) == [expected, expected]
+        assert sync.versions() == [1, 1]
 
 
-@pytest.fixture
-def vllm_rendezvous_dir():
-    """A temp dir of its own for one engine (TMPDIR): vLLM's workers meet through a file store there named
-    vllm_dist_<uuid>, and name their CPU shared-memory segments after it (/dev/shm/vllm_dist_<uuid>-...).
-    vLLM's shutdown leaves those segments behind: this removes the ones named after this engine's file store,
-    and only those."""
-    path = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: vLLM's zmq ipc paths live here too
-    idents: list[str] = []
-    yield path, idents
-    shutil.rmtree(path, ignore_errors=True)
-    ours = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"{i}-") for i in idents)]
-    for name in ours:
-        os.unlink(os.path.join("/dev/shm", name))
-    assert not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"{i}-") for i in idents)]
-
-
-def test_a_tensor_parallel_engine_is_one_receiver_per_worker(
-    ray_local, model_dirs, no_leftovers, vllm_segments_cleaned, vllm_rendezvous_dir
-):
-    rendezvous, idents = vllm_rendezvous_dir
+def test_a_tensor_parallel_engine_is_one_receiver_per_worker(ray_local, model_dirs, no_leftovers, engines):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=7)
-    env = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "TMPDIR": rendezvous}}  # one core per worker
-    host = engine(model_dirs[False], env, tensor_parallel_size=2)
-    try:
-        ray.get(host.weight_version.remote())  # the engine is up
-        idents += [n for n in os.listdir(rendezvous) if n.startswith("vllm_dist_")]
-        assert len(idents) == 1, os.listdir(rendezvous)  # the segments the fixture removes are named after it
-        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
-            assert [(p.sender, p.receiver) for p in sync.plan] == [
-                (0, 0),
-                (0, 1),
-            ]  # each worker loads its shard
-            ray.get(trainer.step.remote(1))
-            expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
-            report = sync.push(1)
-            assert [p.receiver for p in report.pairs] == [0, 1]
-            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected
-            assert sync.versions() == [1, 1] and ray.get(host.weight_version.remote()) == 1
-    finally:
-        stop(host)
+    env = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per worker (one NUMA node here)
+    host = engines(model_dirs[False], env, tensor_parallel_size=2)
+    # its CPU workers share memory of their own, which the fixture sees (and checks for at the end)
+    assert any(n.startswith("vllm_dist_") for n in vllm_segments(host))
+    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+        assert [(p.sender, p.receiver) for p in sync.plan] == [(0, 0), (0, 1)]  # each worker loads its shard
+        ray.get(trainer.step.remote(1))
+        expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+        report = sync.push(1)
+        assert [p.receiver for p in report.pairs] == [0, 1]
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected
+        assert sync.versions() == [1, 1] and ray.get(host.weight_version.remote()) == 1
