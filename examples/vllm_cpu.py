@@ -59,7 +59,8 @@ class Rollout:
         return weight_version(self.llm)
 
     def shutdown(self):
-        self.llm.llm_engine.engine_core.shutdown()  # vLLM's own shared memory goes with it
+        # vLLM's own shared memory goes with it, given the time (its default, 5 s, can cut that short)
+        self.llm.llm_engine.engine_core.shutdown(timeout=60)
 
 
 if __name__ == "__main__":  # vLLM starts its processes with spawn

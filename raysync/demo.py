@@ -98,7 +98,8 @@ class VllmRollout:
         )
 
     def shutdown(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()  # vLLM's own shared memory goes with it
+        # vLLM's own shared memory goes with it, given the time (its default, 5 s, can cut that short)
+        self.llm.llm_engine.engine_core.shutdown(timeout=60)
 
 
 def vllm_usable() -> bool:
