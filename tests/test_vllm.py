@@ -185,10 +185,11 @@ def misfit_tensors(actor: MisfitPolicy) -> list[tuple[str, torch.Tensor]]:
     return actor.tensors()
 
 
-def refusal(sync: WeightSync, version: int) -> str:
-    """The push fails; the text of every endpoint's failure."""
+def refusal(sync: WeightSync, version: int, stage: str) -> str:
+    """The push fails, on the engine at ``stage``; the text of every endpoint's failure."""
     with pytest.raises(SyncError) as failed:
         sync.push(version)
+    assert stage in [f.stage for f in failed.value.failures], failed.value
     return "\n".join(f.error for f in failed.value.failures)
 
 
@@ -206,7 +207,7 @@ def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_
         for misfit, named in [("unknown name", [EXTRA]), ("wrong shape", [NORM]),
                               ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"])]:  # fmt: skip
             ray.get(trainer.set_misfit.remote(misfit))
-            text = refusal(sync, 2)
+            text = refusal(sync, 2, "accept")  # before a byte moved
             assert all(n in text for n in named), f"{misfit}: {text}"
             assert "Qwen2ForCausalLM" in text and model_dirs[False] in text, text  # the engine's model
             assert "does not fit the engine's model" in text
@@ -233,7 +234,7 @@ def test_a_partial_push_writes_whole_parameters_only(ray_local, model_dirs, no_l
     ray.get(trainer.step.remote(2))
     q_only = dataclasses.replace(CFG, include=("model.layers.0.self_attn.q_proj.*",))
     with WeightSync([trainer], [VllmEngine(host)], q_only) as sync:
-        text = refusal(sync, 2)
+        text = refusal(sync, 2, "accept")
         assert "model.layers.0.self_attn.qkv_proj.weight" in text and "does not write completely" in text
     with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
         sync.push(2)
@@ -284,7 +285,7 @@ def test_a_reload_that_fails_part_way_is_undone(tied, ray_local, model_dirs, no_
         old = ray.get(host.generate.remote(PROMPTS, TOKENS))
         ray.get(trainer.step.remote(2))
         ray.get(host.break_next_reload.remote(BROKEN_LAYER))
-        text = refusal(sync, 2)  # returns within timeout_s: nothing waits on the broken engine
+        text = refusal(sync, 2, "apply")  # returns within timeout_s: nothing waits on the broken engine
         assert f"injected: repacking {BROKEN_LAYER} failed" in text and "were put back" in text, text
         assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
         assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == old  # not a mix, not on the meta device
