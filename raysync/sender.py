@@ -87,9 +87,18 @@ class WeightSender:
         packer = self._packer  # set only once a session is up
         early = packer is not None and not self._ring.direct and self._same_objects(named)
         ahead = self._pack_ahead() if early else 0
-        sources = self._select(named)
+        try:
+            sources = self._select(named)
+        except Exception as e:  # a bad tensor: before the first push nobody waits yet (no handshake needed)
+            if self._ring is not None:
+                self.abort(e, "select")
+            raise
         self._ensure_session()
-        self._ensure_layout(sources)
+        try:
+            self._ensure_layout(sources)
+        except Exception as e:  # e.g. a layout over the bounds (BadLayout): the receiver is waiting
+            self.abort(e, "layout")
+            raise
         direct = self._ring.direct
         if self._packer is not packer:
             self._digests, ahead = {} if self.config.verify else None, 0

@@ -477,3 +477,27 @@ def test_a_failed_push_the_caller_keeps_does_not_keep_the_ring_mapped(private_tm
         cached = weakref.ref(receiver._sinks._into)
         receiver.close()
         assert cached() is None
+
+
+def test_a_tensor_the_layout_refuses_ends_the_receivers_wait_at_once(private_tmp, in_thread):
+    """Once the session is up, a tensor the sender's own checks refuse (17 dimensions: over the wire's bound)
+    reaches the receiver as an Abort naming it, not as a timeout (120 s here; each wait is bounded by 10 s)."""
+    from raysync.errors import RaysyncError
+
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=120, progress=False)
+    with session_pair(cfg) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        assert got.result(timeout=10).version == 1
+        bad = [*model(2).items(), ("too_many_dims", torch.zeros([1] * 17))]
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(RaysyncError, match="too_many_dims.*bad shape"):
+            sender.push(bad, 2)
+        with pytest.raises(RemoteError, match="too_many_dims.*bad shape") as e:
+            got.result(timeout=10)
+        assert e.value.stage in ("select", "layout") and receiver.version == 1
+        assert all(same_bits(dest[k], v) for k, v in model(1).items())
+        got = in_thread(receiver.receive, into=dest)  # the session goes on
+        sender.push(model(3).items(), 3)
+        assert got.result(timeout=10).version == 3

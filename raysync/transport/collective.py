@@ -264,18 +264,26 @@ class CollectiveSender:
         if g.pg is None:
             raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
         started = time.perf_counter()
-        sources = self._select(named_tensors)
-        specs = tuple(s.spec for s in sources)
+        try:  # a bad tensor or a layout over the bounds: every receiver raises it now, not at timeout_s
+            sources = self._select(named_tensors)
+            specs = tuple(s.spec for s in sources)
+            new_layout = None
+            if self._layout is None or self._layout.tensors != specs:
+                layout_id = self._layout.layout_id + 1 if self._layout else 1
+                new_layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
+                buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
+        except Exception as e:
+            self.abort(e, "select and layout")
+            raise
         self._push_id += 1
         pid = self._push_id
         ranks = range(1, self.rendezvous.world_size)
         stale = _push_keys(pid - 1, ranks) if pid > 1 else []  # every rank is past push pid - 1
         confirm = not self._all_applied
-        if self._layout is None or self._layout.tensors != specs:
-            layout_id = self._layout.layout_id + 1 if self._layout else 1
+        if new_layout is not None:
+            layout_id = new_layout.layout_id
             stale += [f"layout/{layout_id - 1}"] if layout_id > 1 else []  # every rank has taken it
-            self._layout = Layout(layout_id, self.config.bucket_bytes, self.config.align_bytes, specs)
-            self._buckets = plan_buckets(specs, self.config.bucket_bytes, self.config.align_bytes)
+            self._layout, self._buckets = new_layout, buckets
             g.put(f"layout/{layout_id}", self._layout, "layout")
             confirm = True
         if stale:
