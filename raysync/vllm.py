@@ -165,12 +165,16 @@ class WorkerExtension:
 
     def _raysync_note_session(self, name: str, values: list) -> None:
         """Whether a session's pushes may be partial is in its SyncConfig (include/exclude), which only the
-        connect calls carry: kept per session for the loader of each receive (Note [checking a push ...])."""
+        connect calls carry: kept per session for the loader of each receive (Note [checking a push before
+        loading] in raysync.vllm_model)."""
+        partial = self.__dict__.setdefault(_PARTIAL, {})
         if name in ("receiver_connect", "collective_connect"):
             sync_id, config = values[0], values[1]
-            self.__dict__.setdefault(_PARTIAL, {})[sync_id] = bool(config.include or config.exclude)
+            partial[sync_id] = bool(config.include or config.exclude)
         elif name == "receiver_receive":
             self.__dict__[_RECEIVING] = values[0]
+        elif name == "close":
+            partial.pop(values[0], None)
 
     def raysync_version(self) -> Version:
         """What this worker's weights hold: the last version applied completely, MIXED, or None."""
