@@ -140,3 +140,7 @@ class ShmSegmentResized(RaysyncError):
             f"(SIGBUS), so this session stops here: close both sides and start a new session, and look for the "
             f"process that truncates files in /dev/shm"
         )
+
+
+class ReloadFailed(RaysyncError):
+    """An engine's reload of a push failed part-way and was undone: the engine keeps the weights it had."""

@@ -47,7 +47,7 @@ import torch
 
 from raysync import endpoint as ep
 from raysync.config import SyncConfig
-from raysync.errors import RaysyncError, SchemaError, WeightsMixed
+from raysync.errors import ReloadFailed, SchemaError, WeightsMixed
 from raysync.placement import Placement
 from raysync.sink import LoadFn
 from raysync.transport.collective import Rendezvous
@@ -137,10 +137,6 @@ class StagedReload:
                 f"({type(error).__name__}: {error}) and the old weights could not be put back ({type(e).__name__}: "
                 f"{e}): the engine holds a mix of two versions until a push of every tensor completes"
             ) from error
-
-
-class ReloadFailed(RaysyncError):
-    """vLLM's reload of a push failed part-way and was undone: the engine keeps the weights it had."""
 
 
 # --- the worker extension ----------------------------------------------------------------------------------------
