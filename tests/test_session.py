@@ -25,6 +25,7 @@ from raysync import (
     WeightSender,
 )
 from raysync.errors import EndpointError, SchemaError
+from raysync.transport.shm import ring_memory_bytes
 from raysync.version import MIXED
 from raysync.wire import FrameCodec, Hello
 
@@ -381,7 +382,7 @@ def test_long_temp_dir_falls_back_to_tmp(private_tmp, monkeypatch, in_thread):
 
 
 def test_a_sender_that_cannot_build_its_ring_fails_both_sides_at_once(private_tmp, in_thread):
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    free = ring_memory_bytes()  # memfds: the memory a ring may take, not /dev/shm's size
     cfg = SyncConfig(bucket_bytes=(free // 2 + (1 << 20)) // 256 * 256, timeout_s=30, progress=False)
     with session_pair(cfg) as (sender, receiver):
         got = in_thread(receiver.receive, into={})
