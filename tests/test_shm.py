@@ -12,7 +12,7 @@ from conftest import raysync_shm_entries
 
 from raysync.errors import LayoutError, PeerLost, ShmSpaceError
 from raysync.transport import registry
-from raysync.transport.shm import ShmRingReceiver, ShmRingSender, ring_memory_bytes
+from raysync.transport.shm import ShmRingReceiver, ShmRingSender, _room_in, ring_memory_bytes
 from raysync.wire import RingInfo
 
 
@@ -55,6 +55,35 @@ def test_a_ring_larger_than_the_memory_left_is_refused_before_anything_is_made(p
     message = str(e.value)  # the sizes wanted and available, and the fix
     assert f"2 x {wanted} bytes" in message and "MiB available" in message
     assert "bucket_bytes or num_buffers" in message and "--memory" in message
+
+
+@pytest.mark.parametrize(
+    "files, room",
+    [  # cgroup v2 and v1 files as the kernel writes them: limit - usage + inactive page cache, or no limit
+        ({"max": "1048576", "current": "524288", "stat": "anon 1\ninactive_file 4096\n"}, 528384),
+        ({"max": "max", "current": "524288", "stat": "inactive_file 0\n"}, None),
+        ({"max": "1048576", "current": "2097152", "stat": "inactive_file 0\n"}, 0),
+        (
+            {
+                "limit_in_bytes": "9223372036854771712",
+                "usage_in_bytes": "1",
+                "stat": "total_inactive_file 0\n",
+            },
+            None,
+        ),
+    ],
+)
+def test_the_room_under_a_memory_cgroup_limit(private_tmp, files, room):
+    for name, text in files.items():
+        with open(os.path.join(private_tmp, f"memory.{name}"), "w") as f:
+            f.write(text + "\n")
+    v2 = "max" in files
+    names = (
+        ("max", "current", "inactive_file")
+        if v2
+        else ("limit_in_bytes", "usage_in_bytes", "total_inactive_file")
+    )
+    assert _room_in(private_tmp, *names) == room
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,8 @@ def _cgroup_room() -> int | None:
         return None
     rooms = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: memory.max, memory.current
             bases, files = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), ("max", "current", "inactive_file")
