@@ -40,6 +40,7 @@ from raysync.plan import Bucket, direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import LoadFn, Sink, Sinks
 from raysync.transport import registry
+from raysync.transport.base import RingReceiver
 from raysync.version import MIXED, Version
 from raysync.wire import (
     Abort,
@@ -81,6 +82,11 @@ class WeightReceiver:
         self.version: Version = None  # what the destinations hold (Note [versions never lie])
         self._last_push_id = 0  # the last push started (or aborted by the sender before it started)
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
+
+    @property
+    def ring(self) -> RingReceiver | None:
+        """The ring this session runs on (its ``buffers``, to inspect them); None before the first receive."""
+        return self._ring
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip

@@ -33,6 +33,7 @@ from raysync.plan import direct_buckets, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.source import Packer, SourceTensor, select
 from raysync.transport import registry
+from raysync.transport.base import RingSender
 from raysync.wire import (
     Accept,
     Attached,
@@ -71,6 +72,11 @@ class WeightSender:
         self._named: list[tuple[str, torch.Tensor]] = []  # what the last push was given
         self._packer: Packer | DirectSources | None = None  # what every push replays, made once per tensors
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
+
+    @property
+    def ring(self) -> RingSender | None:
+        """The ring this session runs on (its ``buffers``, to inspect them); None before the first push."""
+        return self._ring
 
     # --- the push ----------------------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
