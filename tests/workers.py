@@ -187,7 +187,7 @@ def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: 
             reserved.append(torch.cuda.memory_reserved())
             if i == 0 or i == pushes - 1:
                 out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
-        ring_gpu = str(torch.cuda.get_device_properties(receiver._ring.buffers[0].device).uuid)
+        ring_gpu = str(torch.cuda.get_device_properties(receiver.ring.buffers[0].device).uuid)
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
 
 
