@@ -203,7 +203,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _local_ray(**resources: object) -> Iterator[None]:
     ray = pytest.importorskip("ray")
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    root = os.path.dirname(
+        here
+    )  # raysync itself, where it is not installed (the GPU machine runs the checkout)
+    path = os.pathsep.join(p for p in (here, root, os.environ.get("PYTHONPATH")) if p)
     # address="local": always a Ray of this test's own. Without it ray.init joins whatever cluster RAY_ADDRESS or
     # /tmp/ray/ray_current_cluster names (another test's `ray start` or cluster_utils.Cluster on the machine), and
     # refuses num_cpus/num_gpus there ("When connecting to an existing cluster, ... must not be provided").
