@@ -203,9 +203,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _local_ray(**resources: object) -> Iterator[None]:
     ray = pytest.importorskip("ray")
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(
-        here
-    )  # raysync itself, where it is not installed (the GPU machine runs the checkout)
+    # the checkout's root: raysync itself, for workers where it is not installed (the GPU machine runs a checkout)
+    root = os.path.dirname(here)
     path = os.pathsep.join(p for p in (here, root, os.environ.get("PYTHONPATH")) if p)
     # address="local": always a Ray of this test's own. Without it ray.init joins whatever cluster RAY_ADDRESS or
     # /tmp/ray/ray_current_cluster names (another test's `ray start` or cluster_utils.Cluster on the machine), and
