@@ -37,11 +37,24 @@ def test_ray_quickstart_runs_under_ray_job_submit(no_leftovers, tmp_path):
     try:
         submit = [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}", "--working-dir", ".", "--",
                   sys.executable, "examples/ray_quickstart.py"]  # fmt: skip
-        run = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        run = _submit_when_the_agent_is_up(submit, env)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "equal to the trainer's: True" in run.stdout and "succeeded" in run.stdout + run.stderr
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _submit_when_the_agent_is_up(submit: list[str], env: dict, deadline_s: float = 120.0):
+    """`ray start` returns before the head's job agent serves: until it does, a submit is refused at once with
+    "No available agent" (nothing was run). Submit again while it says so, up to a deadline."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        run = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if "No available agent" not in run.stdout + run.stderr or time.monotonic() > deadline:
+            return run
+        time.sleep(1.0)  # a poll of the agent's readiness, bounded by the deadline
 
 
 @pytest.mark.slow
