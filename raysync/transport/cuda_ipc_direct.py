@@ -49,12 +49,8 @@ class CudaIpcDirectSender:
     def describe(self) -> RingInfo:
         return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle())
 
-    info = describe
-
     def attached(self, attached: Attached) -> None:
         """Nothing to drop: what the receiver maps comes with DirectSources, at each new set of tensors."""
-
-    receiver_attached = attached
 
     def place(self, layout: Layout, sources: Sequence[SourceTensor]) -> tuple[list[Bucket], DirectSources]:
         """This plane's own plan: one bucket per exported storage (checked and exported before anything is
@@ -91,8 +87,6 @@ class CudaIpcDirectSender:
         """Before PushStart: the trainer's tensors hold this push's values once its stream gets here (the
         receiver's stream waits for this record)."""
         self._ready.record(torch.cuda.current_stream(self.device))
-
-    mark_ready = begin
 
     def claim(self, k: int) -> None:
         return None  # read in place: nothing to pack
@@ -178,7 +172,7 @@ class CudaIpcDirectReceiver:
             raise SchemaError(f"push {push_id}: the sender's storages for layout {layout_id} were never sent")
 
     def batches(self, buckets: int) -> Iterable[list[int]]:
-        return [list(range(buckets))]  # every storage at once: one CopyList (a CUDA graph) per push
+        return [list(range(buckets))] if buckets else []  # every storage at once: one CopyList per push
 
     def receive(self, k: int, push_id: int) -> torch.Tensor:
         if k == 0:  # on this GPU's stream: the sender's tensors are ready
