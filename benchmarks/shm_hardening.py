@@ -1,17 +1,20 @@
-"""Shared memory and the handshake under attack, at full size: a peer that shrinks a ring segment at every bucket,
-by every size, on both sides; SIGKILLs at every point of the handshake; every spelling of "every interface".
+"""Shared memory and the handshake under attack, at full size: a peer that tries to resize a ring segment at every
+bucket, in every way, on both sides; SIGKILLs at every point of the handshake; every spelling of "every interface".
 
     python benchmarks/shm_hardening.py --kills 10 --json docs/results/shm_hardening.json
     (tests/test_shm_hardening.py runs one case of each at a small size)
 
-1. Shrink: one victim process per side runs session after session; this process is the hostile peer and, in
-   push 2 of each session, cuts the buffer of bucket k (k = 0..7, 8 buckets over 2 buffers) to each of several
-   sizes with ftruncate through the ring's own fd. Counted: the victim's outcome (a typed raysync error, or
-   death by a signal: -7 is SIGBUS).
+1. Resize: one victim process per side runs session after session; this process is the hostile peer and, in
+   push 2 of each session, right after bucket k (k = 0..7, 8 buckets over 2 buffers) tries to resize the buffer
+   of that bucket: ftruncate to each of several sizes, posix_fallocate past its end, one more seal; through its
+   own fd of the segment and through the victim's, opened at /proc/<pid>/fd. Counted: what each attempt got
+   (EPERM: refused by the seals; anything else is a finding), and the victim's outcome (no error and every push
+   bit-exact, a typed raysync error, or death by a signal: -7 is SIGBUS).
 2. Handshake kills: a victim SIGKILLed at fixed points of its first session (sender bound and waiting for a
-   Hello; sender with its ring made, waiting for Attached) and at random points of it (either side). Counted:
-   entries named after the victim's pid left in /dev/shm and the temp dir right after the kill, and after the
-   next session on the machine was made (Note [names that outlive a crash]); the survivor's error type.
+   Hello; sender with its ring made, waiting for the receiver to fetch it) and at random points of it (either
+   side). Counted: entries named after the victim's pid left in /dev/shm and the temp dir right after the
+   kill, and after the next session on the machine was made (Note [names that outlive a crash]); the
+   survivor's error type (at the ring-made point: a receiver that comes to fetch the ring after the kill).
 3. Bind guard: every generated spelling of 0.0.0.0 and :: through SenderChannel, and random IPv4 addresses in
    random inet_aton spellings through the guard. Counted: refusals, wrong decisions, time per decision.
 Prints a table per part and JSON.
@@ -20,6 +23,10 @@ Prints a table per part and JSON.
 from __future__ import annotations
 
 import argparse
+import collections
+import errno
+import fcntl
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -29,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from common import emit
@@ -37,6 +45,7 @@ from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, Wei
 from raysync.control import ReceiverChannel, SenderChannel, binds_every_interface
 from raysync.errors import EndpointError
 from raysync.leftovers import owner_of
+from raysync.transport.shm import ShmRingReceiver
 from raysync.wire import Hello, RingInfo
 
 BUCKETS = 8
@@ -57,13 +66,19 @@ def _error(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, type(e.__cause__).__name__ if e.__cause__ is not None else ""
 
 
-# --- 1. shrink --------------------------------------------------------------------------------------------------------
-def shrink_victim(role: str, secret: SessionSecret, conn) -> None:
-    """Serves sessions until told to stop: a sender pushes 3 versions per session, a receiver receives them."""
+# --- 1. resize -------------------------------------------------------------------------------------------------------
+def _bit_exact(dest: dict[str, torch.Tensor], version: int) -> bool:
+    return all(torch.equal(dest[k], v) for k, v in _source(version).items())
+
+
+def resize_victim(role: str, secret: SessionSecret, conn) -> None:
+    """Serves sessions until told to stop: a sender pushes 3 versions per session, a receiver receives them and
+    checks every byte."""
     torch.set_num_threads(1)
     conn.send("ready")  # imports done: a session's timeout_s starts only now
     while (msg := conn.recv()) != "stop":
         try:
+            exact = True
             if role == "sender":
                 with WeightSender(secret, CONFIG) as side:
                     conn.send(side.endpoint)
@@ -72,10 +87,12 @@ def shrink_victim(role: str, secret: SessionSecret, conn) -> None:
             else:
                 with WeightReceiver(msg, secret, CONFIG) as side:
                     for _ in range(3):
-                        side.receive(into=_dest())
-            conn.send(("no error", ""))
+                        dest = _dest()
+                        exact &= _bit_exact(dest, side.receive(into=dest).version)
+            conn.send(("no error", exact))
         except RaysyncError as e:
-            conn.send(_error(e))
+            error, cause = _error(e)
+            conn.send((error + (f" (cause {cause})" if cause else ""), False))
 
 
 class Victim:
@@ -87,13 +104,13 @@ class Victim:
 
     def start(self) -> None:
         self.conn, theirs = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=shrink_victim, args=(self.role, self.secret, theirs), daemon=True)
+        self.proc = self.ctx.Process(target=resize_victim, args=(self.role, self.secret, theirs), daemon=True)
         self.proc.start()
         theirs.close()  # EOF here when the victim dies
         if not (self.conn.poll(120) and self.conn.recv() == "ready"):
             raise TimeoutError(f"the {self.role} victim did not start within 120 s")
 
-    def outcome(self) -> tuple[str, str]:
+    def outcome(self) -> tuple[str, bool]:
         try:
             if self.conn.poll(60):
                 return self.conn.recv()
@@ -102,49 +119,93 @@ class Victim:
         self.proc.join(timeout=30)
         code = self.proc.exitcode
         self.start()
-        return f"died ({signal.Signals(-code).name})" if code and code < 0 else f"exit {code}", ""
+        return (f"died ({signal.Signals(-code).name})" if code and code < 0 else f"exit {code}"), False
 
 
-def _cut(ring, slot: int, nbytes: int) -> None:
-    os.ftruncate(ring._segments[slot].fd, nbytes)
+def _victims_fd(pid: int, inode: int) -> int:
+    """The victim's fd of the segment ``inode``, opened through /proc/<pid>/fd as any process of this user can."""
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{name}"
+        try:
+            if os.readlink(path).startswith("/memfd:raysync-") and os.stat(path).st_ino == inode:
+                return os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+    raise LookupError(f"process {pid} holds no fd of segment {inode}")
 
 
-def shrink_case(victim: Victim, k: int, nbytes: int) -> tuple[str, str]:
-    """Push 2 of one session: the hostile side cuts the buffer of bucket k to ``nbytes``."""
-    if victim.role == "sender":  # this process receives, and cuts after reading bucket k
+def _attempts(fd: int, size: int) -> dict[str, Callable[[], object]]:
+    cuts = {f"ftruncate to {name}": functools.partial(os.ftruncate, fd, n) for name, n in SIZES.items()}
+    return cuts | {"fallocate past the end": lambda: os.posix_fallocate(fd, size, 4096),
+                   "add F_SEAL_WRITE": lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)}  # fmt: skip
+
+
+def _try_to_resize(ring, slot: int, victim_pid: int, tried: list[str]) -> None:
+    """Every attempt, through this side's fd and the victim's; appends what each got (errno name, or "DONE")."""
+    own = ring._segments[slot].fd
+    theirs = _victims_fd(victim_pid, os.fstat(own).st_ino)
+    try:
+        for fd in (own, theirs):
+            for attempt in _attempts(fd, CONFIG.bucket_bytes).values():
+                try:
+                    attempt()
+                    tried.append("DONE")
+                except OSError as e:
+                    tried.append(errno.errorcode.get(e.errno, str(e.errno)))
+    finally:
+        os.close(theirs)
+
+
+def _try_after(ring, hook: str, k: int, victim_pid: int, tried: list[str]) -> None:
+    """Wrap ``ring.<hook>`` (after_pack, after_unpack) so that its k-th call then tries to resize that buffer."""
+    done, count = getattr(ring, hook), itertools.count()
+
+    def then_try(slot: int) -> None:
+        done(slot)
+        if next(count) == k:
+            _try_to_resize(ring, slot, victim_pid, tried)
+
+    setattr(ring, hook, then_try)
+
+
+def resize_case(victim: Victim, k: int) -> dict:
+    """Push 2 of one session: the hostile side tries to resize the buffer of bucket k."""
+    tried: list[str] = []
+    exact = True
+    if victim.role == "sender":  # this process receives, and tries after reading bucket k
         victim.conn.send("session")
         with WeightReceiver(victim.conn.recv(), victim.secret, CONFIG) as receiver:
-            receiver.receive(into=_dest())
-            ring, count = receiver._ring, itertools.count()
-            done = ring.after_unpack
-            ring.after_unpack = lambda slot: (done(slot), next(count) == k and _cut(ring, slot, nbytes))
-            try:
-                for _ in range(2):
-                    receiver.receive(into=_dest())
-            except RaysyncError:
-                pass
-            return victim.outcome()
-    with WeightSender(victim.secret, CONFIG) as sender:  # this process sends, and cuts after packing bucket k
+            for version in (1, 2, 3):
+                if version == 2:
+                    _try_after(receiver._ring, "after_unpack", k, victim.proc.pid, tried)
+                dest = _dest()
+                try:
+                    exact &= _bit_exact(dest, receiver.receive(into=dest).version)
+                except RaysyncError:
+                    exact = False
+        outcome, victim_exact = victim.outcome()
+        return {"tried": tried, "victim_outcome": outcome, "bit_exact": exact and victim_exact}
+    with WeightSender(
+        victim.secret, CONFIG
+    ) as sender:  # this process sends, and tries after packing bucket k
         victim.conn.send(sender.endpoint)
         sender.push(_source(1).items(), 1)
-        ring, count = sender._ring, itertools.count()
-        done = ring.after_pack
-        ring.after_pack = lambda slot: (done(slot), next(count) == k and _cut(ring, slot, nbytes))
+        _try_after(sender._ring, "after_pack", k, victim.proc.pid, tried)
         try:
             for version in (2, 3):
                 sender.push(_source(version).items(), version)
         except RaysyncError:
             pass
-        return victim.outcome()
+        outcome, victim_exact = victim.outcome()
+        return {"tried": tried, "victim_outcome": outcome, "bit_exact": victim_exact}
 
 
-def shrink_sweep() -> list[dict]:
+def resize_sweep() -> list[dict]:
     rows = []
     for role in ("sender", "receiver"):
         victim = Victim(role, SessionSecret.generate())
-        for (size_name, nbytes), k in itertools.product(SIZES.items(), range(BUCKETS)):
-            error, cause = shrink_case(victim, k, nbytes)
-            rows.append({"victim": role, "bucket": k, "cut_to": size_name, "error": error, "cause": cause})
+        for k in range(BUCKETS):
+            rows.append({"victim": role, "bucket": k, **resize_case(victim, k)})
         victim.conn.send("stop")
         victim.proc.join(timeout=30)
     return rows
@@ -187,11 +248,11 @@ def kill_case(point: str, rng: random.Random) -> dict:
     theirs.close()
     assert mine.poll(120), "the victim never started"
     said = mine.recv()
-    error = ""
-    if point == "sender: ring made, no Attached":
+    error, info = "", None
+    if point == "sender: ring made, not fetched":
         channel = ReceiverChannel(secret, endpoint=said, timeout_s=CONFIG.timeout_s, max_frame_bytes=1 << 20)
         channel.send(Hello(os.getpid(), "bench"), "handshake")
-        channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
+        info = channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
         channel.close()
     if point.endswith("random point"):
         survivor = survivor or WeightReceiver(said, secret, CONFIG)
@@ -210,6 +271,12 @@ def kill_case(point: str, rng: random.Random) -> dict:
     else:
         os.kill(proc.pid, signal.SIGKILL)
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    if info is not None:  # a receiver that comes to fetch the ring after the kill
+        try:
+            ShmRingReceiver(info, timeout_s=CONFIG.timeout_s).close()
+            error = "FETCHED a dead sender's ring"
+        except RaysyncError as e:
+            error = type(e).__name__
     left = _entries_of(proc.pid)
     if survivor is not None:
         survivor.close()
@@ -219,7 +286,7 @@ def kill_case(point: str, rng: random.Random) -> dict:
     return {"point": point, "left_at_kill": left, "left_after_next_session": after, "survivor_error": error}
 
 
-KILL_POINTS = ("sender: bound, no Hello", "sender: ring made, no Attached", "sender: random point",
+KILL_POINTS = ("sender: bound, no Hello", "sender: ring made, not fetched", "sender: random point",
                "receiver: random point")  # fmt: skip
 
 
@@ -284,15 +351,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    shrink = shrink_sweep()
-    print(f"{'victim':<10}{'cases':>6}  outcomes")
+    resize = resize_sweep()
+    print(f"{'victim':<10}{'cases':>6}{'attempts':>10}  {'attempts got':<24}victim's outcome")
     for role in ("sender", "receiver"):
-        rows = [r for r in shrink if r["victim"] == role]
-        counts: dict[str, int] = {}
-        for r in rows:
-            key = r["error"] + (f" (cause {r['cause']})" if r["cause"] else "")
-            counts[key] = counts.get(key, 0) + 1
-        print(f"{role:<10}{len(rows):>6}  {counts}")
+        rows = [r for r in resize if r["victim"] == role]
+        got = collections.Counter(t for r in rows for t in r["tried"])
+        outcome = collections.Counter(r["victim_outcome"] + (", bit-exact" if r["bit_exact"] else ", NOT bit-exact")
+                                      for r in rows)  # fmt: skip
+        print(f"{role:<10}{len(rows):>6}{sum(got.values()):>10}  {dict(got)!s:<24}{dict(outcome)}")
     rng = random.Random(args.seed)
     kills = [kill_case(p, rng) for p in KILL_POINTS for _ in range(args.kills)]
     print(f"\n{'killed at':<34}{'kills':>6}{'left entries':>14}{'left after next':>17}  survivor errors")
@@ -306,7 +372,7 @@ def main() -> None:
           f"{len(guard['accepted'])}; {guard['random_ipv4_spellings']} random IPv4 spellings, wrong decisions "
           f"{len(guard['wrong_decisions'])}; guard median {guard['guard_s_median'] * 1e6:.1f} us, max "
           f"{guard['guard_s_max'] * 1e6:.1f} us")  # fmt: skip
-    emit({"shrink": shrink, "kills": kills, "guard": guard, "seconds": time.perf_counter() - t0,
+    emit({"resize": resize, "kills": kills, "guard": guard, "seconds": time.perf_counter() - t0,
           "machine": f"{os.cpu_count()} cores, torch {torch.__version__}"}, args.json)  # fmt: skip
 
 

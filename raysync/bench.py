@@ -75,13 +75,17 @@ def floor_s(src: dict[str, torch.Tensor], device: str, repeats: int = 3) -> floa
     return statistics.median(times[1:])
 
 
-def sender_for(transport: str, secret: SessionSecret, config: SyncConfig) -> tuple[Any, Any]:
+def sender_for(
+    transport: str, secret: SessionSecret, config: SyncConfig, device: str = "cpu"
+) -> tuple[Any, Any]:
     """A sender for one local receiver over ``transport`` (a ring's WeightSender, or rank 0 of a group of two),
-    and what that receiver needs to find it (an endpoint, or the group's rendezvous)."""
+    and what that receiver needs to find it (an endpoint, or the group's rendezvous). ``device``: where the
+    tensors live, which picks the collective's backend (gloo for CPU tensors also on a machine with GPUs)."""
     if transport == "collective":
         from raysync.transport.collective import CollectiveSender
 
-        sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1)
+        backend = "nccl" if device == "cuda" else "gloo"
+        sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend=backend)
         return sender, sender.rendezvous
     sender = WeightSender(secret, config)
     return sender, sender.endpoint
@@ -95,7 +99,7 @@ def run_point(transport: str, src: dict[str, torch.Tensor], layout: str, device:
                         timeout_s=timeout_s, progress=False)  # fmt: skip
     secret, out = SessionSecret.generate(), ctx.Queue()
     gpu = 1 if transport == "collective" and device == "cuda" else 0
-    sender, where = sender_for(transport, secret, config)
+    sender, where = sender_for(transport, secret, config, device)
     proc = ctx.Process(
         target=_receiver, args=(transport, where, secret, config, layout, device, gpu, pushes + 1, out)
     )

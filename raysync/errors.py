@@ -116,7 +116,7 @@ class EndpointError(RaysyncError, OSError):
 
 
 class ShmSpaceError(RaysyncError, OSError):
-    """/dev/shm has too little free space for the ring."""
+    """There is too little memory (or no fd) for the shm ring's memfds."""
 
 
 class IntegrityError(RaysyncError):
@@ -128,8 +128,8 @@ class TransportUnavailable(RaysyncError):
 
 
 class ShmSegmentResized(RaysyncError):
-    """A mapped shm segment no longer has the size it was mapped with (Note [no SIGBUS] in raysync.transport.shm):
-    touching it would kill this process with SIGBUS, so the session stops here instead."""
+    """A mapped shm segment no longer has the size it was mapped with. Nothing raises it since the ring's segments
+    are memfds sealed against resizing (Note [no SIGBUS] in raysync.transport.shm); kept for callers that catch it."""
 
     def __init__(self, peer: str, stage: str, name: str, expected_bytes: int, actual_bytes: int):
         self.peer, self.stage, self.name = peer, stage, name

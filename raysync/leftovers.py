@@ -1,8 +1,9 @@
 """Names that say which process made them, so that what a SIGKILLed raysync process left is found and removed.
 
 # Note [names that outlive a crash]
-# Every entry raysync makes in a directory other processes share (a shm segment in /dev/shm, the control
-# socket's private directory in the temp dir) is named
+# Every entry raysync makes in a directory other processes share (the private directories of the control
+# socket and of the shm ring's fd handoff socket, in the temp dir; shm segments in /dev/shm, made by raysync
+# before its rings were memfds, which have no name) is named
 #
 #     raysync-<pid>-<start>-<pidns>-<random>
 #     pid     the process that made it
@@ -137,6 +138,6 @@ def _remove_if_ours(path: str) -> bool:
 
 
 def sweep_shared_dirs(temp_base: str | None = None) -> list[str]:
-    """Sweep /dev/shm and the directory where control sockets' private directories are made."""
+    """Sweep the directory where private socket directories are made, and /dev/shm (older raysync's segments)."""
     removed = sweep(SHM_DIR)
     return removed + sweep(temp_base or tempfile.gettempdir())

@@ -158,7 +158,8 @@ class CudaBuffer:
 
 @dataclass(frozen=True)
 class RingInfo:
-    """sender -> receiver: where the buffers are. ``handles`` are shm segment names; ``cuda`` describes GPU
+    """sender -> receiver: where the buffers are. ``handles``: the shm ring's handoff socket path and one-time
+    token (Note [handing over the segments] in raysync.transport.shm); ``cuda`` describes GPU
     buffers (cuda_ipc); ``ready_event`` is the IPC handle of the event the sender records when its tensors are
     ready to be read (cuda_ipc_direct, which has no buffers)."""
 

@@ -5,32 +5,93 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 import torch
 
-from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, leftovers
 
 
 def raysync_shm_entries() -> set[str]:
+    """Every raysync-named entry in /dev/shm, whoever made it (tests/test_shm.py compares two of these)."""
     return {n for n in os.listdir("/dev/shm") if n.startswith("raysync-")}
+
+
+# --- what this test's processes made ---------------------------------------------------------------------------
+# Other programs share /dev/shm and the temp dir with a test (other test runs on the machine, vLLM, Ray): a test
+# looks only at names its own processes made. raysync's names carry their owner (Note [names that outlive a
+# crash] in raysync.leftovers): this process, a process under it (Ray's workers, a spawned child), or a child the
+# spawn fixture started and that may have been killed since.
+_SPAWNED: set[tuple[int, int]] = set()  # (pid, start) of every process the spawn fixture started
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode("ascii", "replace").rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return int(fields[19])  # field 22, counted from field 3 (leftovers._STAT_START)
+
+
+def _tree(root: int) -> set[tuple[int, int]]:
+    """``root`` and every process under it now, as (pid, start)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().decode("ascii", "replace").rsplit(")", 1)[-1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        start = _start_time(pid)
+        if start is not None:
+            found.add((pid, start))
+        todo += children.get(pid, [])
+    return found
+
+
+def own_entries(temp_dir: str | None = None) -> set[str]:
+    """Paths in /dev/shm and the temp dir (``temp_dir``, default the current one) that raysync named for one of
+    this test's processes."""
+    ours = _tree(os.getpid()) | _SPAWNED
+    found = set()
+    for directory in (leftovers.SHM_DIR, temp_dir or tempfile.gettempdir()):
+        for name in os.listdir(directory):
+            owner = leftovers.owner_of(name)
+            if owner is not None and (owner.pid, owner.start) in ours:
+                found.add(os.path.join(directory, name))
+    return found
 
 
 @pytest.fixture
 def private_tmp(monkeypatch) -> Iterator[str]:
-    """A temp dir of its own for this test (children inherit TMPDIR); asserts raysync left nothing in it or in
-    /dev/shm. Short, because unix socket paths (ours, Ray's) are limited to 107 bytes."""
+    """A temp dir of its own for this test (children inherit TMPDIR); asserts raysync left nothing in it, nor in
+    /dev/shm under the names of this test's processes. Short, because unix socket paths (ours, Ray's) are
+    limited to 107 bytes."""
     d = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     monkeypatch.setenv("TMPDIR", str(d))
     monkeypatch.setattr(tempfile, "tempdir", str(d))
-    shm_before = raysync_shm_entries()
+    before = own_entries(d)
     yield str(d)
     left = [p for p in os.listdir(d) if p.startswith("raysync-")]
+    made = own_entries(d) - before
     shutil.rmtree(d, ignore_errors=True)
-    assert left == []
-    assert raysync_shm_entries() - shm_before == set()
+    assert left == [] and made == set()
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[None]:
+    """Nothing raysync makes for this test's processes may stay in /dev/shm or the temp dir once it is over."""
+    before = own_entries()
+    yield
+    assert own_entries() - before == set()
 
 
 @contextlib.contextmanager
@@ -41,11 +102,60 @@ def session_pair(config: SyncConfig) -> Iterator[tuple[WeightSender, WeightRecei
         yield sender, receiver
 
 
+# --- calls in threads: every outcome is looked at -------------------------------------------------------------
+class CollectedFuture(Future):
+    """A future that remembers whether the test asked for its outcome (``result`` or ``exception``)."""
+
+    collected = False
+
+    def result(self, timeout: float | None = None):
+        self.collected = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        self.collected = True
+        return super().exception(timeout)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item: a fixture's teardown may ask whether the test passed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def in_thread() -> Iterator[Callable[..., Future]]:
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield lambda fn, *a, **kw: pool.submit(fn, *a, **kw)
-    pool.shutdown(wait=True)
+def in_thread(request) -> Iterator[Callable[..., CollectedFuture]]:
+    """``in_thread(fn, *args, **kwargs)`` runs the call in a thread of its own and returns its future. The test
+    must collect every future's outcome: a call whose result (or error) nobody checks proves nothing. At the end
+    every thread must have finished (the sessions it used are closed by then)."""
+    calls: list[tuple[threading.Thread, CollectedFuture, str]] = []
+
+    def submit(fn: Callable, *args: object, **kwargs: object) -> CollectedFuture:
+        future = CollectedFuture()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to whoever collects the future
+                future.set_exception(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        calls.append((thread, future, getattr(fn, "__qualname__", repr(fn))))
+        return future
+
+    yield submit
+    for thread, _, _ in calls:
+        thread.join(timeout=60)
+    running = [name for thread, _, name in calls if thread.is_alive()]
+    assert not running, f"calls still running at the end of the test: {running}"
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.passed:  # a failed test has said what went wrong already
+        uncollected = [name for _, future, name in calls if not future.collected]
+        assert not uncollected, f"the outcome of these calls was never checked: {uncollected}"
 
 
 @pytest.fixture
@@ -57,6 +167,9 @@ def spawn() -> Iterator[Callable[..., mp.Process]]:
     def start(fn: Callable, *args: object) -> mp.Process:
         p = ctx.Process(target=fn, args=args, daemon=True)
         p.start()
+        started = _start_time(p.pid)
+        if started is not None:
+            _SPAWNED.add((p.pid, started))
         procs.append(p)
         return p
 
@@ -86,12 +199,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+# --- Ray -----------------------------------------------------------------------------------------------------------
 def _local_ray(**resources: object) -> Iterator[None]:
     ray = pytest.importorskip("ray")
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    ray.init(include_dashboard=False, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}},
-             **resources)  # fmt: skip
+    # address="local": always a Ray of this test's own. Without it ray.init joins whatever cluster RAY_ADDRESS or
+    # /tmp/ray/ray_current_cluster names (another test's `ray start` or cluster_utils.Cluster on the machine), and
+    # refuses num_cpus/num_gpus there ("When connecting to an existing cluster, ... must not be provided").
+    ray.init(address="local", include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": path}}, **resources)  # fmt: skip
     yield
     ray.shutdown()
 
@@ -108,11 +225,34 @@ def ray_gpu() -> Iterator[None]:
     yield from _local_ray(num_cpus=4, num_gpus=torch.cuda.device_count())
 
 
-@pytest.fixture
-def no_leftovers() -> Iterator[None]:
-    """Nothing raysync makes may stay in /dev/shm or the temp dir once the test is over."""
-    tmp = tempfile.gettempdir()
-    before = raysync_shm_entries(), {p for p in os.listdir(tmp) if p.startswith("raysync-")}
-    yield
-    after = raysync_shm_entries(), {p for p in os.listdir(tmp) if p.startswith("raysync-")}
-    assert after[0] - before[0] == set() and after[1] - before[1] == set()
+# --- gloo ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gloo_warm() -> None:
+    """One push of the tiny model through a gloo group of two processes, with a long timeout_s, before the tests
+    that give their ranks a short one (they test what a rank that dies leaves behind, and so wait it out). The
+    first group on a cold machine took over 5 s to broadcast (an H200 host); later ones take well under one."""
+    pytest.importorskip("transformers")
+    from workers import collective_receiver, digest
+
+    from raysync.models import tiny_qwen2
+    from raysync.transport.collective import CollectiveSender
+
+    config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)
+    ctx = mp.get_context("spawn")
+    secret, out = SessionSecret.generate(), ctx.Queue()
+    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="gloo")
+    child = ctx.Process(target=collective_receiver, args=(secret, config, 1, sender.rendezvous, 1, out),
+                        daemon=True)  # fmt: skip
+    child.start()
+    try:
+        sender.join()
+        model = tiny_qwen2(seed=0)
+        sender.push(model.named_parameters(), 1)
+        rank, outcome, detail, _ = out.get(timeout=120)
+        assert (rank, outcome, detail) == (1, "ok", (1, digest(model.named_parameters())))
+    finally:
+        sender.close()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)

@@ -56,9 +56,27 @@ def test_assign_colocated_disaggregated_and_mixed():
     assert assign([at("n1")], [at("n1"), at("n2")]) == [(0, 0), (0, 1)]
 
 
-def test_plan_table_and_probe():
+def test_plan_table():
     table = format_plan([choose(0, 0, at("n1"), at("n1"), ["shm"])], [at("n1")], [at("n1")])
     assert table.splitlines()[0].split() == ["sender", "receiver", "transport", "why"]
     assert "shm" in table.splitlines()[2]
+
+
+def test_probe_reports_this_process_as_torch_sees_it():
+    """What probe() says, checked against torch and the OS on whatever machine runs it (CPU or GPUs)."""
+    import os
+    import socket
+
+    import torch
+
     me = probe()
-    assert me.device == "cpu" and me.pid > 0 and me.ipc_ok is False
+    assert (me.pid, me.host) == (os.getpid(), socket.gethostname())
+    assert me.cuda_visible_devices == os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    uuids = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(gpus))
+    assert me.gpu_uuids == uuids and len(me.peer_access) == gpus
+    assert me.current_gpu == (uuids[torch.cuda.current_device()] if gpus else None)
+    assert me.device == "cuda" if torch.cuda.is_available() else me.device in ("cpu", "npu")
+    assert not me.ipc_ok or me.device == "cuda"  # the CUDA IPC probe passes only where there is CUDA
+    if me.device == "cuda":
+        assert all(me.peer_access[i][i] for i in range(gpus))  # a GPU reaches its own memory

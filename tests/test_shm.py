@@ -1,7 +1,8 @@
-"""The shared-memory ring: private, exclusive, checked, and gone from /dev/shm once mapped."""
+"""The shared-memory ring: sealed memfds handed over once, over a private socket, never named in /dev/shm."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 
@@ -9,66 +10,108 @@ import pytest
 import torch
 from conftest import raysync_shm_entries
 
-from raysync.errors import LayoutError, ShmSpaceError
+from raysync.errors import LayoutError, PeerLost, ShmSpaceError
 from raysync.transport import registry
-from raysync.transport.shm import ShmRingReceiver, ShmRingSender
+from raysync.transport.shm import ShmRingReceiver, ShmRingSender, _room_in, ring_memory_bytes
 from raysync.wire import RingInfo
 
 
-def test_segments_are_0600_exclusive_and_unlinked_once_mapped():
+def test_the_receiver_maps_the_same_memory_and_nothing_is_ever_named_in_dev_shm(private_tmp):
     before = raysync_shm_entries()
     sender = ShmRingSender(2, 1 << 16)
     try:
-        names = set(sender.info().handles)
-        assert raysync_shm_entries() - before == names and len(names) == 2
-        for name in names:
-            assert stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode) == 0o600
+        path, _ = sender.info().handles
+        directory = os.path.dirname(path)
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700 and stat.S_ISSOCK(os.stat(path).st_mode)
+        assert raysync_shm_entries() == before  # memfds: no names
         sender.buffers[1][:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         receiver = ShmRingReceiver(sender.info())
-        assert raysync_shm_entries() - before == set()  # unlinked the moment they were mapped
         assert receiver.buffers[1][:4].tolist() == [1, 2, 3, 4]  # the same memory
         receiver.buffers[0][-1] = 9
         assert sender.buffers[0][-1] == 9
+        sender.receiver_attached()
+        assert not os.path.lexists(directory)  # the handoff socket is gone once the receiver has the ring
         receiver.close()
     finally:
         sender.close()
     assert raysync_shm_entries() == before
 
 
-def test_free_space_is_checked_first():
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    before = raysync_shm_entries()
-    wanted = free // 2 + (1 << 20)
+def test_the_ring_is_handed_over_once(private_tmp):
+    sender = ShmRingSender(1, 1 << 16)
+    try:
+        first = ShmRingReceiver(sender.info())
+        first.close()
+        with pytest.raises(PeerLost, match="handoff socket"):  # nobody serves it any more
+            ShmRingReceiver(sender.info(), timeout_s=5)
+    finally:
+        sender.close()
+
+
+def test_a_ring_larger_than_the_memory_left_is_refused_before_anything_is_made(private_tmp):
+    wanted = (ring_memory_bytes() // 2 + (1 << 20)) // 4096 * 4096
     with pytest.raises(ShmSpaceError) as e:
         ShmRingSender(2, wanted)
-    message = str(e.value)  # the sizes wanted and free, and the fix
-    assert f"2 x {wanted} bytes" in message and "MiB free" in message
-    assert "bucket_bytes or num_buffers" in message and "--shm-size" in message
-    assert raysync_shm_entries() == before
+    message = str(e.value)  # the sizes wanted and available, and the fix
+    assert f"2 x {wanted} bytes" in message and "MiB available" in message
+    assert "bucket_bytes or num_buffers" in message and "--memory" in message
 
 
 @pytest.mark.parametrize(
-    "why, info",
-    [
-        ("not ours", lambda name: RingInfo("shm", 1, 1 << 16, ("../../etc/passwd",))),
-        ("wrong size", lambda name: RingInfo("shm", 1, 1 << 20, (name,))),  # a longer map would SIGBUS
-        ("count mismatch", lambda name: RingInfo("shm", 2, 1 << 16, (name,))),
-        ("other transport", lambda name: RingInfo("cuda_ipc", 1, 1 << 16, (name,))),
+    "files, room",
+    [  # cgroup v2 and v1 files as the kernel writes them: limit - usage + inactive page cache, or no limit
+        ({"max": "1048576", "current": "524288", "stat": "anon 1\ninactive_file 4096\n"}, 528384),
+        ({"max": "max", "current": "524288", "stat": "inactive_file 0\n"}, None),
+        ({"max": "1048576", "current": "2097152", "stat": "inactive_file 0\n"}, 0),
         (
-            "group-readable",
-            lambda name: os.chmod(f"/dev/shm/{name}", 0o640) or RingInfo("shm", 1, 1 << 16, (name,)),
+            {
+                "limit_in_bytes": "9223372036854771712",
+                "usage_in_bytes": "1",
+                "stat": "total_inactive_file 0\n",
+            },
+            None,
         ),
     ],
 )
-def test_receiver_refuses_what_it_did_not_expect(why, info):
-    before = raysync_shm_entries()
+def test_the_room_under_a_memory_cgroup_limit(private_tmp, files, room):
+    for name, text in files.items():
+        with open(os.path.join(private_tmp, f"memory.{name}"), "w") as f:
+            f.write(text + "\n")
+    v2 = "max" in files
+    names = (
+        ("max", "current", "inactive_file")
+        if v2
+        else ("limit_in_bytes", "usage_in_bytes", "total_inactive_file")
+    )
+    assert _room_in(private_tmp, *names) == room
+
+
+@pytest.mark.parametrize(
+    "why, forge",
+    [
+        ("a path not ours", lambda info: dataclasses.replace(info, handles=("/etc/passwd", info.handles[1]))),
+        (
+            "a path that climbs",
+            lambda info: dataclasses.replace(info, handles=(info.handles[0] + "/../fds", info.handles[1])),
+        ),  # fmt: skip
+        ("a short token", lambda info: dataclasses.replace(info, handles=(info.handles[0], "abcd"))),
+        ("one handle", lambda info: dataclasses.replace(info, handles=info.handles[:1])),
+        ("another transport", lambda info: dataclasses.replace(info, transport="cuda_ipc")),
+        ("more buffers than handed over", lambda info: dataclasses.replace(info, num_buffers=2)),
+        (
+            "another size",
+            lambda info: dataclasses.replace(info, buffer_bytes=1 << 20),
+        ),  # a longer map: SIGBUS
+    ],
+)
+def test_receiver_refuses_a_ring_it_did_not_expect(private_tmp, why, forge):
     sender = ShmRingSender(1, 1 << 16)
     try:
+        forged: RingInfo = forge(sender.info())
         with pytest.raises(LayoutError):
-            ShmRingReceiver(info(sender.info().handles[0]))
+            ShmRingReceiver(forged, timeout_s=5)
     finally:
         sender.close()
-    assert raysync_shm_entries() == before
 
 
 def test_registry_names_and_availability():

@@ -14,18 +14,29 @@ from raysync.cli import main as cli
 
 
 def test_doctor_reports_this_machine_as_json(capsys):
+    """What doctor says, checked against torch and the OS on whatever machine runs it (CPU or GPUs)."""
     assert cli(["doctor", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     st = os.statvfs("/dev/shm")
     assert r["shm"]["size_bytes"] == st.f_blocks * st.f_frsize
     assert r["versions"]["torch"] == torch.__version__
     assert r["transports_built"] == ["cuda_ipc", "shm", "collective"]
-    if not torch.cuda.is_available():
-        assert r["devices"] == [] and r["cuda_ipc_works"] is False
-        assert {(p["receiver"], p["transport"]) for p in r["pairs"]} == {
-            ("CPU", "shm"),
-            ("another node", "collective"),
-        }
+    assert ("cuda_ipc" in r["transports_available_here"]) is torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert [d["uuid"] for d in r["devices"]] == [
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(gpus)
+    ]
+    assert r["cuda_ipc_works"] is False or gpus > 0
+    ends = [f"GPU {i}" for i in range(gpus)] or ["CPU"]
+    pairs = {(p["sender"], p["receiver"]): p["transport"] for p in r["pairs"]}
+    assert set(pairs) == {(s, t) for s in ends for t in [*ends, "another node"]}  # every pair, once
+    for (sender, receiver), transport in pairs.items():
+        if receiver == "another node":
+            assert transport == "collective"
+        elif sender == receiver and r["cuda_ipc_works"]:
+            assert transport == "cuda_ipc"  # the same GPU
+        elif not r["cuda_ipc_works"]:
+            assert transport == "shm"  # a CPU, or GPUs that cannot share memory here
 
 
 def test_doctor_table_names_the_transport_per_pair(capsys):
@@ -42,32 +53,41 @@ def test_doctor_covers_every_node_of_a_ray_cluster(ray_local, capsys):
     assert [n["node_id"] for n in nodes] == [n["NodeID"] for n in ray.nodes() if n["Alive"]]
 
 
-@pytest.mark.slow
-def test_bench_measures_every_transport_here_with_a_floor_and_a_plot(tmp_path, capsys, no_leftovers):
+def _bench(tmp_path, capsys, device: str, transports: set[str]) -> None:
+    """`raysync bench` on ``device`` measures ``transports`` at two bucket sizes, beside a floor, and plots."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = [
-        "bench",
-        "--layout",
-        "qwen2-tiny",
-        "--bucket-mb",
-        "1",
-        "2",
-        "--pushes",
-        "2",
-        "--json",
-        str(out_json),
-    ]
-    assert cli([*argv, "--plot", str(out_png)]) == 0
+    argv = ["bench", "--device", device, "--layout", "qwen2-tiny", "--bucket-mb", "1", "2", "--pushes", "2",
+            "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    assert cli(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out_json.read_text())
     (layout,) = result["layouts"]
-    assert layout["layout"] == "qwen2-tiny" and layout["floor"]["gbps"] > 0
+    assert result["device"] == device and layout["layout"] == "qwen2-tiny" and layout["floor"]["gbps"] > 0
     assert {(r["transport"], r["bucket_mb"]) for r in layout["runs"]} == {
-        (t, mb) for t in ("shm", "collective") for mb in (1, 2)
+        (t, mb) for t in transports for mb in (1, 2)
     }
     assert all(r["gbps"] > 0 and r["median_s"] > 0 for r in layout["runs"])
-    assert "floor: one copy per tensor" in table and "collective" in table
+    assert "floor: one copy per tensor" in table and all(t in table for t in transports)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_on_the_cpu_measures_shm_and_gloo_with_a_floor_and_a_plot(tmp_path, capsys, no_leftovers):
+    """On the CPU (of any machine, GPUs or not): the shm ring and the collective over gloo."""
+    _bench(tmp_path, capsys, "cpu", {"shm", "collective"})
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_on_a_gpu_measures_cuda_ipc_shm_and_nccl_with_two_gpus(tmp_path, capsys, no_leftovers):
+    """On GPU 0: the CUDA IPC ring and the shm ring; the collective (NCCL, GPU 0 -> GPU 1) only with two GPUs."""
+    _bench(
+        tmp_path,
+        capsys,
+        "cuda",
+        {"cuda_ipc", "shm"} | ({"collective"} if torch.cuda.device_count() >= 2 else set()),
+    )
 
 
 def test_the_command_line_lists_its_commands_and_refuses_unknown_ones():
