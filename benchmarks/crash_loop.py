@@ -28,7 +28,7 @@ import time
 import torch
 from common import emit
 
-from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender, leftovers
 from raysync.bench import sender_for
 from raysync.transport.collective import CollectiveReceiver
 
@@ -56,8 +56,10 @@ def victim(role: str, transport: str, secret, config, where, out) -> None:
         side = WeightReceiver(where, secret, config)
     if transport == "collective":
         side.join()
+    if role == "receiver":
+        out.send("ready")  # the survivor starts the session only now: timeout_s need not cover our start-up
     src, dest = _source(), _dest()
-    for version in range(1, 1 << 30):  # nothing more goes through the queue: the kill may come at any point
+    for version in range(1, 1 << 30):  # nothing more goes through the pipe: the kill may come at any point
         if role == "sender":
             side.push(src.items(), version)
         else:
@@ -78,6 +80,9 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
         proc.start()
         if transport == "collective":
             survivor.join()
+        if not inbox.poll(120):
+            raise TimeoutError("the victim never started")
+        inbox.recv()
     else:  # we receive
         proc = ctx.Process(target=victim, args=("sender", transport, secret, config, None, out), daemon=True)
         proc.start()
@@ -126,14 +131,19 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     return {"transport": transport, "killed": victim_role, "error": type(error).__name__,
             "typed": isinstance(error, RaysyncError), "pushes_before": len(durations),
             "seconds_to_error": raised_at - killed_at[0] if killed_at else None,
-            "victim_exit": proc.exitcode}  # fmt: skip
+            "victim_exit": proc.exitcode, "victim_pid": proc.pid}  # fmt: skip
 
 
-def raysync_entries() -> set[str]:
-    tmp = tempfile.gettempdir()
-    return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("raysync-")} | {
-        os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith("raysync-")
-    }
+def raysync_entries(pids: set[int]) -> set[str]:
+    """The entries in /dev/shm and the temp dir whose raysync name says one of ``pids`` made them (other
+    programs on the machine make and remove theirs meanwhile: Note [names that outlive a crash])."""
+    found = set()
+    for directory in ("/dev/shm", tempfile.gettempdir()):
+        for name in os.listdir(directory):
+            owner = leftovers.owner_of(name)
+            if owner is not None and owner.pid in pids:
+                found.add(os.path.join(directory, name))
+    return found
 
 
 def open_fds() -> int:
@@ -159,13 +169,13 @@ def run(cycles: int, timeout_s: float = 2.0, seed: int = 0) -> dict:
     rng = random.Random(seed)
     config = SyncConfig(bucket_bytes=4 << 20, timeout_s=timeout_s, progress=False)
     plan = [(t, v) for t in ("shm", "collective") for v in ("receiver", "sender")]
-    before_entries = raysync_entries()
+    before_entries = raysync_entries({os.getpid()})
     rows = []
     fds_after_first = None
     for c in range(cycles):
         transport, victim_role = plan[c % len(plan)]
         row = cycle(transport, victim_role, config, rng)
-        row["leftovers"] = sorted(raysync_entries() - before_entries)
+        row["leftovers"] = sorted(raysync_entries({os.getpid(), row["victim_pid"]}) - before_entries)
         rows.append(row)
         if c == len(plan) - 1:
             fds_after_first = open_fds()  # after one cycle of each kind: libraries have opened what they keep

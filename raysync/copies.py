@@ -42,6 +42,11 @@ class CopyList:
         self._runs = 0
         self._graph: torch.cuda.CUDAGraph | None = None
 
+    @property
+    def graph_captured(self) -> bool:
+        """Whether ``run`` replays one captured CUDA graph (from its third run on, copies on one GPU only)."""
+        return self._graph is not None
+
     def run(self) -> None:
         if self._graph is not None:
             with torch.cuda.device(self._gpu):

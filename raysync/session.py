@@ -66,9 +66,12 @@ class PushSender:
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     @property
-    def _ring(self) -> object | None:
-        """The transport's own object (its ring), for tools and tests."""
+    def ring(self) -> object | None:
+        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
+        the exported or mapped storages); None before the first push."""
         return self._plane.transport if self._plane is not None else None
+
+    _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
     # --- the push ----------------------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:

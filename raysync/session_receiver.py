@@ -72,9 +72,12 @@ class PushReceiver:
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
 
     @property
-    def _ring(self) -> object | None:
-        """The transport's own object (its ring), for tools and tests."""
+    def ring(self) -> object | None:
+        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
+        the exported or mapped storages); None before the first receive."""
         return self._plane.transport if self._plane is not None else None
+
+    _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip

