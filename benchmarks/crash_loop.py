@@ -7,7 +7,8 @@ transport this machine runs (shm, collective), and check what the survivor and t
 Each cycle: this process is the survivor (a WeightSender / WeightReceiver, or a rank of a broadcast group),
 a spawned process the victim. They push continuously; once a push has completed, a timer SIGKILLs the victim
 at a random delay within about two push durations. Checked per cycle: the survivor raises a typed raysync
-error within timeout_s + 1 s of the kill; nothing named raysync-* is left in /dev/shm or the temp dir.
+error, and how long after the kill (the figure; the test checks only the error); nothing that raysync named for
+this process or the victim is left in /dev/shm or the temp dir.
 Checked over the run: this process's open file descriptors do not grow; a clean session works at the end.
 Prints a table and JSON.
 """

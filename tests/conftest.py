@@ -200,10 +200,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # --- Ray -----------------------------------------------------------------------------------------------------------
+def worker_pythonpath() -> str:
+    """PYTHONPATH for Ray's workers: the test helpers (tests/), the checkout's root (raysync itself, where it is
+    not installed: the GPU machine runs a checkout) and this process's own PYTHONPATH (packages put there)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.pathsep.join(p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
+
+
 def _local_ray(**resources: object) -> Iterator[None]:
     ray = pytest.importorskip("ray")
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    path = worker_pythonpath()
     # address="local": always a Ray of this test's own. Without it ray.init joins whatever cluster RAY_ADDRESS or
     # /tmp/ray/ray_current_cluster names (another test's `ray start` or cluster_utils.Cluster on the machine), and
     # refuses num_cpus/num_gpus there ("When connecting to an existing cluster, ... must not be provided").
@@ -248,8 +254,7 @@ def gloo_warm() -> None:
         sender.join()
         model = tiny_qwen2(seed=0)
         sender.push(model.named_parameters(), 1)
-        rank, outcome, detail, _ = out.get(timeout=120)
-        assert (rank, outcome, detail) == (1, "ok", (1, digest(model.named_parameters())))
+        assert out.get(timeout=120) == (1, "ok", (1, digest(model.named_parameters())))
     finally:
         sender.close()
         child.join(timeout=30)

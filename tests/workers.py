@@ -115,10 +115,9 @@ def plain_sender(secret: SessionSecret, config: SyncConfig, out) -> None:
 def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=None, bad_from=None) -> None:
     """A rank of a broadcast group: its own copy of the tiny model, ``pushes`` receives, digest after each.
     ``die_at=(push, call)``: SIGKILL itself inside that load call; ``bad_from=n``: from push n on, one
-    destination has the wrong shape. Reports (rank, "ok" | error name, detail, seconds) after each push."""
+    destination has the wrong shape. Reports (rank, "ok" | error name, detail) after each push."""
     import os
     import signal
-    import time
 
     from raysync.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
@@ -141,15 +140,14 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
         calls.clear()
         if bad_from == push:
             params["model.norm.weight"] = torch.zeros(3)
-        t0 = time.monotonic()
         try:
             report = receiver.receive(load_fn=load) if die_at else receiver.receive(into=params)
         except Exception as e:
-            out.put((rank, type(e).__name__, str(e), time.monotonic() - t0))
+            out.put((rank, type(e).__name__, str(e)))
             if die_at or bad_from == 1:
                 return
             continue
-        out.put((rank, "ok", (report.version, digest(model.named_parameters())), time.monotonic() - t0))
+        out.put((rank, "ok", (report.version, digest(model.named_parameters()))))
     receiver.close()
 
 
@@ -187,7 +185,7 @@ def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: 
             reserved.append(torch.cuda.memory_reserved())
             if i == 0 or i == pushes - 1:
                 out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
-        ring_gpu = str(torch.cuda.get_device_properties(receiver._ring.buffers[0].device).uuid)
+        ring_gpu = str(torch.cuda.get_device_properties(receiver.ring.buffers[0].device).uuid)
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
 
 
@@ -207,10 +205,9 @@ def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, o
 def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None) -> None:
     """An engine in every share's group (rank ``rank`` in each): receives all shares at once into its own
     copy of the tiny model. ``die_at``: SIGKILL itself in the first load call of that push. Reports
-    (rank, "ok" | error name, detail, seconds) after each push."""
+    (rank, "ok" | error name, detail) after each push."""
     import os
     import signal
-    import time
 
     from raysync.models import tiny_qwen2
     from raysync.sharded import ShardedReceiver
@@ -230,18 +227,10 @@ def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None
     )
     receiver.join()
     for push in range(1, pushes + 1):
-        t0 = time.monotonic()
         try:
             report = receiver.receive(load_fn=die) if die_at == push else receiver.receive(into=params)
         except Exception as e:
-            out.put((rank, type(e).__name__, str(e), time.monotonic() - t0))
+            out.put((rank, type(e).__name__, str(e)))
             return
-        out.put(
-            (
-                rank,
-                "ok",
-                (report.version, report.tensors, digest(model.named_parameters())),
-                time.monotonic() - t0,
-            )
-        )
+        out.put((rank, "ok", (report.version, report.tensors, digest(model.named_parameters()))))
     receiver.close()
