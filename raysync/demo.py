@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
         with tempfile.TemporaryDirectory(prefix="raysync-demo-") as checkpoint:
             return run(ray, args, use_vllm, checkpoint)

@@ -91,7 +91,13 @@ class PushReceiver:
             )
         self._ensure_session()
         ahead = self._check_ahead(into, load_fn)
-        start = self._wait_push(wait_s)
+        try:
+            start = self._wait_push(wait_s)
+        except BaseException:
+            # the error's traceback keeps this frame: the sink checked ahead holds views of the ring (direct
+            # mode: of the sender's mapped tensors), which must not stay mapped for as long as the error lives
+            ahead = None  # noqa: F841
+            raise
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
         skip = start.version == self.version  # never while MIXED: the next push repairs the weights

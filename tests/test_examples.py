@@ -36,7 +36,7 @@ def test_ray_quickstart_runs_under_ray_job_submit(no_leftovers, tmp_path):
     subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
     try:
         submit = [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}", "--working-dir", ".", "--",
-                  "python", "examples/ray_quickstart.py"]  # fmt: skip
+                  sys.executable, "examples/ray_quickstart.py"]  # fmt: skip
         run = subprocess.run(submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "equal to the trainer's: True" in run.stdout and "succeeded" in run.stdout + run.stderr

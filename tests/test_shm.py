@@ -115,7 +115,10 @@ def test_receiver_refuses_a_ring_it_did_not_expect(private_tmp, why, forge):
 
 
 def test_registry_names_and_availability():
-    assert registry.available() == ["shm", "collective"]
+    import torch
+
+    gpu = torch.cuda.is_available()
+    assert registry.available() == (["cuda_ipc"] if gpu else []) + ["shm", "collective"]
     assert registry.sender_class("shm") is ShmRingSender
     from raysync.errors import TransportUnavailable
 
