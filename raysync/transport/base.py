@@ -1,4 +1,6 @@
-"""The two halves every ring transport provides. The sender owns the buffers; the receiver maps them.
+"""What a transport provides: a data plane (the session's view: ``DataPlane`` / ``PlaneReader``), and for a
+ring transport the two halves of its ring (``RingSender`` / ``RingReceiver``), which ``transport.ring`` turns
+into a data plane. The sender owns the buffers; the receiver maps them.
 
 A ring is ``num_buffers`` buffers of ``buffer_bytes`` each, exposed as uint8 tensors. The sender writes bucket
 k into buffer k % num_buffers and tells the receiver over the control channel; the receiver says when it has
@@ -17,16 +19,86 @@ finished reading, and only then is that buffer written again. Nothing about flow
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import ClassVar, Protocol
 
 import torch
 
-from raysync.wire import Attached, RingInfo
+from raysync.config import SyncConfig
+from raysync.plan import Bucket
+from raysync.source import SourceTensor
+from raysync.wire import Attached, DirectSources, Layout, RingInfo
+
+
+class DataPlane(Protocol):
+    """The sender's half of a data plane, as the push session (raysync.session) drives it. A push claims,
+    packs and publishes bucket k = 0, 1, ...; ``slots`` buckets may be claimed before the push starts (pack
+    ahead: 0 for a plane that reads the source in place)."""
+
+    name: str
+    transport: object  # the transport's own object (its ring), for tools and tests
+    slots: int
+    buffers: list[torch.Tensor]  # what a Packer writes into (none when the plane reads the source in place)
+
+    @classmethod
+    def open(cls, transport: type, config: SyncConfig, channel: object) -> DataPlane: ...
+
+    def describe(self) -> RingInfo: ...  # plain values for the receiver to attach
+
+    def attached(self, attached: Attached) -> None: ...
+
+    def place(
+        self, layout: Layout, sources: Sequence[SourceTensor]
+    ) -> tuple[list[Bucket], DirectSources] | None:
+        """None: the plane moves the layout's buckets (plan_buckets). A plane that reads the source in place
+        returns its own plan and the message that lets the receiver map it."""
+        ...
+
+    def begin(self, push_id: int, buckets: int) -> None: ...  # right before PushStart
+
+    def claim(self, k: int) -> torch.Tensor | None: ...  # a free buffer for bucket k; None: read in place
+
+    def bucket_view(self, k: int) -> torch.Tensor: ...  # bucket k's bytes as the receiver reads them
+
+    def packed(self, k: int) -> None: ...  # bucket k's bytes are written (Note [ordering GPU buffers])
+
+    def publish(self, k: int) -> None: ...  # the receiver may read bucket k
+
+    def finish(self) -> None: ...  # wait until the receiver has released every bucket
+
+    def close(self) -> None: ...
+
+
+class PlaneReader(Protocol):
+    """The receiver's half of a data plane."""
+
+    name: str
+    transport: object
+
+    @classmethod
+    def open(cls, transport: type, info: RingInfo, channel: object) -> PlaneReader: ...
+
+    def attached(self) -> Attached: ...
+
+    def plan(self, layout: Layout) -> list[Bucket]: ...  # raises SchemaError when the layout does not fit
+
+    def take_sources(self, sources: DirectSources, layout: Layout | None) -> list[Bucket]: ...
+
+    def check_start(self, push_id: int, layout_id: int) -> None: ...  # before accept: is the plane ready?
+
+    def batches(self, buckets: int) -> Iterable[list[int]]: ...  # bucket indices unpacked together
+
+    def receive(self, k: int, push_id: int) -> torch.Tensor: ...  # bucket k's bytes, once they are there
+
+    def release(self, k: int, push_id: int) -> None: ...  # done reading bucket k
+
+    def drain(self, timeout_s: float) -> None: ...  # Note [ordering GPU buffers]
+
+    def close(self) -> None: ...
 
 
 class RingSender(Protocol):
     name: ClassVar[str]
-    direct: ClassVar[bool]  # no ring: the receiver reads the sender's tensors in place (cuda_ipc_direct)
     buffers: list[torch.Tensor]
 
     @classmethod
@@ -49,7 +121,6 @@ class RingSender(Protocol):
 
 class RingReceiver(Protocol):
     name: ClassVar[str]
-    direct: ClassVar[bool]
     buffers: list[torch.Tensor]
 
     def attached(self) -> Attached: ...
@@ -65,8 +136,6 @@ class RingReceiver(Protocol):
 
 class HostRing:
     """The hooks of a ring in host memory: nothing to order (Note [ordering GPU buffers])."""
-
-    direct: ClassVar[bool] = False
 
     def before_pack(self, slot: int) -> None:
         pass

@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from typing import ClassVar
 
 import msgpack
@@ -37,8 +36,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from raysync.errors import LayoutError, PeerTimeout, TransportUnavailable
-from raysync.source import SourceTensor
-from raysync.wire import DTYPES, Attached, CudaBuffer, DirectSources, RingInfo
+from raysync.wire import Attached, CudaBuffer, RingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +106,6 @@ class CudaIpcRingSender:
     """CUDA IPC: needs a CUDA GPU (and a receiver that can open its handles: see ``ipc_works``)."""
 
     name: ClassVar[str] = "cuda_ipc"
-    direct: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -160,7 +157,6 @@ class CudaIpcRingReceiver:
     current stream, the one the copies run on."""
 
     name: ClassVar[str] = "cuda_ipc"
-    direct: ClassVar[bool] = False
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or not 1 <= info.num_buffers == len(info.cuda) <= 64:
@@ -170,7 +166,7 @@ class CudaIpcRingReceiver:
         if len(uuids) != 1:
             raise LayoutError(f"a ring lives on one GPU; this one names {sorted(uuids)}")
         self.device = torch.cuda.current_device()
-        _peer_index(uuids.pop(), self.device)  # the UUID check: this process must see the ring's GPU
+        peer_index(uuids.pop(), self.device)  # the UUID check: this process must see the ring's GPU
         self.buffers = [rebuild(b, info.buffer_bytes, self.device) for b in info.cuda]
         self._packed = [torch.cuda.Event.from_ipc_handle(self.device, b.packed_event) for b in info.cuda]
         self._freed = [torch.cuda.Event(interprocess=True) for _ in info.cuda]
@@ -190,13 +186,13 @@ class CudaIpcRingReceiver:
         self._freed[slot].record(self._stream())
 
     def end_push(self, timeout_s: float) -> None:
-        _wait_stream(self._stream(), timeout_s)
+        wait_stream(self._stream(), timeout_s)
 
     def close(self) -> None:
         self.buffers, self._packed, self._freed = [], [], []
 
 
-def _wait_stream(stream: torch.cuda.Stream, timeout_s: float) -> None:
+def wait_stream(stream: torch.cuda.Stream, timeout_s: float) -> None:
     """Applied means in place: wait (bounded) until ``stream`` has run every copy queued so far."""
     done = torch.cuda.Event()
     done.record(stream)
@@ -209,120 +205,12 @@ def _wait_stream(stream: torch.cuda.Stream, timeout_s: float) -> None:
         time.sleep(0)
 
 
-def _peer_index(uuid: str, device: int) -> int:
+def peer_index(uuid: str, device: int) -> int:
     """This process's index of the sender's GPU ``uuid``, checked readable from ``device``."""
     gpu = local_index(uuid)
     if gpu != device and not torch.cuda.can_device_access_peer(device, gpu):
         raise LayoutError(f"GPU {uuid_of(device)} has no peer access to the sender's GPU {uuid}")
     return gpu
-
-
-# --- direct mode: no ring, the trainer's own tensors ------------------------------------------------------------
-class CudaIpcDirectSender:
-    """CUDA IPC, direct mode (SyncConfig.direct): no ring. The storages of the trainer's tensors are exported
-    once per set of tensors; a push is one event record here and one copy per tensor on the receiver, which
-    reads them in place. For trainers whose parameters stay alive, contiguous and in their wire dtype between
-    pushes (one GPU, plain DDP); gathered or cast tensors need the ring."""
-
-    name: ClassVar[str] = "cuda_ipc_direct"
-    direct: ClassVar[bool] = True
-    is_available = CudaIpcRingSender.is_available
-
-    def __init__(self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True):
-        """The ring's sizes are taken and unused (no ring): the same constructor as every ring sender."""
-        self.device = torch.cuda.current_device()
-        self.buffers: list[torch.Tensor] = []
-        self._ready = torch.cuda.Event(interprocess=True)
-        self._ready.record()  # created on this device now
-        self.shared: list[torch.Tensor] = []  # what is exported: byte views of the trainer's storages
-
-    def info(self) -> RingInfo:
-        return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle())
-
-    def receiver_attached(self, attached: Attached) -> None:
-        """Nothing to drop: what the receiver maps comes with DirectSources, at each new set of tensors."""
-
-    def share(self, layout_id: int, sources: Sequence[SourceTensor]) -> DirectSources:
-        """Export the storages of ``sources`` (each storage once), or say why one cannot be read in place."""
-        index: dict[int, int] = {}
-        storage, offsets, shared = [], [], []
-        for src in sources:
-            t = src.tensor
-            why = _not_in_place(t, DTYPES[src.spec.dtype], self.device)
-            if why:
-                raise LayoutError(f"direct mode reads the trainer's tensors in place, and {src.spec.name!r} {why}; "
-                                  f"use the ring (SyncConfig(direct=False))")  # fmt: skip
-            if t.numel() == 0:
-                storage.append(0)
-                offsets.append(0)
-                continue
-            s = t.untyped_storage()
-            if s.data_ptr() not in index:
-                index[s.data_ptr()] = len(shared)
-                shared.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(s))
-            storage.append(index[s.data_ptr()])
-            offsets.append(t.storage_offset() * t.element_size())
-        self.shared = shared
-        return DirectSources(layout_id, tuple(export(b) for b in shared), tuple(storage), tuple(offsets))
-
-    def mark_ready(self) -> None:
-        """The trainer's tensors hold this push's values once its stream gets here."""
-        self._ready.record(torch.cuda.current_stream(self.device))
-
-    def close(self) -> None:
-        self.shared = []
-        torch.cuda.ipc_collect()
-
-
-def _not_in_place(t: torch.Tensor, wire: torch.dtype, device: int) -> str:
-    if not t.is_cuda:
-        return "is not on a GPU"
-    if t.device.index != device:
-        return f"is on GPU {t.device.index}, not on this process's current GPU {device}"
-    if t.dtype != wire:
-        return f"is {t.dtype}, sent as {wire} (a cast needs the ring)"
-    return "" if t.is_contiguous() else "is not contiguous"
-
-
-class CudaIpcDirectReceiver:
-    """Maps the sender's storages into this process's GPU (each once per DirectSources) and copies out of
-    them after waiting, on its stream, for the sender's ready event."""
-
-    name: ClassVar[str] = "cuda_ipc_direct"
-    direct: ClassVar[bool] = True
-
-    def __init__(self, info: RingInfo, pin: bool = True):
-        if info.transport != self.name or info.num_buffers or info.cuda or not info.ready_event:
-            raise LayoutError(f"ring description does not fit the cuda_ipc_direct transport: {info.transport}, "
-                              f"{info.num_buffers} buffers, ready event {bool(info.ready_event)}")  # fmt: skip
-        self.device = torch.cuda.current_device()
-        self.buffers: list[torch.Tensor] = []
-        self._ready = torch.cuda.Event.from_ipc_handle(self.device, info.ready_event)
-
-    def attached(self) -> Attached:
-        return Attached()
-
-    def map(self, sources: DirectSources) -> None:
-        if len(sources.storages) > len(sources.storage):
-            raise LayoutError(f"{len(sources.storages)} storages for {len(sources.storage)} tensors")
-        self.buffers = []  # the old mappings go first
-        for b in sources.storages:
-            _peer_index(b.device_uuid, self.device)
-            self.buffers.append(rebuild(b, b.storage_bytes - b.tensor_offset, self.device))
-        if not self.buffers:
-            self.buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)]
-
-    def before_unpack(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._ready)
-
-    def after_unpack(self, slot: int) -> None:
-        pass
-
-    def end_push(self, timeout_s: float) -> None:
-        _wait_stream(torch.cuda.current_stream(self.device), timeout_s)
-
-    def close(self) -> None:
-        self.buffers = []
 
 
 # --- does CUDA IPC work here? ------------------------------------------------------------------------------------

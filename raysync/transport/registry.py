@@ -1,11 +1,20 @@
 """Transport name -> "module:Class" for each half, imported only when asked for (a GPU transport's module may
-need CUDA; importing raysync must not)."""
+need CUDA; importing raysync must not). A ring transport is one module with its two ring halves and one line
+in ``_HALVES``: the push session drives it through the ring data plane (transport.ring). A transport that is a
+data plane of its own (cuda_ipc_direct) says so in ``_PLANES`` too."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from raysync.errors import TransportUnavailable
+
+if TYPE_CHECKING:
+    from raysync.config import SyncConfig
+    from raysync.control import Channel
+    from raysync.transport.base import DataPlane, PlaneReader
+    from raysync.wire import RingInfo
 
 _HALVES: dict[str, tuple[str, str]] = {
     "cuda_ipc": (
@@ -13,8 +22,8 @@ _HALVES: dict[str, tuple[str, str]] = {
         "raysync.transport.cuda_ipc:CudaIpcRingReceiver",
     ),
     "cuda_ipc_direct": (
-        "raysync.transport.cuda_ipc:CudaIpcDirectSender",
-        "raysync.transport.cuda_ipc:CudaIpcDirectReceiver",
+        "raysync.transport.cuda_ipc_direct:CudaIpcDirectSender",
+        "raysync.transport.cuda_ipc_direct:CudaIpcDirectReceiver",
     ),
     "shm": ("raysync.transport.shm:ShmRingSender", "raysync.transport.shm:ShmRingReceiver"),
     "collective": (
@@ -22,6 +31,11 @@ _HALVES: dict[str, tuple[str, str]] = {
         "raysync.transport.collective:CollectiveReceiver",
     ),
 }
+
+
+# the data plane each half runs as (transport.base.DataPlane / PlaneReader): a ring's flow control by default
+_RING_PLANE = ("raysync.transport.ring:RingPlane", "raysync.transport.ring:RingReader")
+_PLANES: dict[str, tuple[str, str]] = {"cuda_ipc_direct": _HALVES["cuda_ipc_direct"]}  # reads in place
 
 
 def _load(path: str) -> type:
@@ -84,3 +98,16 @@ def receiver_class(name: str) -> type:
 def available() -> list[str]:
     """The transports that can run here, in order of preference."""
     return [n for n in names() if _load(_HALVES[n][0]).is_available()]
+
+
+def sender_plane(name: str, config: SyncConfig, channel: Channel) -> DataPlane:
+    """The sending half of ``name`` as a data plane: the ring made (or the storages' exporter), ready to
+    describe to the receiver."""
+    transport = sender_class(name)
+    return _load(_PLANES.get(name, _RING_PLANE)[0]).open(transport, config, channel)
+
+
+def reader_plane(info: RingInfo, channel: Channel) -> PlaneReader:
+    """The receiving half of the data plane ``info`` describes (the name arrives off the wire: rings only)."""
+    transport = receiver_class(info.transport)
+    return _load(_PLANES.get(info.transport, _RING_PLANE)[1]).open(transport, info, channel)

@@ -1,0 +1,282 @@
+"""The receiver's half of a push session (the stages: raysync.session), for every data plane
+(transport.base.PlaneReader).
+
+A push that fails part-way raises PushIncomplete naming the tensors not delivered. ``version`` then says
+what the destinations hold (Note [versions never lie] in raysync.version): the last push that completed, when
+the failed push touched nothing or was atomic (``SyncConfig.staged``, a staging load function), else MIXED.
+A sender that fails before its push starts (its source raised) sends an Abort that ends the wait at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import torch
+
+from raysync.config import SyncConfig
+from raysync.control import ReceiverChannel
+from raysync.errors import (
+    IntegrityError,
+    LayoutError,
+    PushIncomplete,
+    RaysyncError,
+    RemoteError,
+    SchemaError,
+    WeightsMixed,
+)
+from raysync.plan import Bucket, total_bytes
+from raysync.report import PushReport
+from raysync.sink import LoadFn, Sink, Sinks
+from raysync.transport import registry
+from raysync.transport.base import PlaneReader
+from raysync.version import MIXED, Version
+from raysync.wire import (
+    Abort,
+    Accept,
+    BucketReady,
+    Close,
+    DirectSources,
+    Hello,
+    Layout,
+    PushDigest,
+    PushDone,
+    PushStart,
+    RingInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SessionClosed(RaysyncError):
+    """The sender closed the session."""
+
+
+class PushReceiver:
+    """The receiver's half of a session over ``channel`` (connected to the sender's endpoint)."""
+
+    def __init__(self, channel: ReceiverChannel, config: SyncConfig):
+        self.config = config
+        self._channel = channel
+        self._plane: PlaneReader | None = None
+        self._layout: Layout | None = None
+        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
+        self._sinks_made = 1  # counts the Sinks made: a sink checked ahead is used only from the current one
+        self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
+        self._buckets: list[Bucket] = []
+        self.version: Version = None  # what the destinations hold (Note [versions never lie])
+        self._last_push_id = 0  # the last push started (or aborted by the sender before it started)
+        self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
+
+    @property
+    def ring(self) -> object | None:
+        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
+        the exported or mapped storages); None before the first receive."""
+        return self._plane.transport if self._plane is not None else None
+
+    _ring = ring  # the name tests and benchmarks used before ``ring`` was public
+
+    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                wait_s: float | None = None) -> PushReport:  # fmt: skip
+        """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
+        Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
+        this is called (again when the push brings a new layout): do not change ``into`` from another thread
+        while it waits."""
+        if (into is None) == (load_fn is None):
+            raise TypeError(
+                "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
+            )
+        self._ensure_session()
+        ahead = self._check_ahead(into, load_fn)
+        try:
+            start = self._wait_push(wait_s)
+        except BaseException:
+            # the error's traceback keeps this frame: the sink checked ahead holds views of the ring (direct
+            # mode: of the sender's mapped tensors), which must not stay mapped for as long as the error lives
+            ahead = None  # noqa: F841
+            raise
+        started = time.perf_counter()
+        sink = self._accept(start, into, load_fn, ahead)
+        skip = start.version == self.version  # never while MIXED: the next push repairs the weights
+        self._channel.send(Accept(start.push_id, skip), "accept")
+        accepted = streamed = time.perf_counter()
+        if not skip:
+            streamed = self._stream(start, sink)
+            self.version = start.version
+            self._channel.send(PushDone(start.push_id, start.version), "finish")
+        self.last_stages_s = {"accept": accepted - started, "stream": streamed - accepted,
+                              "finish": time.perf_counter() - streamed}  # fmt: skip
+        return self._report(start.version, skip, time.perf_counter() - started)
+
+    def _report(self, version: int, skipped: bool, seconds: float) -> PushReport:
+        specs, moved = self._layout.tensors, not skipped
+        report = PushReport(version, self._plane.name, total_bytes(specs) * moved, len(self._buckets) * moved,
+                            len(specs), seconds, skipped=skipped)  # fmt: skip
+        logger.info("received from %s: %s", self._channel.peer, report)
+        return report
+
+    def _check_ahead(self, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None) -> tuple | None:
+        """Check the destinations against the current layout before the push starts (the engine waits then,
+        while accept is on every push's critical path). Used only if nothing changed by the time the push
+        starts; any error is left for accept to raise and report."""
+        if self._layout is None or self._layout_error is not None:
+            return None
+        try:
+            sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
+        except RaysyncError:
+            return None
+        return self._layout.layout_id, self._sinks_made, sink  # no reference to the Sinks: see _drop_sinks
+
+    def _accept(self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None,
+                ahead: tuple | None = None) -> Sink:  # fmt: skip
+        """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
+        specs = self._layout.tensors if self._layout else ()
+        try:
+            if self._layout_error is not None:
+                raise self._layout_error
+            if self._layout is None or start.layout_id != self._layout.layout_id:
+                raise SchemaError(
+                    f"push {start.push_id} names layout {start.layout_id}, which was never sent"
+                )
+            self._plane.check_start(start.push_id, start.layout_id)
+            if ahead is not None and ahead[:2] == (self._layout.layout_id, self._sinks_made):
+                sink = ahead[2]  # checked while waiting, and nothing changed since
+            else:
+                sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
+            sink.verify = start.verify
+            return sink
+        except RaysyncError as e:
+            self._channel.abort(start.push_id, "accept", e)
+            raise self._incomplete(start, "accept", str(e), [s.name for s in specs]) from e
+
+    def _stream(self, start: PushStart, sink: Sink) -> float:
+        """Every bucket into the sink, then the end of the push (drained, verified, applied); returns when the
+        buckets were done, for ``last_stages_s``."""
+        pid, count = start.push_id, len(self._buckets)
+        stage = "stream"
+        try:
+            for batch in self._plane.batches(count):
+                named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
+                stage = f"wait for {named}/{count}"
+                parts = [(self._buckets[k], self._plane.receive(k, pid)) for k in batch]
+                stage = f"unpack {named}/{count}"
+                if batch[0] == 0:
+                    self._touching(sink)
+                sink.write_all(parts)
+                for k in batch:
+                    self._plane.release(k, pid)
+                logger.debug("%s unpacked", named)
+            streamed = time.perf_counter()
+            self._plane.drain(self.config.timeout_s)  # Note [ordering GPU buffers]
+            if start.verify:
+                stage = "verify"
+                self._verify(sink, self._channel.expect(PushDigest, pid, "verify: waiting for the digests"))
+            stage = "apply"
+            sink.finish()
+            return streamed
+        except RemoteError as e:  # the sender failed and told us
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, sink.undelivered()) from e
+        except Exception as e:
+            if isinstance(e, WeightsMixed):  # an atomic sink that could not keep its promise
+                self.version = MIXED
+            self._channel.abort(pid, stage, e)
+            raise self._incomplete(start, stage, str(e), sink.undelivered()) from e
+
+    def _touching(self, sink: Sink) -> None:
+        """The first byte of the push is about to reach the destinations. Note [versions never lie]: from here
+        until the push completes, a failure anywhere leaves them a mix of two versions, so say so first. An
+        atomic sink (staged) touches them only in ``finish`` and says itself when that fails (WeightsMixed)."""
+        if sink.in_place:
+            self.version = MIXED
+
+    def _incomplete(
+        self, start: PushStart, stage: str, reason: str, undelivered: list[str]
+    ) -> PushIncomplete:
+        return PushIncomplete(start.version, stage, reason, undelivered, mixed=self.version == MIXED)
+
+    def _verify(self, sink: Sink, sent: PushDigest) -> None:
+        """Compare what landed with what the sender packed; the tensors that differ count as undelivered."""
+        got = sink.digests()
+        if len(sent.digests) != len(got):
+            raise SchemaError(f"{len(sent.digests)} digests for {len(got)} tensors")
+        bad = [i for i, (a, b) in enumerate(zip(sent.digests, got, strict=True)) if a != b]
+        if bad:
+            sink.done -= set(bad)
+            names = [self._layout.tensors[i].name for i in bad]
+            raise IntegrityError(f"{len(bad)} tensor(s) differ from what the sender packed: {names[:5]}")
+
+    # --- set-up and layout -------------------------------------------------------------------------------------
+    def _ensure_session(self) -> None:
+        if self._plane is not None:
+            return
+        self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
+        info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
+        try:
+            if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
+                raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
+            self._plane = registry.reader_plane(info, self._channel)
+        except Exception as e:  # tell the sender instead of letting it time out
+            self._channel.abort(0, "handshake: map the ring", e)
+            raise
+        self._channel.send(self._plane.attached(), "handshake: attached")
+
+    def _wait_push(self, wait_s: float | None) -> PushStart:
+        """Wait for the next PushStart, taking a new Layout on the way; skip leftovers of failed pushes."""
+        stage = "waiting for a push"
+        while True:
+            msg = self._channel.recv(stage, wait_s)
+            if isinstance(msg, Layout):
+                self._take_layout(msg)
+            elif isinstance(msg, DirectSources):
+                self._take_sources(msg)
+            elif isinstance(msg, PushStart):
+                self._last_push_id = msg.push_id
+                return msg
+            elif isinstance(msg, Close):
+                raise SessionClosed(f"{self._channel.peer} closed the session")
+            elif isinstance(msg, Abort) and msg.push_id > self._last_push_id:
+                self._last_push_id = msg.push_id  # the sender failed before it started this push (its source)
+                raise RemoteError(self._channel.peer, msg.stage, msg.message, msg.traceback)
+            elif isinstance(msg, (BucketReady, Abort)):
+                logger.debug("skipping %s left over from push %d", type(msg).__name__, msg.push_id)
+            else:
+                raise SchemaError(f"{self._channel.peer} sent {type(msg).__name__} while no push was running")
+
+    def _take_layout(self, layout: Layout) -> None:
+        """Plan the layout as the plane moves it; a refusal is answered at the next PushStart."""
+        try:
+            buckets = self._plane.plan(layout)
+        except SchemaError as e:
+            self._layout, self._buckets, self._layout_error = None, [], e
+            return
+        self._layout, self._buckets, self._layout_error = layout, buckets, None
+
+    def _take_sources(self, sources: DirectSources) -> None:
+        """A plane that reads the sender's storages in place maps them (once per set of tensors) and plans from
+        them; a refusal is answered at the next PushStart, like a refused layout."""
+        self._drop_sinks()  # their copies read the old mappings: drop them first
+        self._buckets = []
+        try:
+            buckets = self._plane.take_sources(sources, self._layout)
+        except Exception as e:
+            self._layout_error = e if isinstance(e, RaysyncError) else LayoutError(
+                f"cannot map the sender's storages: {type(e).__name__}: {e}")  # fmt: skip
+            return
+        self._buckets, self._layout_error = buckets, None
+
+    # --- teardown ----------------------------------------------------------------------------------------------
+    def _drop_sinks(self) -> None:
+        """The cached sinks hold views of the ring (or of the sender's mapped storages) and keep that memory
+        mapped: they go before the ring does, and nothing else may keep them (an exception's frames can)."""
+        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
+        self._sinks_made += 1
+
+    def close(self) -> None:
+        self._drop_sinks()
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+        self._channel.close()
