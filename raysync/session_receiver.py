@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import traceback
 from collections.abc import Mapping
 
 import torch
@@ -100,11 +101,16 @@ class PushReceiver:
             raise
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
+        ahead = None
         skip = start.version == self.version  # never while MIXED: the next push repairs the weights
         self._channel.send(Accept(start.push_id, skip), "accept")
         accepted = streamed = time.perf_counter()
         if not skip:
-            streamed = self._stream(start, sink)
+            try:
+                streamed = self._stream(start, sink)
+            except BaseException:
+                sink = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
+                raise
             self.version = start.version
             self._channel.send(PushDone(start.push_id, start.version), "finish")
         self.last_stages_s = {"accept": accepted - started, "stream": streamed - accepted,
@@ -157,6 +163,7 @@ class PushReceiver:
         buckets were done, for ``last_stages_s``."""
         pid, count = start.push_id, len(self._buckets)
         stage = "stream"
+        parts: list | None = None
         try:
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
@@ -178,12 +185,22 @@ class PushReceiver:
             sink.finish()
             return streamed
         except RemoteError as e:  # the sender failed and told us
-            raise self._incomplete(start, f"sender: {e.stage}", e.message, sink.undelivered()) from e
+            undelivered = sink.undelivered()
+            sink = parts = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
+            traceback.clear_frames(e.__traceback__)
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, undelivered) from e
         except Exception as e:
+            # Note [a kept error keeps nothing mapped]: the error's traceback keeps this frame alive for as long
+            # as the caller keeps the error; ``parts`` and the sink's copies hold views of ring buffers (or of a
+            # dead sender's mapped tensors), which close() must be able to unmap. The frames below this one (the
+            # sink's, the load function's) are done: their locals go too, the traceback's lines stay.
+            undelivered = sink.undelivered()
+            sink = parts = None  # noqa: F841
+            traceback.clear_frames(e.__traceback__)
             if isinstance(e, WeightsMixed):  # an atomic sink that could not keep its promise
                 self.version = MIXED
             self._channel.abort(pid, stage, e)
-            raise self._incomplete(start, stage, str(e), sink.undelivered()) from e
+            raise self._incomplete(start, stage, str(e), undelivered) from e
 
     def _touching(self, sink: Sink) -> None:
         """The first byte of the push is about to reach the destinations. Note [versions never lie]: from here

@@ -514,3 +514,34 @@ def test_a_tensor_the_layout_refuses_ends_the_receivers_wait_at_once(private_tmp
         got = in_thread(receiver.receive, into=dest)  # the session goes on
         sender.push(model(3).items(), 3)
         assert got.result(timeout=10).version == 3
+
+
+def test_a_kept_error_keeps_no_ring_buffer_alive_after_close(private_tmp, in_thread):
+    """Note [a kept error keeps nothing mapped]: a caller that keeps the PushIncomplete of a push that failed
+    mid-stream (its traceback holds the receiver's frames) must not keep the ring's memory once it closed the
+    receiver (on a GPU: the ring's, or a dead sender's tensors; caught there by test_gpu)."""
+    import gc
+    import weakref
+
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=10, progress=False)
+    with session_pair(cfg) as (sender, receiver):
+        got = in_thread(receiver.receive, into=zeros_like(model(0)))
+        sender.push(model(1).items(), 1)
+        got.result(timeout=10)
+        buffers = [weakref.ref(b) for b in receiver.ring.buffers]
+        calls = []
+
+        def fail_at_second_bucket(batch):
+            calls.append(len(batch))
+            if len(calls) == 2:
+                raise RuntimeError("the loader broke")
+
+        got = in_thread(receiver.receive, load_fn=fail_at_second_bucket)
+        with pytest.raises(RemoteError, match="the loader broke"):
+            sender.push(model(2).items(), 2)
+        with pytest.raises(PushIncomplete) as e:
+            got.result(timeout=20)
+        kept = e.value  # the caller keeps the error, traceback and all
+        receiver.close()
+        gc.collect()
+        assert kept.__traceback__ is not None and all(ref() is None for ref in buffers)
