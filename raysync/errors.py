@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 
 class RaysyncError(Exception):
     """Base class of every error raysync raises on purpose."""
@@ -144,3 +147,42 @@ class ShmSegmentResized(RaysyncError):
 
 class ReloadFailed(RaysyncError):
     """An engine's reload of a push failed part-way and was undone: the engine keeps the weights it had."""
+
+
+# --- the driver (raysync.coordinator.WeightSync) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class EndpointFailure:
+    endpoint: str  # "receiver #1 (node ..., pid ..., GPU ...)"
+    stage: str
+    error: str
+    traceback: str
+
+
+class SyncError(RaysyncError):
+    """A push round failed on one or more endpoints; each failure names the endpoint, stage and traceback.
+    ``mixed``: the receivers whose weights the failed push left a mix of two versions (Note [versions never
+    lie]): ``versions()`` says "mixed" for them until the next push, a full one, completes."""
+
+    def __init__(self, version: int, failures: list[EndpointFailure], mixed: Sequence[int] = ()):
+        self.version, self.failures, self.mixed = version, failures, tuple(mixed)
+        first = failures[0]
+        text = f"push of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at " \
+               f"stage '{first.stage}': {first.error}"  # fmt: skip
+        if self.mixed:
+            text += (f"\nreceiver(s) {', '.join(f'#{j}' for j in self.mixed)} now hold a mix of two versions "
+                     f"(versions() says 'mixed'): the next push sends them the full weights")  # fmt: skip
+        if first.traceback:
+            text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
+        super().__init__(text)
+
+
+class SyncClosed(RaysyncError):
+    """``push`` or ``versions`` on a WeightSync that was closed."""
+
+
+class ActorUnavailable(PeerUnavailable):
+    """A Ray actor could not answer: Ray was still restarting it at the deadline, or could not reach it."""
+
+
+class ActorGone(ActorUnavailable):
+    """A Ray actor died and Ray will not restart it (its ``max_restarts`` are spent, or it had none)."""
