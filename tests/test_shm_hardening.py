@@ -39,7 +39,8 @@ from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.control import ReceiverChannel, SenderChannel, binds_every_interface, bound_to_every_interface
 from raysync.errors import EndpointError, LayoutError, PeerLost, RaysyncError
 from raysync.leftovers import OWNED, Owner, is_dead, owner_of, sweep, this_process
-from raysync.transport.shm import FdHandoff, ShmRingReceiver, ShmRingSender
+from raysync.transport.fd_handoff import FdHandoff
+from raysync.transport.shm import ShmRingReceiver, ShmRingSender
 from raysync.wire import Hello, RingInfo
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -7,8 +7,8 @@
 
 Every buffer is a memfd (an anonymous file: no name in /dev/shm or anywhere), its pages reserved and then
 sealed so that no process can change its size (Note [no SIGBUS]). The receiver gets the fds over a unix socket
-(Note [handing over the segments]). Where the process uses CUDA the mapping is registered with
-cudaHostRegister, so device <-> host copies run at pinned-memory speed.
+(Note [handing over the segments] in raysync.transport.fd_handoff). Where the process uses CUDA the mapping
+is registered with cudaHostRegister, so device <-> host copies run at pinned-memory speed.
 
 # Note [shm names and crashes]
 # A memfd has no name: it lives exactly as long as an fd or a mapping of it, so a SIGKILL of either side at
@@ -37,16 +37,6 @@ cudaHostRegister, so device <-> host copies run at pinned-memory speed.
 # allocation fails it is the OOM killer's, as for any memory, or under strict overcommit
 # (vm.overcommit_memory=2) at its limit, a SIGBUS). Only a process of the same user holds one, and such a
 # process could as well kill ours.
-
-# Note [handing over the segments]
-# A memfd is reached only through an fd, so the sender passes them with SCM_RIGHTS over a unix socket it
-# listens on in a private directory (mode 0700, named as in Note [shm names and crashes]). The socket's path
-# and a one-time token of 32 random bytes travel in RingInfo.handles, inside the control channel's signed
-# frame: only the receiver that holds the session key learns them. A thread of the sender (FdHandoff) answers
-# the first connection whose peer runs as this user (SO_PEERCRED) and sends the token, with the fds, then
-# closes the socket and removes the directory: one receiver, once. The receiver (fetch_fds) checks that the
-# socket is served by this user and, in the same pid namespace, by the process the directory is named after,
-# then checks every fd it got (check_sealed) before mapping it. Every wait on either side is bounded.
 """
 
 from __future__ import annotations
@@ -54,42 +44,29 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
-import hmac
 import logging
 import mmap
 import os
-import secrets
-import select
-import shutil
 import socket
 import stat
-import struct
-import tempfile
-import threading
-import time
 from typing import ClassVar
 
 import torch
 
 from raysync import leftovers
 from raysync.control import private_dir_base
-from raysync.errors import LayoutError, PeerLost, PeerTimeout, ShmSpaceError
+from raysync.errors import LayoutError, ShmSpaceError
 from raysync.transport.base import HostRing
+from raysync.transport.fd_handoff import _SOCKET_NAME, _TOKEN_BYTES, HANDOFF_TIMEOUT_S, FdHandoff, fetch_fds
 from raysync.wire import Attached, RingInfo
 
 logger = logging.getLogger(__name__)
 
-HANDOFF_TIMEOUT_S = 60.0  # the handoff follows RingInfo at once; a bound, not an expected time
-_CONNECTION_TIMEOUT_S = 10.0  # one connection to the handoff socket: a stranger cannot hold it longer
-_TOKEN_BYTES = 32
 _MAX_BUFFERS = 64
-_SOCKET_NAME = "fds"
-_HANDOFF_MAGIC = b"raysync-shm-fds"
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # a seal against writing would make the receiver's writable mapping fail (F_SEAL_FUTURE_WRITE: Linux >= 5.1)
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x8)  # Linux >= 6.3; refused (EINVAL) by older kernels
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _FIX = (
     "lower SyncConfig.bucket_bytes or num_buffers, or give the process more memory (a container's memory "
@@ -294,150 +271,6 @@ def _refused(what: str, why: str) -> LayoutError:
         f"this process (SIGBUS); the sender must run this raysync version (memfds sealed with F_SEAL_SHRINK | "
         f"F_SEAL_GROW | F_SEAL_SEAL)"
     )
-
-
-# --- the handoff of the fds (Note [handing over the segments]) -------------------------------------------------------
-class FdHandoff:
-    """The sender's half: serves ``fds`` once, to the first connection of this user that sends ``token``, from
-    a thread, for at most ``timeout_s``. ``path`` and ``token`` go to the receiver in the signed RingInfo."""
-
-    def __init__(self, fds: list[int], timeout_s: float = HANDOFF_TIMEOUT_S):
-        self.token = secrets.token_bytes(_TOKEN_BYTES)
-        self.served = False
-        self.path, self._dir = "", ""
-        self._fds: list[int] = []  # our own copies: the ring closing its fds never pulls one from the thread
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._wake, self._woken = socket.socketpair()
-        try:
-            self._fds += [os.dup(fd) for fd in fds]
-            self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())  # 0700
-            self.path = os.path.join(self._dir, _SOCKET_NAME)
-            self._listener.bind(self.path)
-            self._listener.listen(8)
-        except BaseException:
-            self._wake.close()
-            self._release()
-            raise
-        self._thread = threading.Thread(target=self._serve, args=(timeout_s,), name="raysync-shm-handoff",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop serving (idempotent): wake the thread, which releases what it holds, and remove the directory."""
-        try:
-            self._wake.send(b"x")
-        except OSError:
-            pass  # the thread has ended and closed its end
-        self._thread.join(timeout=_CONNECTION_TIMEOUT_S)  # at once, or after the connection it is serving
-        self._wake.close()
-        _remove_dir(self._dir)
-
-    def _serve(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        poller = select.poll()
-        poller.register(self._listener, select.POLLIN)
-        poller.register(self._woken, select.POLLIN)
-        try:
-            while not self.served:
-                remaining = deadline - time.monotonic()
-                ready = {fd for fd, _ in poller.poll(max(0, int(remaining * 1000)))}  # 0: the deadline passed
-                if not ready:
-                    logger.warning("no receiver fetched the shm ring within %gs: its handoff socket is closed",
-                                   timeout_s)  # fmt: skip
-                    return
-                if self._woken.fileno() in ready:
-                    return
-                conn, _ = self._listener.accept()
-                with conn:
-                    self._serve_one(conn, min(remaining, _CONNECTION_TIMEOUT_S))
-        except Exception:  # never let the thread die silently: the receiver's wait is bounded anyway
-            logger.exception("the shm ring's fd handoff failed")
-        finally:
-            self._release()
-
-    def _serve_one(self, conn: socket.socket, timeout_s: float) -> None:
-        conn.settimeout(timeout_s)
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        try:
-            token = _recv_exactly(conn, _TOKEN_BYTES) if uid == os.geteuid() else b""
-            if not hmac.compare_digest(token, self.token):
-                logger.warning("refused a connection to the shm ring's handoff socket from pid %d (uid %d): "
-                               "not this session's receiver", pid, uid)  # fmt: skip
-                return
-            socket.send_fds(conn, [_HANDOFF_MAGIC], self._fds)
-        except OSError as e:  # a timeout or a peer that went away: wait for the next connection
-            logger.warning("shm ring handoff to pid %d failed: %s", pid, e)
-            return
-        self.served = True
-        logger.debug("handed %d shm ring segments to pid %d", len(self._fds), pid)
-
-    def _release(self) -> None:
-        self._listener.close()
-        self._woken.close()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        _remove_dir(self._dir)
-
-
-def _remove_dir(path: str) -> None:
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _recv_exactly(conn: socket.socket, nbytes: int) -> bytes:
-    data = b""
-    while len(data) < nbytes:
-        more = conn.recv(nbytes - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def fetch_fds(
-    path: str, token: bytes, count: int, peer: str, timeout_s: float = HANDOFF_TIMEOUT_S
-) -> list[int]:
-    """The receiver's half: connect to the sender's handoff socket, prove the session with ``token``, and return
-    the ``count`` fds it hands over (not yet checked: see check_sealed). Every step is bounded by ``timeout_s``."""
-    stage = "handshake: fetch the ring's segments"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(path)
-            _check_server(sock, path, peer)
-            sock.sendall(token)
-            data, fds, flags, _ = socket.recv_fds(sock, 64, count + 1, socket.MSG_CMSG_CLOEXEC)
-        except TimeoutError:
-            raise PeerTimeout(peer, stage, timeout_s) from None
-        except OSError as e:
-            raise PeerLost(
-                peer, stage, f"its handoff socket {path} is not there ({e.strerror}): it died, gave up waiting "
-                f"for this receiver, or served another one; start a new session"
-            ) from None  # fmt: skip
-    if not data and not fds:
-        raise PeerLost(peer, stage, f"it closed its handoff socket {path} without handing over the ring: it "
-                       "refused this receiver (another session's token, or another user)")  # fmt: skip
-    if data != _HANDOFF_MAGIC or flags & socket.MSG_CTRUNC or len(fds) != count:
-        for fd in fds:
-            os.close(fd)
-        raise LayoutError(
-            f"{peer} handed over {len(fds)} fds (truncated: {bool(flags & socket.MSG_CTRUNC)}) with {data[:32]!r}, "
-            f"the ring has {count} buffers: refusing the ring; start a new session with a sender of this version"
-        )
-    return fds
-
-
-def _check_server(sock: socket.socket, path: str, peer: str) -> None:
-    """The socket is served by this user and, where pids can be compared, by the process its directory names."""
-    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    owner = leftovers.owner_of(os.path.basename(os.path.dirname(path)))
-    same_namespace = owner is not None and owner.ns == leftovers.this_process().ns
-    if uid != os.geteuid() or (same_namespace and owner is not None and pid != owner.pid):
-        raise LayoutError(
-            f"refusing the ring's handoff socket {path}: it is served by pid {pid} of uid {uid}, not by {peer} of "
-            f"uid {os.geteuid()}; another process took the sender's place: start a new session"
-        )
 
 
 # --- the two halves -------------------------------------------------------------------------------------------------
