@@ -35,7 +35,8 @@ from common import emit
 
 from raysync import SessionSecret, SyncConfig
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
-from raysync.transport.rendezvous import CurveKeys, StoreClient, StoreServer
+from raysync.transport.rendezvous import CurveKeys, StoreClient
+from raysync.transport.rendezvous_server import StoreServer
 
 _GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00"
 HOSTILE = {

@@ -19,7 +19,8 @@ from workers import collective_receiver, digest, perturb
 from raysync import PeerUnavailable, RemoteError, SessionSecret, SyncConfig
 from raysync.errors import EndpointError, PeerTimeout, RaysyncError, WireError
 from raysync.transport.collective import CollectiveSender
-from raysync.transport.rendezvous import CurveKeys, StoreClient, StoreServer
+from raysync.transport.rendezvous import CurveKeys, StoreClient
+from raysync.transport.rendezvous_server import StoreServer
 from raysync.version import MIXED
 
 pytest.importorskip("transformers")

@@ -43,7 +43,8 @@ from raysync.plan import plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.sink import IntoTensors, LoadFn, Sink, Sinks
 from raysync.source import direct_bytes, select, write_chunk
-from raysync.transport.rendezvous import StoreClient, StoreServer
+from raysync.transport.rendezvous import StoreClient
+from raysync.transport.rendezvous_server import StoreServer
 from raysync.version import MIXED, Version
 from raysync.wire import Abort, Accept, FrameCodec, Layout, Message, PushStart, SessionSecret
 
