@@ -67,7 +67,7 @@ def sender_main(share: int, args, secret, queues, barrier, out) -> None:
             q.put((share, side.rendezvous))
         side.join()
         if results["floors"] is None and share == 0:
-            results["floors"] = floors(side._group.pg, tensors, args.pushes)
+            results["floors"] = floors(side.group, tensors, args.pushes)
         times, stages = [], []
         for version in range(args.pushes + 1):  # the first push is the warm-up
             torch.cuda.synchronize()
@@ -94,7 +94,7 @@ def receiver_main(rank: int, args, secret, queues, barrier, out) -> None:
         side = ShardedReceiver(groups) if args.shares > 1 else groups[0]
         side.join()
         if i == 0:  # every rank takes part in the floors' broadcasts (share 0's group)
-            floors(groups[0]._group.pg, tensors, args.pushes)
+            floors(groups[0].group, tensors, args.pushes)
         for _ in range(args.pushes + 1):
             side.receive(into=tensors)
         side.close()

@@ -99,7 +99,7 @@ def frames(n: int, secret: SessionSecret, valid: list[bytes], bomb_path: str, ma
         "signed, deeply nested": lambda: _sign(_nested_frame([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Layout"],
                                                              rng.choice([100, 1000, 100_000])), secret.key),
         "signed, wrong types": lambda: signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "PushStart",
-                                               {"push_id": "1", "version": -1, "layout_id": 1.5, "confirm": 2}]),
+                                               {"push_id": "1", "version": -1, "layout_id": 1.5, "verify": 2}]),
         "signed, unknown kind": lambda: signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Exec", {"cmd": "id"}]),
         "signed, random msgpack": lambda: signed(rng.choice([random_msgpack(), [PROTOCOL, sid, random_msgpack(),
                                                                                  "Hello", random_msgpack()]])),

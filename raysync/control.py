@@ -137,18 +137,21 @@ class Channel:
         """Wait for a ``kind`` message of push ``push_id``: an Abort of this push raises RemoteError, messages
         left over from an earlier, failed push are skipped."""
         while True:
-            msg = self.recv(stage, timeout_s)
-            msg_push = getattr(msg, "push_id", push_id)
-            if msg_push < push_id:
-                logger.debug("skipping %s of earlier push %d", type(msg).__name__, msg_push)
-                continue
-            if isinstance(msg, Abort):
-                raise RemoteError(self.peer, msg.stage, msg.message, msg.traceback)
-            if isinstance(msg, kind) and msg_push == push_id:
+            msg = self.expected(self.recv(stage, timeout_s), kind, push_id, stage)
+            if msg is not None:
                 return msg
-            raise WireError(
-                f"{self.peer} sent {type(msg).__name__} at stage '{stage}', expected {kind.__name__}"
-            )
+
+    def expected(self, msg: Message, kind: type, push_id: int, stage: str) -> Message | None:
+        """``msg`` if it is the awaited ``kind`` of push ``push_id``; None for a leftover of an earlier push."""
+        msg_push = getattr(msg, "push_id", push_id)
+        if msg_push < push_id:
+            logger.debug("skipping %s of earlier push %d", type(msg).__name__, msg_push)
+            return None
+        if isinstance(msg, Abort):
+            raise RemoteError(self.peer, msg.stage, msg.message, msg.traceback)
+        if isinstance(msg, kind) and msg_push == push_id:
+            return msg
+        raise WireError(f"{self.peer} sent {type(msg).__name__} at stage '{stage}', expected {kind.__name__}")
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -162,9 +165,12 @@ class Channel:
 
 
 class SenderChannel(Channel):
+    """``label``: what errors call the receiver (with its pid and host once it is connected)."""
+
     def __init__(self, secret: SessionSecret, *, endpoint: str | None, allow_any_interface: bool,
-                 timeout_s: float, max_frame_bytes: int):  # fmt: skip
-        super().__init__(zmq.ROUTER, secret, "sender", "receiver", "receiver", timeout_s, max_frame_bytes)
+                 timeout_s: float, max_frame_bytes: int, label: str = "receiver"):  # fmt: skip
+        super().__init__(zmq.ROUTER, secret, "sender", "receiver", label, timeout_s, max_frame_bytes)
+        self.label = label
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         self._peer_id: bytes | None = None
         self._private_dir: str | None = None
@@ -217,7 +223,11 @@ class SenderChannel(Channel):
                 continue
             if isinstance(msg, Hello):
                 self._peer_id = parts[0]
-                self.peer = f"receiver(pid {msg.pid} on {msg.host})"
+                self.peer = (
+                    f"{self.label}(pid {msg.pid} on {msg.host})"
+                    if self.label == "receiver"
+                    else f"{self.label} (pid {msg.pid} on {msg.host})"
+                )
                 self.forget_endpoint()
                 return msg
 
@@ -252,6 +262,82 @@ class SenderChannel(Channel):
             logger.warning("dropped a frame from a connection that is not this session's receiver")
             return None
         return parts[1]
+
+
+class Fanout:
+    """A sender's channels to its N receivers, used as one: a message to all is sent N times (they are tens of
+    bytes), and ``expect`` collects one answer from each under one deadline, raising at once for the first
+    Abort, whichever receiver sends it. With N = 1 it is the pair channel."""
+
+    def __init__(self, channels: list[SenderChannel]):
+        if not channels:
+            raise ValueError("a session needs at least one receiver")
+        self.channels = channels
+        self.timeout_s = channels[0].timeout_s
+
+    @property
+    def peer(self) -> str:
+        peers = [c.peer for c in self.channels]
+        return peers[0] if len(peers) == 1 else f"{len(peers)} receivers ({', '.join(peers)})"
+
+    def accept(self, stage: str = "handshake") -> list[Hello]:
+        return [c.accept(stage) for c in self.channels]
+
+    def send(self, msg: Message, stage: str) -> None:
+        for c in self.channels:
+            c.send(msg, stage)
+
+    def try_send(self, msg: Message) -> None:
+        for c in self.channels:
+            c.try_send(msg)
+
+    def abort(self, push_id: int, stage: str, error: BaseException) -> None:
+        for c in self.channels:
+            c.abort(push_id, stage, error)
+
+    def expect(self, kind: type, push_id: int, stage: str, timeout_s: float | None = None) -> list[Message]:
+        """One ``kind`` message of push ``push_id`` from every receiver, in channel order; the first Abort of
+        this push, from any receiver, raises RemoteError naming it (Channel.expect's rules, per receiver)."""
+        if len(self.channels) == 1:
+            return [self.channels[0].expect(kind, push_id, stage, timeout_s)]
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        got: dict[int, Message] = {}
+        poller = zmq.Poller()
+        for c in self.channels:
+            poller.register(c.sock, zmq.POLLIN)
+        while len(got) < len(self.channels):
+            remaining = deadline - time.monotonic()
+            ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if not ready:
+                late = [c.peer for i, c in enumerate(self.channels) if i not in got]
+                raise PeerTimeout(", ".join(late), stage, timeout)
+            for i, c in enumerate(self.channels):
+                if c.sock in ready:  # a frame is there: read it (a stranger's is dropped unread)
+                    msg = c.expected(c.recv(stage, max(1e-3, remaining)), kind, push_id, stage)
+                    if msg is not None:
+                        if i in got:
+                            raise WireError(f"{c.peer} sent a second {kind.__name__} at stage '{stage}'")
+                        got[i] = msg
+        return [got[i] for i in range(len(self.channels))]
+
+    def reason(self, push_id: int, wait_s: float) -> RemoteError | None:
+        """An Abort of push ``push_id`` that a receiver sent (waiting up to ``wait_s`` for one): the cause of a
+        failure that this side saw only as a symptom (a broadcast that failed when that receiver left)."""
+        deadline = time.monotonic() + wait_s
+        for c in self.channels:
+            while True:
+                try:
+                    msg = c.recv("reason", max(1e-3, deadline - time.monotonic()))
+                except RaysyncError:
+                    break
+                if isinstance(msg, Abort) and msg.push_id == push_id:
+                    return RemoteError(c.peer, msg.stage, msg.message, msg.traceback)
+        return None
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
 
 
 class ReceiverChannel(Channel):

@@ -16,6 +16,11 @@
 | commit       | wait for PushDone                              | drain, apply (sink.finish), version := pushed  |
 | report       | PushReport                                     | PushReport                                     |
 
+A session is one sender and N receivers (control.Fanout: N = 1 for a ring; a collective group's receivers).
+A plane that must move every receiver together (``all_or_none``: a broadcast) gets one more message after
+accept: the sender's own Accept, the go (skip only if every receiver has the version), or an Abort for all
+when any receiver refused.
+
 Every wait is bounded by ``timeout_s``. A push that fails on this side before it starts (the trainer's
 source raised, a layout over the bounds, a pack ahead of the push) is announced to the receiver with an Abort,
 so it raises at once instead of waiting for a push that never comes. Once it started, a failure here is an
@@ -33,8 +38,8 @@ from tqdm import tqdm
 
 from raysync import digest
 from raysync.config import SyncConfig
-from raysync.control import SenderChannel
-from raysync.errors import RaysyncError, RemoteError
+from raysync.control import Fanout, SenderChannel
+from raysync.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.plan import Bucket, plan_buckets, total_bytes
 from raysync.report import PushReport
 from raysync.source import Packer, SourceTensor, select
@@ -46,11 +51,14 @@ logger = logging.getLogger(__name__)
 
 
 class PushSender:
-    """The sender's half of a session over ``channel`` (bound; the receiver connects to it)."""
+    """The sender's half of a session over ``channel`` (bound; the receiver connects to it), or over a Fanout
+    to several receivers. ``plane``: the data plane, when the transport made it before the session (a
+    collective group); else the session makes the one ``config`` names once the receiver is there."""
 
-    def __init__(self, channel: SenderChannel, config: SyncConfig):
+    def __init__(self, channel: SenderChannel | Fanout, config: SyncConfig, plane: DataPlane | None = None):
         self.config = config
-        self._channel = channel
+        self._channel = channel if isinstance(channel, Fanout) else Fanout([channel])
+        self._given_plane = plane
         self._plane: DataPlane | None = None
         self._layout: Layout | None = None
         self._layout_bytes = 0
@@ -136,10 +144,21 @@ class PushSender:
             raise
 
     def _accept(self, version: int) -> Accept:
-        self._plane.begin(self._push_id, len(self._buckets))
-        start = PushStart(self._push_id, version, self._layout.layout_id, True, self.config.verify)
-        self._channel.send(start, "accept")
-        return self._channel.expect(Accept, self._push_id, "accept")
+        """Every receiver's Accept; the go for a plane that moves all receivers together (skip only if every
+        receiver has the version). A refusal by one is an Abort for all: nothing moved anywhere."""
+        pid = self._push_id
+        self._plane.begin(pid, self._buckets)
+        self._channel.send(PushStart(pid, version, self._layout.layout_id, self.config.verify), "accept")
+        try:
+            answers = self._channel.expect(Accept, pid, "accept")
+        except RemoteError as e:
+            if len(self._channel.channels) > 1:
+                self._channel.abort(pid, "accept", e)
+            raise
+        go = Accept(pid, all(a.skip for a in answers))
+        if getattr(self._plane, "all_or_none", False):
+            self._channel.send(go, "accept: the go")
+        return go
 
     def _pack_ahead(self) -> int:
         """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
@@ -168,8 +187,12 @@ class PushSender:
         count = len(self._buckets)
         bar = _LazyBar(self._layout_bytes, f"push v{version}", self.config.progress)
         stage = "stream"
+        walk = self._buckets
+        if getattr(self._plane, "reads_in_place", False) and self._digests is None:
+            walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
+            bar.update(self._layout_bytes)
         try:
-            for k, bucket in enumerate(self._buckets):
+            for k, bucket in enumerate(walk):
                 stage = f"pack bucket {k}/{count}"
                 if k >= packed_ahead:
                     self._pack(k)
@@ -180,9 +203,16 @@ class PushSender:
             self._send_digests()
             self._plane.finish()
         except RemoteError:
+            self._plane.fail()
             raise
-        except Exception as e:  # tell the receiver now, rather than let it wait for timeout_s
+        except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
+            self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
+            cause = None
+            if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:
+                cause = self._channel.reason(self._push_id, wait_s=1.0)  # a receiver that failed first
             self._channel.abort(self._push_id, stage, e)
+            if cause is not None:
+                raise cause from e
             raise
         finally:
             bar.close()
@@ -206,19 +236,22 @@ class PushSender:
     def _ensure_session(self) -> None:
         if self._plane is not None:
             return
-        hello = self._channel.accept("handshake: waiting for the receiver's Hello")
+        hellos = self._channel.accept("handshake: waiting for the receiver's Hello")
         cfg = self.config
         try:
             name = registry.ring_name(cfg.transport, cfg.direct)
-            self._plane = registry.sender_plane(name, cfg, self._channel)
-        except Exception as e:  # e.g. /dev/shm too small: tell the receiver instead of letting it time out
+            plane = self._given_plane or registry.sender_plane(name, cfg, self._channel)
+        except Exception as e:  # e.g. not enough memory for the ring: tell the receiver, not let it time out
             self._channel.abort(0, "handshake: ring", e)
             raise
-        self._channel.send(self._plane.describe(), "handshake: ring")
-        attached = self._channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring")
-        self._plane.attached(attached)
-        logger.info("session up with %s (pid %d): %s plane, %d x %d bytes", self._channel.peer, hello.pid,
-                    self._plane.name, self._plane.slots, cfg.bucket_bytes)  # fmt: skip
+        self._plane = plane
+        self._channel.send(plane.describe(), "handshake: ring")
+        for attached in self._channel.expect(
+            Attached, 0, "handshake: waiting for the receiver to map the ring"
+        ):
+            plane.attached(attached)
+        logger.info("session up with %s (pids %s): %s plane, %d x %d bytes", self._channel.peer,
+                    [h.pid for h in hellos], plane.name, plane.slots, cfg.bucket_bytes)  # fmt: skip
 
     def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
         """select(), skipped while the trainer pushes the same tensors (updated in place) as last time."""

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 
 import torch
 
@@ -57,11 +57,14 @@ class SessionClosed(RaysyncError):
 
 
 class PushReceiver:
-    """The receiver's half of a session over ``channel`` (connected to the sender's endpoint)."""
+    """The receiver's half of a session over ``channel`` (connected to the sender's endpoint). ``plane``: the
+    data plane, when the transport made it before the session (a collective group); else the one the sender
+    describes is attached at the first receive."""
 
-    def __init__(self, channel: ReceiverChannel, config: SyncConfig):
+    def __init__(self, channel: ReceiverChannel, config: SyncConfig, plane: PlaneReader | None = None):
         self.config = config
         self._channel = channel
+        self._given_plane = plane
         self._plane: PlaneReader | None = None
         self._layout: Layout | None = None
         self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
@@ -80,12 +83,30 @@ class PushReceiver:
 
     _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors of the last layout received."""
+        return tuple(s.name for s in self._layout.tensors) if self._layout else ()
+
     def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                 wait_s: float | None = None) -> PushReport:  # fmt: skip
         """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
         Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
         this is called (again when the push brings a new layout): do not change ``into`` from another thread
         while it waits."""
+        steps = self.receiving(into=into, load_fn=load_fn, wait_s=wait_s)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def receiving(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
+                  wait_s: float | None = None, staging: bool = False) -> Generator[None, None, PushReport]:  # fmt: skip
+        """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.sharded runs
+        several sessions' pushes from one thread, taking turns). ``staging``: ``load_fn`` only stages what it
+        is given and the caller applies it after the push, so a failure here leaves the destinations as they
+        were (Note [versions never lie])."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
@@ -102,12 +123,11 @@ class PushReceiver:
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
         ahead = None
-        skip = start.version == self.version  # never while MIXED: the next push repairs the weights
-        self._channel.send(Accept(start.push_id, skip), "accept")
+        skip = self._agree(start)
         accepted = streamed = time.perf_counter()
         if not skip:
             try:
-                streamed = self._stream(start, sink)
+                streamed = yield from self._stream(start, sink, staging)
             except BaseException:
                 sink = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
                 raise
@@ -116,6 +136,20 @@ class PushReceiver:
         self.last_stages_s = {"accept": accepted - started, "stream": streamed - accepted,
                               "finish": time.perf_counter() - streamed}  # fmt: skip
         return self._report(start.version, skip, time.perf_counter() - started)
+
+    def _agree(self, start: PushStart) -> bool:
+        """Answer accept (skip: this version is here already; never while MIXED, the next push repairs the
+        weights). A plane that moves every receiver together then waits for the sender's go: skip only if
+        all have it, or an Abort when another receiver refused (nothing has moved)."""
+        skip = start.version == self.version
+        self._channel.send(Accept(start.push_id, skip), "accept")
+        if not self._plane.all_or_none:
+            return skip
+        try:
+            return self._channel.expect(Accept, start.push_id, "accept: waiting for the other receivers").skip
+        except RemoteError as e:
+            names = [s.name for s in self._layout.tensors]
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, names) from e
 
     def _report(self, version: int, skipped: bool, seconds: float) -> PushReport:
         specs, moved = self._layout.tensors, not skipped
@@ -158,9 +192,9 @@ class PushReceiver:
             self._channel.abort(start.push_id, "accept", e)
             raise self._incomplete(start, "accept", str(e), [s.name for s in specs]) from e
 
-    def _stream(self, start: PushStart, sink: Sink) -> float:
-        """Every bucket into the sink, then the end of the push (drained, verified, applied); returns when the
-        buckets were done, for ``last_stages_s``."""
+    def _stream(self, start: PushStart, sink: Sink, staging: bool) -> Generator[None, None, float]:
+        """Every bucket into the sink (yielding after each batch), then the end of the push (drained, verified,
+        applied); returns when the buckets were done, for ``last_stages_s``."""
         pid, count = start.push_id, len(self._buckets)
         stage = "stream"
         parts: list | None = None
@@ -168,14 +202,16 @@ class PushReceiver:
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
                 stage = f"wait for {named}/{count}"
-                parts = [(self._buckets[k], self._plane.receive(k, pid)) for k in batch]
+                parts = list(
+                    zip([self._buckets[k] for k in batch], self._plane.receive(batch, pid), strict=True)
+                )
                 stage = f"unpack {named}/{count}"
-                if batch[0] == 0:
+                if batch[0] == 0 and not staging:
                     self._touching(sink)
                 sink.write_all(parts)
-                for k in batch:
-                    self._plane.release(k, pid)
-                logger.debug("%s unpacked", named)
+                self._plane.release(batch, pid)
+                parts = None
+                yield
             streamed = time.perf_counter()
             self._plane.drain(self.config.timeout_s)  # Note [ordering GPU buffers]
             if start.verify:
@@ -185,6 +221,7 @@ class PushReceiver:
             sink.finish()
             return streamed
         except RemoteError as e:  # the sender failed and told us
+            self._plane.fail()
             undelivered = sink.undelivered()
             sink = parts = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
             traceback.clear_frames(e.__traceback__)
@@ -199,7 +236,8 @@ class PushReceiver:
             traceback.clear_frames(e.__traceback__)
             if isinstance(e, WeightsMixed):  # an atomic sink that could not keep its promise
                 self.version = MIXED
-            self._channel.abort(pid, stage, e)
+            self._channel.abort(pid, stage, e)  # first: the sender looks for it when its broadcasts fail
+            self._plane.fail()
             raise self._incomplete(start, stage, str(e), undelivered) from e
 
     def _touching(self, sink: Sink) -> None:
@@ -234,7 +272,12 @@ class PushReceiver:
         try:
             if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
                 raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
-            self._plane = registry.reader_plane(info, self._channel)
+            given = self._given_plane
+            if given is not None and info.transport != given.name:
+                raise LayoutError(
+                    f"the sender runs a {info.transport} plane, this receiver a {given.name} one"
+                )
+            self._plane = given or registry.reader_plane(info, self._channel)
         except Exception as e:  # tell the sender instead of letting it time out
             self._channel.abort(0, "handshake: map the ring", e)
             raise

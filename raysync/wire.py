@@ -218,14 +218,13 @@ class PushStart:
     push_id: int
     version: int
     layout_id: int
-    confirm: bool  # receivers answer Accept / Abort before any data moves (always, except a collective's
-    # pushes that repeat the last layout after a push that every receiver accepted and applied)
-    verify: bool = False  # a PushDigest follows the last bucket (ring transports; SyncConfig.verify)
+    verify: bool = False  # a PushDigest follows the last bucket (SyncConfig.verify)
 
 
 @dataclass(frozen=True)
 class Accept:
-    """receiver -> sender: destinations checked, buffers free. ``skip``: this version is applied already."""
+    """receiver -> sender: destinations checked, buffers free. ``skip``: this version is applied already.
+    sender -> receivers of a plane that moves them together (a broadcast): the go; ``skip`` if all have it."""
 
     push_id: int
     skip: bool

@@ -70,6 +70,35 @@ def own_entries(temp_dir: str | None = None) -> set[str]:
     return found
 
 
+def mapping_of(tensor: torch.Tensor) -> tuple[str, int]:
+    """What this process maps ``tensor``'s first byte from, as /proc/self/maps says: (path, inode). A ring
+    segment: ("/memfd:raysync-... (deleted)", its inode); a file in /dev/shm would show its path there."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _, _, _, inode, *path = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= address < end:
+                return (path[0].strip() if path else ""), int(inode)
+    raise AssertionError(f"address {address:#x} is in no mapping of this process")
+
+
+def fds_of_segment(tensor: torch.Tensor) -> list[int]:
+    """This process's open fds of the ring segment (a raysync memfd) that ``tensor`` maps: the ring's own fd,
+    and the dup that Python's mmap keeps. Found through /proc/self, as any code in the process could."""
+    path, inode = mapping_of(tensor)
+    assert path.startswith("/memfd:raysync-"), f"not a raysync memfd: {path!r}"
+    fds = []
+    for name in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:raysync-"):
+                if os.fstat(int(name)).st_ino == inode:
+                    fds.append(int(name))
+        except OSError:  # the fd listing itself, or an fd closed meanwhile
+            continue
+    return fds
+
+
 @pytest.fixture
 def private_tmp(monkeypatch) -> Iterator[str]:
     """A temp dir of its own for this test (children inherit TMPDIR); asserts raysync left nothing in it, nor in

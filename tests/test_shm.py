@@ -8,25 +8,34 @@ import stat
 
 import pytest
 import torch
-from conftest import raysync_shm_entries
+from conftest import mapping_of, own_entries
 
+from raysync import leftovers
 from raysync.errors import LayoutError, PeerLost, ShmSpaceError
 from raysync.transport import registry
 from raysync.transport.shm import ShmRingReceiver, ShmRingSender, _room_in, ring_memory_bytes
 from raysync.wire import RingInfo
 
 
+def own_dev_shm_entries() -> set[str]:
+    """What raysync named in /dev/shm for this test's processes (other programs' entries are not looked at)."""
+    return {p for p in own_entries() if os.path.dirname(p) == leftovers.SHM_DIR}
+
+
 def test_the_receiver_maps_the_same_memory_and_nothing_is_ever_named_in_dev_shm(private_tmp):
-    before = raysync_shm_entries()
+    before = own_dev_shm_entries()
     sender = ShmRingSender(2, 1 << 16)
     try:
         path, _ = sender.info().handles
         directory = os.path.dirname(path)
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700 and stat.S_ISSOCK(os.stat(path).st_mode)
-        assert raysync_shm_entries() == before  # memfds: no names
+        assert own_dev_shm_entries() == before
         sender.buffers[1][:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         receiver = ShmRingReceiver(sender.info())
         assert receiver.buffers[1][:4].tolist() == [1, 2, 3, 4]  # the same memory
+        for buffer in sender.buffers + receiver.buffers:  # memfds, which have no name in any directory
+            assert mapping_of(buffer)[0].startswith("/memfd:raysync-"), mapping_of(buffer)
+        assert [mapping_of(b) for b in receiver.buffers] == [mapping_of(b) for b in sender.buffers]
         receiver.buffers[0][-1] = 9
         assert sender.buffers[0][-1] == 9
         sender.receiver_attached()
@@ -34,7 +43,7 @@ def test_the_receiver_maps_the_same_memory_and_nothing_is_ever_named_in_dev_shm(
         receiver.close()
     finally:
         sender.close()
-    assert raysync_shm_entries() == before
+    assert own_dev_shm_entries() == before
 
 
 def test_the_ring_is_handed_over_once(private_tmp):
@@ -49,7 +58,8 @@ def test_the_ring_is_handed_over_once(private_tmp):
 
 
 def test_a_ring_larger_than_the_memory_left_is_refused_before_anything_is_made(private_tmp):
-    wanted = (ring_memory_bytes() // 2 + (1 << 20)) // 4096 * 4096
+    # each buffer alone more than the memory left: other programs free memory meanwhile, but not that much
+    wanted = (ring_memory_bytes() // 4096 + 1) * 4096
     with pytest.raises(ShmSpaceError) as e:
         ShmRingSender(2, wanted)
     message = str(e.value)  # the sizes wanted and available, and the fix

@@ -32,6 +32,7 @@ import tempfile
 
 import pytest
 import torch
+from conftest import fds_of_segment
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,12 +171,13 @@ def test_a_receiver_cannot_resize_the_senders_ring_and_every_push_stays_bit_exac
         mine.send("go")
         dest = _dest()
         exact.append(_bit_exact(dest, receiver.receive(into=dest).version))
-        ring = receiver._ring
+        ring = receiver.ring
         assert _outcome(mine, child) == ("pushed", 1)
         victims = _memfds_of(child.pid)  # the sender's own fds of its segments
         assert len(victims) >= CFG.num_buffers  # each segment: our fd, and the dup that Python's mmap keeps
-        attackers = {2: ring._segments[0].fd, 3: victims[0], 4: victims[-1]}
-        tries.append(_try_to_resize(ring._segments[1].fd))  # between pushes, through this side's fd
+        ours = [fds_of_segment(b)[0] for b in ring.buffers]  # this side's fd of each segment
+        attackers = {2: ours[0], 3: victims[0], 4: victims[-1]}
+        tries.append(_try_to_resize(ours[1]))  # between pushes, through this side's fd
         unpacked = ring.after_unpack
         for version in (2, 3, 4):  # mid-push: after this side read bucket 2, while the sender packs on
             count = itertools.count()
@@ -205,11 +207,12 @@ def test_a_sender_cannot_resize_the_receivers_ring_and_every_push_stays_bit_exac
         theirs.close()
         sender.push(_source(1).items(), 1)
         outcomes.append(_outcome(mine, child))
-        ring = sender._ring
+        ring = sender.ring
         victims = _memfds_of(child.pid)  # the receiver's fds of the segments
         assert len(victims) >= CFG.num_buffers  # each segment: our fd, and the dup that Python's mmap keeps
         tries.append(_try_to_resize(victims[1]))  # between pushes, through the victim's fd
-        attackers = {2: ring._segments[0].fd, 3: victims[0], 4: ring._segments[1].fd}
+        ours = [fds_of_segment(b)[0] for b in ring.buffers]  # this side's fd of each segment
+        attackers = {2: ours[0], 3: victims[0], 4: ours[1]}
         packed = ring.after_pack
         for version in (2, 3, 4):  # mid-push: right after packing bucket 3, while the receiver unpacks
             count = itertools.count()

@@ -39,6 +39,10 @@ class DataPlane(Protocol):
     transport: object  # the transport's own object (its ring), for tools and tests
     slots: int
     buffers: list[torch.Tensor]  # what a Packer writes into (none when the plane reads the source in place)
+    reads_in_place: (
+        bool  # the receiver reads the source's own tensors: nothing is packed or published per bucket
+    )
+    all_or_none: bool  # every receiver moves together (a broadcast): the session sends a go after accept
 
     @classmethod
     def open(cls, transport: type, config: SyncConfig, channel: object) -> DataPlane: ...
@@ -54,7 +58,7 @@ class DataPlane(Protocol):
         returns its own plan and the message that lets the receiver map it."""
         ...
 
-    def begin(self, push_id: int, buckets: int) -> None: ...  # right before PushStart
+    def begin(self, push_id: int, buckets: list[Bucket]) -> None: ...  # right before PushStart
 
     def claim(self, k: int) -> torch.Tensor | None: ...  # a free buffer for bucket k; None: read in place
 
@@ -66,6 +70,8 @@ class DataPlane(Protocol):
 
     def finish(self) -> None: ...  # wait until the receiver has released every bucket
 
+    def fail(self) -> None: ...  # this push failed here: end whatever a receiver may still wait on
+
     def close(self) -> None: ...
 
 
@@ -74,6 +80,7 @@ class PlaneReader(Protocol):
 
     name: str
     transport: object
+    all_or_none: bool  # see DataPlane: wait for the sender's go after answering accept
 
     @classmethod
     def open(cls, transport: type, info: RingInfo, channel: object) -> PlaneReader: ...
@@ -88,11 +95,15 @@ class PlaneReader(Protocol):
 
     def batches(self, buckets: int) -> Iterable[list[int]]: ...  # bucket indices unpacked together
 
-    def receive(self, k: int, push_id: int) -> torch.Tensor: ...  # bucket k's bytes, once they are there
+    def receive(
+        self, batch: list[int], push_id: int
+    ) -> list[torch.Tensor]: ...  # the batch's bytes, once there
 
-    def release(self, k: int, push_id: int) -> None: ...  # done reading bucket k
+    def release(self, batch: list[int], push_id: int) -> None: ...  # done reading them
 
     def drain(self, timeout_s: float) -> None: ...  # Note [ordering GPU buffers]
+
+    def fail(self) -> None: ...  # this push failed here
 
     def close(self) -> None: ...
 

@@ -32,6 +32,8 @@ class CudaIpcDirectSender:
     name: ClassVar[str] = "cuda_ipc_direct"
     is_available = CudaIpcRingSender.is_available
     slots = 0  # nothing to pack ahead: the receiver reads the source in place
+    reads_in_place = True
+    all_or_none = False
     buffers: ClassVar[list[torch.Tensor]] = []  # nothing for a Packer to write into
 
     def __init__(self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True):
@@ -83,7 +85,7 @@ class CudaIpcDirectSender:
         self.shared = shared
         return DirectSources(layout_id, tuple(export(b) for b in shared), tuple(storage), tuple(offsets))
 
-    def begin(self, push_id: int, buckets: int) -> None:
+    def begin(self, push_id: int, buckets: list[Bucket]) -> None:
         """Before PushStart: the trainer's tensors hold this push's values once its stream gets here (the
         receiver's stream waits for this record)."""
         self._ready.record(torch.cuda.current_stream(self.device))
@@ -105,6 +107,9 @@ class CudaIpcDirectSender:
     def finish(self) -> None:
         pass  # nothing to free: PushDone says the receiver has copied everything
 
+    def fail(self) -> None:
+        pass
+
     def close(self) -> None:
         self.shared = []
         torch.cuda.ipc_collect()
@@ -125,6 +130,7 @@ class CudaIpcDirectReceiver:
     them after waiting, on its stream, for the sender's ready event."""
 
     name: ClassVar[str] = "cuda_ipc_direct"
+    all_or_none = False
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or info.num_buffers or info.cuda or not info.ready_event:
@@ -174,13 +180,16 @@ class CudaIpcDirectReceiver:
     def batches(self, buckets: int) -> Iterable[list[int]]:
         return [list(range(buckets))] if buckets else []  # every storage at once: one CopyList per push
 
-    def receive(self, k: int, push_id: int) -> torch.Tensor:
-        if k == 0:  # on this GPU's stream: the sender's tensors are ready
+    def receive(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
+        if batch[0] == 0:  # on this GPU's stream: the sender's tensors are ready
             torch.cuda.current_stream(self.device).wait_event(self._ready)
-        return self.buffers[k]
+        return self.buffers[batch[0] : batch[-1] + 1]  # batches are runs of consecutive buckets
 
-    def release(self, k: int, push_id: int) -> None:
+    def release(self, batch: list[int], push_id: int) -> None:
         pass  # the sender's tensors are not ours to free
+
+    def fail(self) -> None:
+        pass
 
     def drain(self, timeout_s: float) -> None:
         wait_stream(torch.cuda.current_stream(self.device), timeout_s)

@@ -29,6 +29,9 @@ from raysync.wire import Attached, BucketFreed, BucketReady, DirectSources, Layo
 class RingPlane:
     """The sender's half: owns the ring (``transport``)."""
 
+    reads_in_place = False
+    all_or_none = False  # one reader
+
     def __init__(self, ring: RingSender, channel: Channel):
         self.transport, self._channel = ring, channel
         self.name = ring.name
@@ -57,8 +60,8 @@ class RingPlane:
     ) -> tuple[list[Bucket], DirectSources] | None:
         return None  # the layout's own buckets, packed into the ring
 
-    def begin(self, push_id: int, buckets: int) -> None:
-        self._push_id, self._buckets = push_id, buckets
+    def begin(self, push_id: int, buckets: list[Bucket]) -> None:
+        self._push_id, self._buckets = push_id, len(buckets)
 
     def claim(self, k: int) -> torch.Tensor:
         slot = k % self.slots
@@ -82,12 +85,17 @@ class RingPlane:
         for _ in range(min(self.slots, self._buckets)):  # the frees of the last S buckets
             self._channel.expect(BucketFreed, self._push_id, "finish")
 
+    def fail(self) -> None:
+        pass  # the receiver learns it from the Abort
+
     def close(self) -> None:
         self.transport.close()
 
 
 class RingReader:
     """The receiver's half: maps the ring the sender described (``transport``)."""
+
+    all_or_none = False
 
     def __init__(self, ring: RingReceiver, channel: Channel):
         self.transport, self._channel = ring, channel
@@ -129,7 +137,10 @@ class RingReader:
         self._buckets = buckets
         return ([k] for k in range(buckets))  # each bucket as it arrives: the sender packs the next meanwhile
 
-    def receive(self, k: int, push_id: int) -> torch.Tensor:
+    def receive(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
+        return [self._receive(k, push_id) for k in batch]
+
+    def _receive(self, k: int, push_id: int) -> torch.Tensor:
         slot = k % self.slots
         ready = self._channel.expect(BucketReady, push_id, f"wait for bucket {k}/{self._buckets}")
         if (ready.bucket, ready.slot) != (k, slot):
@@ -137,13 +148,17 @@ class RingReader:
         self.transport.before_unpack(slot)
         return self.transport.buffers[slot]
 
-    def release(self, k: int, push_id: int) -> None:
-        slot = k % self.slots
-        self.transport.after_unpack(slot)
-        self._channel.send(BucketFreed(push_id, k, slot), f"unpack bucket {k}/{self._buckets}")
+    def release(self, batch: list[int], push_id: int) -> None:
+        for k in batch:
+            slot = k % self.slots
+            self.transport.after_unpack(slot)
+            self._channel.send(BucketFreed(push_id, k, slot), f"unpack bucket {k}/{self._buckets}")
 
     def drain(self, timeout_s: float) -> None:
         self.transport.end_push(timeout_s)
+
+    def fail(self) -> None:
+        pass
 
     def close(self) -> None:
         self.transport.close()
