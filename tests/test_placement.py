@@ -8,10 +8,25 @@ from raysync.placement import Placement, PlanError, assign, choose, format_plan,
 
 
 def at(node: str, gpu: str | None = None, *, host: str = "h1", ipc: bool = True, visible=("GPU-a", "GPU-b")):
+    where = {"node_id": node, "host": host, "ip": "10.0.0.1", "pid": 1}
     if gpu is None:
-        return Placement(node, host, "10.0.0.1", 1, "cpu", (), None, None, False, ())
+        return Placement(
+            **where,
+            device="cpu",
+            gpu_uuids=(),
+            current_gpu=None,
+            cuda_visible_devices=None,
+            ipc_ok=False,
+            peer_access=(),
+        )
     return Placement(
-        node, host, "10.0.0.1", 1, "cuda", visible, gpu, "0,1", ipc, ((True, True), (True, True))
+        **where,
+        device="cuda",
+        gpu_uuids=visible,
+        current_gpu=gpu,
+        cuda_visible_devices="0,1",
+        ipc_ok=ipc,
+        peer_access=((True, True), (True, True)),
     )
 
 
@@ -38,7 +53,18 @@ def test_rules_and_fallbacks(s, r, built, transport, why):
 def test_gpus_are_matched_by_uuid_not_index():
     # the receiver sees only GPU-b, as its device 0; the sender works on GPU-b too (its device 1)
     s = at("n1", "GPU-b")
-    r = Placement("n1", "h1", "10.0.0.1", 2, "cuda", ("GPU-b",), "GPU-b", "1", True, ((True,),))
+    r = Placement(
+        node_id="n1",
+        host="h1",
+        ip="10.0.0.1",
+        pid=2,
+        device="cuda",
+        gpu_uuids=("GPU-b",),
+        current_gpu="GPU-b",
+        cuda_visible_devices="1",
+        ipc_ok=True,
+        peer_access=((True,),),
+    )
     assert choose(0, 0, s, r, ALL).reason == "same GPU"
 
 
@@ -76,7 +102,7 @@ def test_probe_reports_this_process_as_torch_sees_it():
     uuids = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(gpus))
     assert me.gpu_uuids == uuids and len(me.peer_access) == gpus
     assert me.current_gpu == (uuids[torch.cuda.current_device()] if gpus else None)
-    assert me.device == "cuda" if torch.cuda.is_available() else me.device in ("cpu", "npu")
+    assert (me.device == "cuda") if torch.cuda.is_available() else (me.device in ("cpu", "npu"))
     assert not me.ipc_ok or me.device == "cuda"  # the CUDA IPC probe passes only where there is CUDA
     if me.device == "cuda":
         assert all(me.peer_access[i][i] for i in range(gpus))  # a GPU reaches its own memory
