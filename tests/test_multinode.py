@@ -17,9 +17,12 @@ CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)
 
 
 @pytest.mark.slow
-def test_plan_across_nodes_and_bit_exact_pushes(no_leftovers, gloo_warm):
+def test_plan_across_nodes_and_bit_exact_pushes(private_tmp, monkeypatch, gloo_warm):
     from ray.cluster_utils import Cluster
 
+    # the cluster's files in this test's own temp dir: Cluster writes the address that a bare ray.init() joins
+    # (ray_current_cluster) and removes it at shutdown, which must touch no other Ray's on the machine
+    monkeypatch.setenv("RAY_TMPDIR", private_tmp)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 10}})
     try:
         cluster.add_node(num_cpus=1, resources={"node_b": 10})
