@@ -53,6 +53,20 @@ def test_doctor_covers_every_node_of_a_ray_cluster(ray_local, capsys):
     assert [n["node_id"] for n in nodes] == [n["NodeID"] for n in ray.nodes() if n["Alive"]]
 
 
+def test_doctor_joins_an_existing_cluster_as_it_is(ray_local):
+    """`raysync doctor --cluster` in a process of its own, pointed at a running cluster (this module's Ray) by
+    RAY_ADDRESS, as on a cluster's head: Ray refuses num_cpus / num_gpus from a process that joins a cluster,
+    so this fails if doctor passes any."""
+    import ray
+
+    env = os.environ | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    run = subprocess.run([sys.executable, "-m", "raysync", "doctor", "--cluster", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    nodes = json.loads(run.stdout)
+    assert [n["node_id"] for n in nodes] == [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+
 def _bench(tmp_path, capsys, device: str, transports: set[str]) -> None:
     """`raysync bench` on ``device`` measures ``transports`` at two bucket sizes, beside a floor, and plots."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
