@@ -193,7 +193,8 @@ def test_hostile_layouts_are_refused_before_anything_is_touched(private_tmp, in_
 
 # --- crashes ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_crash_loop_every_transport_both_sides(private_tmp, capfd, monkeypatch):
+def test_crash_loop_every_transport_both_sides(private_tmp, capfd, monkeypatch, gloo_warm):
+    """Its gloo groups wait 2 s at most: gloo_warm has paid a cold machine's first group (over 5 s) already."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # spawned victims import crash_loop too
     import crash_loop
 
