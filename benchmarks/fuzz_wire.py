@@ -114,7 +114,7 @@ def run(n: int, max_frame_bytes: int = 1 << 16, seed: int = 0) -> dict:
     secret = SessionSecret.generate()
     tx = FrameCodec(secret, "sender", "receiver", max_frame_bytes)
     rx = FrameCodec(secret, "receiver", "sender", max_frame_bytes)
-    valid = [tx.encode(Hello(1, "peer"))] + [tx.encode(PushStart(i + 1, i, 1, True)) for i in range(8)]
+    valid = [tx.encode(Hello(1, "peer"))] + [tx.encode(PushStart(i + 1, i, 1)) for i in range(8)]
     for frame in valid:  # the session's own traffic: from now on each of these is a replay
         rx.decode(frame)
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +134,7 @@ def run(n: int, max_frame_bytes: int = 1 << 16, seed: int = 0) -> dict:
             times.append(time.perf_counter() - t0)
         rss_growth = _rss_bytes() - rss_before
         bomb_ran = os.path.exists(bomb_path)
-    usable = rx.decode(tx.encode(PushStart(99, 1, 1, True))) == PushStart(99, 1, 1, True)  # the peer goes on
+    usable = rx.decode(tx.encode(PushStart(99, 1, 1))) == PushStart(99, 1, 1)  # the peer goes on
     times.sort()
     return {"frames": n, "crashes": crashes, "accepted": accepted, "pickle_side_effect": bomb_ran,
             "receiver_usable_after": usable, "rss_growth_bytes": rss_growth,

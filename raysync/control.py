@@ -322,22 +322,39 @@ class Fanout:
         return [got[i] for i in range(len(self.channels))]
 
     def reason(self, push_id: int, wait_s: float) -> RemoteError | None:
-        """An Abort of push ``push_id`` that a receiver sent (waiting up to ``wait_s`` for one): the cause of a
-        failure that this side saw only as a symptom (a broadcast that failed when that receiver left)."""
+        """The Aborts of push ``push_id`` that receivers sent (waiting up to ``wait_s``), the cause preferred
+        over a symptom: this side saw a broadcast fail, and a receiver that failed first says why, while the
+        others only say that their broadcasts failed too (PeerTimeout, PeerLost)."""
         deadline = time.monotonic() + wait_s
-        for c in self.channels:
-            while True:
+        found: list[RemoteError] = []
+        poller = zmq.Poller()
+        waiting = {c.sock: c for c in self.channels}
+        for sock in waiting:
+            poller.register(sock, zmq.POLLIN)
+        while waiting and not any(not _symptom(e) for e in found):
+            remaining = deadline - time.monotonic()
+            ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
+            if not ready:
+                break
+            for sock in [s for s in ready if s in waiting]:
+                c = waiting[sock]
                 try:
-                    msg = c.recv("reason", max(1e-3, deadline - time.monotonic()))
+                    msg = c.recv("reason", 1e-3)
                 except RaysyncError:
-                    break
+                    continue
                 if isinstance(msg, Abort) and msg.push_id == push_id:
-                    return RemoteError(c.peer, msg.stage, msg.message, msg.traceback)
-        return None
+                    found.append(RemoteError(c.peer, msg.stage, msg.message, msg.traceback))
+                    poller.unregister(sock)
+                    del waiting[sock]
+        return next((e for e in found if not _symptom(e)), found[0] if found else None)
 
     def close(self) -> None:
         for c in self.channels:
             c.close()
+
+
+def _symptom(error: RemoteError) -> bool:
+    return error.message.startswith(("PeerTimeout", "PeerLost"))
 
 
 class ReceiverChannel(Channel):

@@ -169,7 +169,7 @@ def test_hostile_layouts_are_refused_before_anything_is_touched(private_tmp, in_
             peer.set_up()
             bucket = 8192 if why == "a bucket larger than the ring" else 4096
             peer.send("Layout", _layout(1, specs, bucket))
-            peer.send_message(PushStart(1, 1, 1, True))
+            peer.send_message(PushStart(1, 1, 1))
             errors = [got.exception(timeout=30)]
             if not isinstance(
                 errors[0], PushIncomplete
@@ -182,7 +182,7 @@ def test_hostile_layouts_are_refused_before_anything_is_touched(private_tmp, in_
             assert receiver.version is None and not dest["w"].any()  # nothing touched
             peer.send("Layout", _layout(2, [("w", "float32", [4])]))  # the channel still serves its sender
             got = in_thread(receiver.receive, into=dest)
-            peer.send_message(PushStart(2, 7, 2, True))
+            peer.send_message(PushStart(2, 7, 2))
             assert isinstance(peer.recv(), Accept)
             _stream_one_bucket(peer, 2, torch.arange(4, dtype=torch.float32).numpy().tobytes())
             assert got.result(timeout=30).version == 7 == receiver.version

@@ -64,7 +64,7 @@ MESSAGES = [
     Hello(1234, "node-a"),
     RingInfo("shm", 2, 1 << 20, ("raysync-" + "0" * 32, "raysync-" + "1" * 32)),
     Layout(1, 1024, 256, (TensorSpec("w", "bfloat16", (3, 4)), TensorSpec("s", "float8_e4m3fn", ()))),
-    PushStart(7, 3, 1, True),
+    PushStart(7, 3, 1),
     BucketReady(7, 2, 0),
     Abort(7, "unpack bucket 2/9", "boom", "Traceback ..."),
 ]
@@ -78,7 +78,7 @@ def test_every_message_round_trips(msg):
 
 def test_rejections_leave_the_codec_usable():
     tx, rx = pair()
-    good = tx.encode(PushStart(1, 1, 1, True))
+    good = tx.encode(PushStart(1, 1, 1))
     rejected = {
         "truncated": (good[:-1], BadSignature),
         "empty": (b"", MalformedFrame),
@@ -86,11 +86,11 @@ def test_rejections_leave_the_codec_usable():
         "flipped bit": (bytes([good[0] ^ 1]) + good[1:], BadSignature),
         "oversized": (good + b"\0" * (1 << 16), FrameTooLarge),
         "other key": (
-            pair(secret=SessionSecret.generate())[0].encode(PushStart(1, 1, 1, True)),
+            pair(secret=SessionSecret.generate())[0].encode(PushStart(1, 1, 1)),
             BadSignature,
         ),
         "reflected": (
-            pair()[1].encode(PushStart(1, 1, 1, True)),
+            pair()[1].encode(PushStart(1, 1, 1)),
             BadSignature,
         ),  # receiver's frame sent back to it
         "unsigned pickle": (pickle.dumps(Hello(1, "x")), BadSignature),
@@ -98,10 +98,10 @@ def test_rejections_leave_the_codec_usable():
     for frame, error in rejected.values():
         with pytest.raises(error):
             rx.decode(frame)
-    assert rx.decode(good) == PushStart(1, 1, 1, True)
+    assert rx.decode(good) == PushStart(1, 1, 1)
     with pytest.raises(ReplayedFrame):
         rx.decode(good)
-    assert rx.decode(tx.encode(PushStart(2, 2, 1, True))) == PushStart(2, 2, 1, True)
+    assert rx.decode(tx.encode(PushStart(2, 2, 1))) == PushStart(2, 2, 1)
 
 
 def test_session_and_sequence_checks():

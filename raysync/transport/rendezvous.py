@@ -44,7 +44,7 @@ from raysync.wire import SessionSecret
 
 logger = logging.getLogger(__name__)
 
-MAX_KEYS = 4096  # a push writes a handful of keys and deletes the previous push's (CollectiveSender)
+MAX_KEYS = 4096  # the group's bootstrap writes a few keys per rank; no push writes any
 MAX_KEY_CHARS = 1024
 MAX_WAITERS = 1024  # blocked get / wait requests held by the server at once
 _ENVELOPE_BYTES = 64 << 10  # a request's key, op and msgpack framing on top of its value
