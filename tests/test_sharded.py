@@ -46,7 +46,8 @@ def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
 def test_an_engine_is_one_version_only_when_every_share_is():
     """ShardedReceiver.version over every combination of its shares' versions that matters (Note [versions
     never lie]): shares that differ, or one MIXED, make the engine's weights a mix."""
-    rdv = Rendezvous("127.0.0.1", 9, 2, "gloo", ("tcp://127.0.0.1:9",))  # never joined: only versions are read here
+    # never joined: only versions are read here
+    rdv = Rendezvous("127.0.0.1", 9, 2, "gloo", ("tcp://127.0.0.1:9",))
     parts = [CollectiveReceiver(SessionSecret.generate(), CFG, rank=1, rendezvous=rdv) for _ in range(4)]
     engine = ShardedReceiver(parts[:2])
     try:
