@@ -7,7 +7,7 @@ per-tensor broadcast of the same layout, measured in the same run over the same 
     python benchmarks/bench_collective.py --shares 2        # sharded sources: 2 groups from GPU 0's process
 
 Rank 0 (GPU 0) sends; ranks 1..gpus-1 receive. With --shares S, rank 0 sends S disjoint shares of the tensors
-over S groups at once (raysync.sharded; every share from GPU 0 here, so one link is still all there is: it
+over S groups at once (raysync.transport.sharded; every share from GPU 0 here, so one link is still all there is: it
 measures the cost of the mechanism, not the gain of several trainer GPUs). Every rank runs the same sequence (SPMD); rank 0 times the
 pushes end to end (push returns when every receiver has reported its version applied). Prints a table and JSON.
 """
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig
-from raysync.models import LAYOUTS, allocate
-from raysync.sharded import ShardedReceiver, shares
+from raysync.tools.models import LAYOUTS, allocate
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
+from raysync.transport.sharded import ShardedReceiver, shares
 
 
 def _bcast(pg, t: torch.Tensor):

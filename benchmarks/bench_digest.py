@@ -1,4 +1,4 @@
-"""Benchmark: the cost of SyncConfig.verify's digest (raysync.digest) over a model layout, the digest before
+"""Benchmark: the cost of SyncConfig.verify's digest (raysync.core.digest) over a model layout, the digest before
 issue 22 (a plain sum of 64-bit words, kept below for the comparison) next to the current one, and a memory
 floor measured in the same run over the same bytes: one sum of them as 64-bit words in a single flat buffer
 (one read of every byte, no per-tensor cost) and one copy of that buffer.
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from common import emit
 
-from raysync import digest
-from raysync.models import allocate
+from raysync.core import digest
+from raysync.tools.models import allocate
 
 
 def old_partial(data: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ def run(layout: str, device: torch.device, repeats: int) -> dict:
         "digest, one buffer": timed(lambda: digest.finish([[digest.partial(flat, 0)]]), device, repeats),
     }  # fmt: skip
     fast = digest._fast_int8_product
-    try:  # the path of a device where torch has no fast int8 product (Note in raysync.digest)
+    try:  # the path of a device where torch has no fast int8 product (Note in raysync.core.digest)
         digest._fast_int8_product = lambda device: False
         rows["digest, weight table (no fast int8 product), per tensor"] = timed(per_tensor(lambda b: digest.partial(b, 0)), device,
                                                              repeats)  # fmt: skip

@@ -23,9 +23,9 @@ import torch
 from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.models import allocate
-from raysync.plan import plan_buckets
-from raysync.source import select
+from raysync.core.plan import plan_buckets
+from raysync.core.source import select
+from raysync.tools.models import allocate
 
 
 def receiver_main(endpoint, secret, config, layout, gpu, pushes, out) -> None:

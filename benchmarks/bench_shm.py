@@ -24,7 +24,7 @@ import torch
 from common import emit
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.models import allocate
+from raysync.tools.models import allocate
 
 
 def _sync(device: str) -> None:

@@ -29,8 +29,9 @@ import time
 import torch
 from common import emit
 
-from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender, leftovers
-from raysync.bench import sender_for
+from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core import leftovers
+from raysync.tools.bench import sender_for
 from raysync.transport.collective import CollectiveReceiver
 
 TENSORS = 8

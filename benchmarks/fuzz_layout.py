@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 import msgpack
 from common import emit
 
-from raysync.errors import BadLayout, WireError
-from raysync.plan import direct_buckets, layout_size, plan_buckets
-from raysync.wire import (
+from raysync.core.errors import BadLayout, WireError
+from raysync.core.plan import direct_buckets, layout_size, plan_buckets
+from raysync.core.wire import (
     MAX_LAYOUT_BUCKETS,
     MAX_LAYOUT_CHUNKS,
     MAX_LAYOUT_TENSORS,

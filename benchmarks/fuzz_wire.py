@@ -28,8 +28,8 @@ import time
 import msgpack
 from common import emit
 
-from raysync.errors import WireError
-from raysync.wire import PROTOCOL, FrameCodec, Hello, PushStart, SessionSecret, _direction_key
+from raysync.core.errors import WireError
+from raysync.core.wire import PROTOCOL, FrameCodec, Hello, PushStart, SessionSecret, _direction_key
 
 
 class _Bomb:

@@ -67,7 +67,7 @@ def perturb(model, version: int) -> None:
 
 
 def receiver_main(secret, config, rank, rendezvous, pushes, out) -> None:
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     params = dict(tiny_qwen2(seed=99).named_parameters())
     receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--round-trips", type=int, default=2000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     ctx = mp.get_context("spawn")
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)

@@ -42,11 +42,11 @@ import torch
 from common import emit
 
 from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.control import ReceiverChannel, SenderChannel, binds_every_interface
-from raysync.errors import EndpointError
-from raysync.leftovers import owner_of
+from raysync.core.control import ReceiverChannel, SenderChannel, binds_every_interface
+from raysync.core.errors import EndpointError
+from raysync.core.leftovers import owner_of
+from raysync.core.wire import Hello, RingInfo
 from raysync.transport.shm import ShmRingReceiver
-from raysync.wire import Hello, RingInfo
 
 BUCKETS = 8
 CONFIG = SyncConfig(bucket_bytes=256 << 10, timeout_s=5, progress=False)  # 8 buckets of 256 KiB, 2 buffers

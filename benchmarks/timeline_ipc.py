@@ -24,7 +24,7 @@ from common import emit
 from torch.profiler import ProfilerActivity, profile
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.models import allocate
+from raysync.tools.models import allocate
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 

@@ -4,7 +4,7 @@
 
 One vLLM CPU engine in this process (random weights, ``load_format="dummy"``), then inside its worker:
 
-    check     the push checked against the model (raysync.vllm_model: vLLM's loader on a meta twin), the
+    check     the push checked against the model (raysync.engines.vllm_model: vLLM's loader on a meta twin), the
               first time for a layout, then again (a push of the same layout: the worker's cache)
     undo      what Undo keeps before a reload (a copy of the tensors the reload writes in place), and its time
     reload    vLLM's reload_weights alone; re-making a tied output head; raysync's whole apply (check,
@@ -36,9 +36,9 @@ def measure(worker, layout: str) -> dict:
     """Runs inside the vLLM worker (collective_rpc)."""
     import torch
 
-    from raysync.models import allocate
-    from raysync.vllm import PushCheck, StagedReload
-    from raysync.vllm_model import Undo, follow_embedding, tied_heads
+    from raysync.engines.vllm import PushCheck, StagedReload
+    from raysync.engines.vllm_model import Undo, follow_embedding, tied_heads
+    from raysync.tools.models import allocate
 
     runner, model = worker.model_runner, worker.model_runner.get_model()
     weights = list(allocate(layout, dtype=torch.bfloat16).items())
@@ -84,7 +84,7 @@ def main() -> None:
     from transformers import Qwen2Config
     from vllm import LLM
 
-    from raysync.models import LAYOUTS
+    from raysync.tools.models import LAYOUTS
 
     shape = LAYOUTS[args.layout]
     with tempfile.TemporaryDirectory() as model_dir:
@@ -93,7 +93,7 @@ def main() -> None:
                     tie_word_embeddings=shape.tied, torch_dtype="bfloat16").save_pretrained(model_dir)  # fmt: skip
         llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
                   max_model_len=160, max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20,
-                  worker_extension_cls="raysync.vllm.WorkerExtension")  # fmt: skip
+                  worker_extension_cls="raysync.engines.vllm.WorkerExtension")  # fmt: skip
         try:
             result = llm.collective_rpc(measure, args=(args.layout,))[0]
         finally:

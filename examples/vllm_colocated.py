@@ -21,8 +21,8 @@ import ray
 import torch
 
 from raysync import SyncConfig, WeightSync
-from raysync.models import tiny_qwen2
-from raysync.vllm import VllmEngine, weight_version
+from raysync.engines.vllm import VllmEngine, weight_version
+from raysync.tools.models import tiny_qwen2
 
 PROMPT = [(7 * i) % 500 + 1 for i in range(48)]
 TOKENS = 8
@@ -53,7 +53,7 @@ class Rollout:
     def __init__(self, checkpoint):
         from vllm import LLM
 
-        self.llm = LLM(checkpoint, worker_extension_cls="raysync.vllm.WorkerExtension", skip_tokenizer_init=True,
+        self.llm = LLM(checkpoint, worker_extension_cls="raysync.engines.vllm.WorkerExtension", skip_tokenizer_init=True,
                        dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256)  # fmt: skip
 
     def greedy(self, prompt, tokens):

@@ -1,8 +1,7 @@
 """raysync: stream a model's weights from RL trainers into rollout engines, fast and safely."""
 
-from raysync.config import SyncConfig
-from raysync.coordinator import ActorGone, ActorUnavailable, SyncClosed, SyncError, SyncReport, WeightSync
-from raysync.errors import (
+from raysync.core.config import SyncConfig
+from raysync.core.errors import (
     IntegrityError,
     LayoutError,
     PeerLost,
@@ -16,11 +15,12 @@ from raysync.errors import (
     WeightsMixed,
     WireError,
 )
-from raysync.receiver import SessionClosed, WeightReceiver
-from raysync.report import PushReport
-from raysync.sender import WeightSender
-from raysync.version import MIXED
-from raysync.wire import SessionSecret
+from raysync.core.receiver import SessionClosed, WeightReceiver
+from raysync.core.report import PushReport
+from raysync.core.sender import WeightSender
+from raysync.core.version import MIXED
+from raysync.core.wire import SessionSecret
+from raysync.ray.coordinator import ActorGone, ActorUnavailable, SyncClosed, SyncError, SyncReport, WeightSync
 
 __all__ = [
     "MIXED",

@@ -1,5 +1,5 @@
 import sys
 
-from raysync.cli import main
+from raysync.tools.cli import main
 
 sys.exit(main())

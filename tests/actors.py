@@ -8,7 +8,7 @@ import signal
 import torch
 from workers import digest, perturb
 
-from raysync.models import tiny_qwen2
+from raysync.tools.models import tiny_qwen2
 
 
 class Trainer:
@@ -99,7 +99,9 @@ class VllmHost:
         from vllm import LLM
 
         self.llm = LLM(
-            model_dir, worker_extension_cls="raysync.vllm.WorkerExtension", **{**ENGINE_ARGS, **overrides}
+            model_dir,
+            worker_extension_cls="raysync.engines.vllm.WorkerExtension",
+            **{**ENGINE_ARGS, **overrides},
         )
 
     def generate(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -110,7 +112,7 @@ class VllmHost:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def weight_version(self) -> int | None:
-        from raysync.vllm import weight_version
+        from raysync.engines.vllm import weight_version
 
         return weight_version(self.llm)
 

@@ -12,7 +12,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, leftovers
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core import leftovers
 
 
 def raysync_shm_entries() -> set[str]:
@@ -23,7 +24,7 @@ def raysync_shm_entries() -> set[str]:
 # --- what this test's processes made ---------------------------------------------------------------------------
 # Other programs share /dev/shm and the temp dir with a test (other test runs on the machine, vLLM, Ray): a test
 # looks only at names its own processes made. raysync's names carry their owner (Note [names that outlive a
-# crash] in raysync.leftovers): this process, a process under it (Ray's workers, a spawned child), or a child the
+# crash] in raysync.core.leftovers): this process, a process under it (Ray's workers, a spawned child), or a child the
 # spawn fixture started and that may have been killed since.
 _SPAWNED: set[tuple[int, int]] = set()  # (pid, start) of every process the spawn fixture started
 
@@ -269,7 +270,7 @@ def gloo_warm() -> None:
     pytest.importorskip("transformers")
     from workers import collective_receiver, digest
 
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveSender
 
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)

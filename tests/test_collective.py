@@ -17,11 +17,11 @@ import zmq
 from workers import collective_receiver, digest, perturb
 
 from raysync import PeerUnavailable, RemoteError, SessionSecret, SyncConfig
-from raysync.errors import EndpointError, PeerTimeout, RaysyncError, WireError
+from raysync.core.errors import EndpointError, PeerTimeout, RaysyncError, WireError
+from raysync.core.version import MIXED
 from raysync.transport.collective import CollectiveSender
 from raysync.transport.rendezvous import CurveKeys, StoreClient
 from raysync.transport.rendezvous_server import StoreServer
-from raysync.version import MIXED
 
 pytest.importorskip("transformers")
 # The embedding spans 4 buckets. No wait is meant to run out under CFG: a failure is told, and the tests tell
@@ -32,12 +32,12 @@ CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)
 DIES = dataclasses.replace(CFG, timeout_s=5)
 
 
-def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
-    from raysync.models import tiny_qwen2
+def _group(spawn, receivers: int, pushes: int, special: dict | None = None, config: SyncConfig = CFG):
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)  # before the group is up: receivers wait timeout_s for the first push
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=receivers, backend="gloo")
+    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=receivers, backend="gloo")
     out = spawn.ctx.Queue()
     for rank in range(1, receivers + 1):
         spawn(
@@ -54,9 +54,12 @@ def _group(spawn, receivers: int, pushes: int, special: dict | None = None):
     return sender, model, out
 
 
-@pytest.mark.parametrize("receivers", [2, 3])
-def test_broadcast_bit_exact_over_several_pushes(spawn, receivers):
-    sender, model, out = _group(spawn, receivers, pushes=4)
+@pytest.mark.parametrize("receivers, verify", [(2, False), (3, False), (2, True)])
+def test_broadcast_bit_exact_over_several_pushes(spawn, receivers, verify):
+    """verify: every receiver compares the digests of what landed with the sender's (the one push session's
+    verify stage, which the collective runs like every plane): a mismatch or a missing digest fails the push."""
+    config = dataclasses.replace(CFG, verify=verify)
+    sender, model, out = _group(spawn, receivers, pushes=4, config=config)
     try:
         for version in (1, 2, 3):
             perturb(model, version)
@@ -88,7 +91,7 @@ def survivor(secret, config, rendezvous, out, inbox) -> None:
     """Rank 1 of a group whose rank 2 dies in push 2: receives push 1, fails push 2 (reports its version and a
     digest of its destinations), then joins the group the parent rebuilds, as an engine whose session is
     replaced does (the new receiver keeps the old one's version), and receives once more."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
 
     params = dict(tiny_qwen2(seed=99).named_parameters())
@@ -119,7 +122,7 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_and_the_survivor_says_mi
     out, and its destinations, which took part of push 2 in place, say MIXED (staged: untouched, still version
     1). The failed group is gone for good; a rebuilt group's push of the same version 2 is not skipped and
     leaves the survivor bit-exact at version 2."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()
@@ -240,7 +243,7 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
     """Attackers write garbage, huge length prefixes and a leaked-key client's requests to the rendezvous port
     from the start of the group's set-up to the end of its second push: the session completes bit-exact, the
     server closed every hostile connection (none held it), and no stranger's key landed in the store."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()

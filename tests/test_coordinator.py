@@ -12,10 +12,10 @@ pytest.importorskip("transformers")
 from actors import Engine, Trainer, breakable_source, engine_load  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
-from raysync.coordinator import ActorGone, SyncClosed  # noqa: E402
-from raysync.endpoint import applied_version  # noqa: E402
-from raysync.placement import PlanError  # noqa: E402
-from raysync.version import MIXED  # noqa: E402
+from raysync.core.version import MIXED  # noqa: E402
+from raysync.ray.coordinator import ActorGone, SyncClosed  # noqa: E402
+from raysync.ray.endpoint import applied_version  # noqa: E402
+from raysync.ray.placement import PlanError  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
 ACTOR = {"num_cpus": 0.25}

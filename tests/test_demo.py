@@ -11,7 +11,7 @@ pytest.importorskip("ray")
 
 @pytest.mark.slow
 def test_demo_pushes_bit_exact_through_ray_actors(private_tmp, capsys):
-    from raysync.demo import main
+    from raysync.tools.demo import main
 
     assert main(["--engine", "torch", "--engines", "1", "--pushes", "2", "--bucket-mb", "1"]) == 0
     out = capsys.readouterr().out
@@ -29,7 +29,7 @@ def test_demo_pushes_bit_exact_through_ray_actors(private_tmp, capsys):
 @pytest.mark.vllm
 def test_demo_with_vllm_engines_generates_the_trainers_tokens(private_tmp, capsys):
     vllm = pytest.importorskip("vllm")
-    from raysync.demo import main
+    from raysync.tools.demo import main
 
     assert main(["--engine", "vllm", "--engines", "1", "--pushes", "2", "--bucket-mb", "1", "--tied"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""SyncConfig.verify's digest (raysync.digest): what it detects (Note [what the digest detects]), that chunks add
+"""SyncConfig.verify's digest (raysync.core.digest): what it detects (Note [what the digest detects]), that chunks add
 up to the whole tensor, that every way of computing it gives the same number, and that a corrupted push is
 refused end to end on the shm transport."""
 
@@ -12,11 +12,12 @@ from conftest import random_tensor, session_pair
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raysync import PushIncomplete, RemoteError, SyncConfig, digest
-from raysync.errors import IntegrityError
-from raysync.plan import plan_buckets
-from raysync.version import MIXED
-from raysync.wire import DTYPES, TensorSpec
+from raysync import PushIncomplete, RemoteError, SyncConfig
+from raysync.core import digest
+from raysync.core.errors import IntegrityError
+from raysync.core.plan import plan_buckets
+from raysync.core.version import MIXED
+from raysync.core.wire import DTYPES, TensorSpec
 
 MOD = 1 << 63
 ROWS = digest.ROW_BYTES

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_copies_on_one_gpu_are_replayed_from_a_cuda_graph_that_follows_in_place_updates():
-    from raysync.copies import CopyList
+    from raysync.core.copies import CopyList
 
     torch.cuda.set_device(0)
     src = [torch.randn(n, device="cuda") for n in (7, 1 << 20, 3 << 18, 5)]  # fused and one-by-one copies
@@ -71,7 +71,7 @@ def test_nccl_broadcast_between_two_gpus_bit_exact(spawn):
     from workers import digest, nccl_receiver
 
     from raysync import SessionSecret
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveSender
 
     torch.cuda.set_device(0)
@@ -113,7 +113,7 @@ def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None,
     from workers import digest, ipc_receiver
 
     from raysync import SessionSecret, WeightSender
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     torch.cuda.set_device(sender_gpu)
     src = allocate(layout, device="cuda")
@@ -208,8 +208,8 @@ def test_ipc_sender_killed_mid_push_the_receiver_fails_in_time_and_unmaps(spawn,
     from workers import ipc_sender_forever
 
     from raysync import PeerTimeout, PushIncomplete, SessionSecret, WeightReceiver
-    from raysync.models import allocate
-    from raysync.version import MIXED
+    from raysync.core.version import MIXED
+    from raysync.tools.models import allocate
 
     config = SyncConfig(transport="cuda_ipc", bucket_bytes=64 << 20, timeout_s=3, progress=False)
     secret, out = SessionSecret.generate(), spawn.ctx.Queue()
@@ -274,7 +274,7 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_times_
     from workers import ipc_sender_forever
 
     from raysync import PeerTimeout, SessionSecret, WeightReceiver
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     config = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=3, progress=False)
     secret, out = SessionSecret.generate(), spawn.ctx.Queue()
@@ -331,7 +331,7 @@ def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is
     from workers import digest, ipc_receiver
 
     from raysync import LayoutError, SessionSecret, WeightSender
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     torch.cuda.set_device(0)
     config = dataclasses.replace(DIRECT, verify=True)

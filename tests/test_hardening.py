@@ -39,7 +39,7 @@ def test_a_push_that_fails_part_way_leaves_no_mix_when_staged(private_tmp, in_th
     from conftest import session_pair
 
     from raysync import PushIncomplete, RemoteError, SyncConfig
-    from raysync.version import MIXED
+    from raysync.core.version import MIXED
 
     config = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False, staged=staged)
     names = [f"w{i}" for i in range(6)]  # 6 tensors of 4 KB: one bucket each
@@ -81,8 +81,8 @@ class HostileSender:
     def __init__(self, secret, endpoint: str):
         import zmq
 
+        from raysync.core.wire import FrameCodec
         from raysync.transport.shm import ShmRingSender
-        from raysync.wire import FrameCodec
 
         self.secret, self.seq, self.receiver_id = secret, 0, None
         self.key = hmac.new(secret.key, b"raysync/rs1/sender", hashlib.sha256).digest()
@@ -111,7 +111,7 @@ class HostileSender:
 
     def set_up(self) -> None:
         """Answer the receiver's Hello with the ring, as a sender does."""
-        from raysync.wire import Attached, Hello
+        from raysync.core.wire import Attached, Hello
 
         assert isinstance(self.recv(), Hello)
         self.send_message(self.ring.info())
@@ -132,7 +132,7 @@ def _layout(layout_id: int, specs: list[tuple[str, str, list[int]]], bucket_byte
 def _stream_one_bucket(peer: HostileSender, push_id: int, data: bytes) -> None:
     """The rest of an accepted push of one tensor in one bucket: ``data`` into the ring, then the receiver
     frees the buffer and says it applied the push."""
-    from raysync.wire import BucketFreed, BucketReady, PushDone
+    from raysync.core.wire import BucketFreed, BucketReady, PushDone
 
     peer.ring.buffers[0][: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     peer.send_message(BucketReady(push_id, 0, 0))
@@ -156,8 +156,8 @@ def test_hostile_layouts_are_refused_before_anything_is_touched(private_tmp, in_
     when the push starts), answers the push with an Abort instead of an Accept, touches nothing, keeps its
     version, and serves the next, valid layout and push over the same channel."""
     from raysync import PushIncomplete, SyncConfig, WeightReceiver
-    from raysync.errors import WireError
-    from raysync.wire import Abort, Accept, PushStart
+    from raysync.core.errors import WireError
+    from raysync.core.wire import Abort, Accept, PushStart
 
     config = SyncConfig(bucket_bytes=4096, timeout_s=30, progress=False)
     secret = SessionSecret.generate()
@@ -213,9 +213,9 @@ def test_a_corrupted_byte_is_detected_and_the_version_rejected(private_tmp, in_t
     from conftest import session_pair
 
     from raysync import PushIncomplete, RemoteError, SyncConfig
-    from raysync.errors import IntegrityError
+    from raysync.core.errors import IntegrityError
+    from raysync.core.version import MIXED
     from raysync.transport.shm import ShmRingReceiver
-    from raysync.version import MIXED
 
     config = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False, verify=True, staged=True)
     src = {f"w{i}": torch.randn(700) for i in range(5)}  # 2.8 KB each: one bucket each

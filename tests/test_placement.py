@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysync.placement import Placement, PlanError, assign, choose, format_plan, probe
+from raysync.ray.placement import Placement, PlanError, assign, choose, format_plan, probe
 
 
 def at(node: str, gpu: str | None = None, *, host: str = "h1", ipc: bool = True, visible=("GPU-a", "GPU-b")):

@@ -10,9 +10,9 @@ import torch
 from conftest import random_tensor, same_bits
 from hypothesis import event, given, settings
 
-from raysync.config import SyncConfig
-from raysync.errors import BadLayout
-from raysync.plan import (
+from raysync.core.config import SyncConfig
+from raysync.core.errors import BadLayout
+from raysync.core.plan import (
     LayoutBounds,
     check_layout,
     check_tensor_count,
@@ -21,9 +21,9 @@ from raysync.plan import (
     layout_size,
     plan_buckets,
 )
-from raysync.sink import IntoLoadFn, IntoTensors
-from raysync.source import pack_bucket, select
-from raysync.wire import DTYPES, MAX_LAYOUT_BUCKETS, MAX_LAYOUT_TENSORS, TensorSpec
+from raysync.core.sink import IntoLoadFn, IntoTensors
+from raysync.core.source import pack_bucket, select
+from raysync.core.wire import DTYPES, MAX_LAYOUT_BUCKETS, MAX_LAYOUT_TENSORS, TensorSpec
 
 ALIGN = 256
 TESTED_DTYPES = [n for n in DTYPES if n != "float4_e2m1fn_x2"]  # float4 packs two values per byte: no arange
@@ -281,7 +281,7 @@ def test_select_filters_and_passes_through():
 
 
 def test_select_rejects_what_cannot_travel():
-    from raysync.errors import LayoutError
+    from raysync.core.errors import LayoutError
 
     with pytest.raises(LayoutError, match="not a torch.Tensor"):
         select([("x", [1, 2])], SyncConfig())
@@ -290,8 +290,8 @@ def test_select_rejects_what_cannot_travel():
 
 
 def test_direct_plan_one_bucket_per_storage_and_hostile_offsets_refused():
-    from raysync.errors import LayoutError
-    from raysync.plan import direct_buckets
+    from raysync.core.errors import LayoutError
+    from raysync.core.plan import direct_buckets
 
     specs = (TensorSpec("a", "bfloat16", (4, 8)), TensorSpec("b", "float32", (3,)), TensorSpec("e", "int8", (0,)),
              TensorSpec("c", "bfloat16", (2,)))  # fmt: skip
@@ -331,8 +331,8 @@ def test_direct_mode_is_a_mode_of_cuda_ipc_only():
 )
 def test_direct_plan_from_hostile_values_is_in_bounds_or_refused(items, storage_bytes, data):
     """DirectSources come off the wire: whatever they say, a plan either fits the storages or is refused."""
-    from raysync.errors import LayoutError
-    from raysync.plan import direct_buckets
+    from raysync.core.errors import LayoutError
+    from raysync.core.plan import direct_buckets
 
     specs = tuple(TensorSpec(f"t{i}", dtype, (n,)) for i, (dtype, n) in enumerate(items))
     storage = data.draw(st.lists(st.integers(0, 5), min_size=len(specs), max_size=len(specs)))

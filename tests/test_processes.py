@@ -12,14 +12,14 @@ from conftest import session_pair
 from workers import StagingLoader, digest, model_receiver, pausing_receiver, perturb, plain_sender
 
 from raysync import PeerTimeout, PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.version import MIXED
+from raysync.core.version import MIXED
 
 pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("mode", ["into", "load_fn"])
 def test_transformers_model_bit_exact_over_several_pushes(private_tmp, spawn, mode):
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     embed = model.model.embed_tokens.weight
@@ -137,7 +137,7 @@ def test_sigkill_sender_mid_push(private_tmp, spawn, in_thread, capfd, staged):
 def test_cuda_ipc_sender_sigkilled_mid_push_leaves_mixed_unless_staged(spawn, no_leftovers, staged):
     from workers import ipc_sender_forever
 
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     config = SyncConfig(transport="cuda_ipc", bucket_bytes=64 << 10, timeout_s=3, progress=False)
     secret, out = SessionSecret.generate(), spawn.ctx.Queue()

@@ -24,12 +24,12 @@ from raysync import (
     SyncConfig,
     WeightReceiver,
     WeightSender,
-    leftovers,
 )
-from raysync.errors import EndpointError, SchemaError
+from raysync.core import leftovers
+from raysync.core.errors import EndpointError, SchemaError
+from raysync.core.version import MIXED
+from raysync.core.wire import FrameCodec, Hello
 from raysync.transport.shm import ring_memory_bytes
-from raysync.version import MIXED
-from raysync.wire import FrameCodec, Hello
 
 CFG = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False)
 
@@ -495,7 +495,7 @@ def test_a_failed_push_the_caller_keeps_does_not_keep_the_ring_mapped(private_tm
 def test_a_tensor_the_layout_refuses_ends_the_receivers_wait_at_once(private_tmp, in_thread):
     """Once the session is up, a tensor the sender's own checks refuse (17 dimensions: over the wire's bound)
     reaches the receiver as an Abort naming it, not as a timeout (120 s here; each wait is bounded by 10 s)."""
-    from raysync.errors import RaysyncError
+    from raysync.core.errors import RaysyncError
 
     cfg = SyncConfig(bucket_bytes=4096, timeout_s=120, progress=False)
     with session_pair(cfg) as (sender, receiver):

@@ -11,9 +11,9 @@ import pytest
 from workers import digest, perturb, sharded_receiver
 
 from raysync import PeerTimeout, PushIncomplete, RemoteError, SessionSecret, SyncConfig
-from raysync.sharded import ShardedReceiver, shares
+from raysync.core.version import MIXED
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
-from raysync.version import MIXED
+from raysync.transport.sharded import ShardedReceiver, shares
 
 pytest.importorskip("transformers")
 # The embedding spans 4 buckets. No wait is meant to run out under CFG (failures are told apart by their errors);
@@ -23,7 +23,7 @@ DIES = dataclasses.replace(CFG, timeout_s=5)
 
 
 def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     named = list(tiny_qwen2(seed=0).named_parameters())
     sizes = {n: p.nbytes for n, p in named}
@@ -88,7 +88,7 @@ def _join(senders) -> None:
 
 
 def _setup(spawn, receivers: int, pushes: int, die: dict | None = None):
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     senders, secrets = _senders(model, receivers)
@@ -133,7 +133,7 @@ def sharded_survivor(secrets, config, rendezvous, out, inbox) -> None:
     """An engine (rank 1 of both shares' groups) whose peer engine dies in push 2: receives push 1, fails push
     2 (reports its version), then takes both rebuilt groups as WeightSync does (``replace``: each share keeps
     what its destinations hold) and receives once more."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     params = dict(tiny_qwen2(seed=99).named_parameters())
     engine = ShardedReceiver(
@@ -163,7 +163,7 @@ def test_a_receiver_killed_mid_push_fails_everyone_and_the_survivor_says_mixed(s
     """The other engine SIGKILLs itself in push 2: both senders and the surviving engine fail, typed, the
     survivor's version is MIXED (its destinations took part of push 2 in place), and after both groups are
     rebuilt the same version 2 lands bit-exact and the version says 2."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
     senders, secrets = _senders(model, receivers=2, base=DIES)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import mapping_of, own_entries
 
-from raysync import leftovers
-from raysync.errors import LayoutError, PeerLost, ShmSpaceError
+from raysync.core import leftovers
+from raysync.core.errors import LayoutError, PeerLost, ShmSpaceError
+from raysync.core.wire import RingInfo
 from raysync.transport import registry
 from raysync.transport.shm import ShmRingReceiver, ShmRingSender, _room_in, ring_memory_bytes
-from raysync.wire import RingInfo
 
 
 def own_dev_shm_entries() -> set[str]:
@@ -130,7 +130,7 @@ def test_registry_names_and_availability():
     gpu = torch.cuda.is_available()
     assert registry.available() == (["cuda_ipc"] if gpu else []) + ["shm", "collective"]
     assert registry.sender_class("shm") is ShmRingSender
-    from raysync.errors import TransportUnavailable
+    from raysync.core.errors import TransportUnavailable
 
     with pytest.raises(TransportUnavailable, match="built so far"):
         registry.sender_class("carrier-pigeon")

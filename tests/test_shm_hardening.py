@@ -13,7 +13,7 @@ Proved here, each against the real parts (real processes, memfds, unix sockets, 
   namespace, where the machine allows one);
 - a sender SIGKILLed between binding and the end of the handshake (before its ring exists, or with its ring
   made and not yet fetched) leaves only a private directory that the next session on the machine removes
-  (Note [names that outlive a crash] in raysync.leftovers), and a receiver that comes late gets a typed error;
+  (Note [names that outlive a crash] in raysync.core.leftovers), and a receiver that comes late gets a typed error;
 - every spelling of the unspecified address is refused by the bind guard; a clean close of an explicit ipc://
   endpoint frees its path.
 """
@@ -37,12 +37,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.control import ReceiverChannel, SenderChannel, binds_every_interface, bound_to_every_interface
-from raysync.errors import EndpointError, LayoutError, PeerLost, RaysyncError
-from raysync.leftovers import OWNED, Owner, is_dead, owner_of, sweep, this_process
+from raysync.core.control import (
+    ReceiverChannel,
+    SenderChannel,
+    binds_every_interface,
+    bound_to_every_interface,
+)
+from raysync.core.errors import EndpointError, LayoutError, PeerLost, RaysyncError
+from raysync.core.leftovers import OWNED, Owner, is_dead, owner_of, sweep, this_process
+from raysync.core.wire import Hello, RingInfo
 from raysync.transport.fd_handoff import FdHandoff
 from raysync.transport.shm import ShmRingReceiver, ShmRingSender
-from raysync.wire import Hello, RingInfo
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CFG = SyncConfig(bucket_bytes=16 << 10, timeout_s=20, progress=False)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from raysync.cli import main as cli
+from raysync.tools.cli import main as cli
 
 
 def test_doctor_reports_this_machine_as_json(capsys):

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from actors import ENGINE_ARGS, Policy, VllmHost, greedy  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
-from raysync.models import tiny_qwen2  # noqa: E402
-from raysync.vllm import VllmEngine, WorkerExtension  # noqa: E402
+from raysync.engines.vllm import VllmEngine, WorkerExtension  # noqa: E402
+from raysync.tools.models import tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

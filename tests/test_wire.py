@@ -14,8 +14,8 @@ import msgpack
 import pytest
 from hypothesis import event, given, settings
 
-from raysync.config import SyncConfig
-from raysync.errors import (
+from raysync.core.config import SyncConfig
+from raysync.core.errors import (
     BadLayout,
     BadSignature,
     FrameTooLarge,
@@ -24,8 +24,8 @@ from raysync.errors import (
     SchemaError,
     WireError,
 )
-from raysync.plan import check_layout, check_tensor_count, layout_size, plan_buckets
-from raysync.wire import (
+from raysync.core.plan import check_layout, check_tensor_count, layout_size, plan_buckets
+from raysync.core.wire import (
     MAC_BYTES,
     MAX_ARRAY_ITEMS,
     MAX_LAYOUT_BUCKETS,

@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.errors import WeightsMixed
+from raysync.core.errors import WeightsMixed
 
 
 def digest(named) -> dict[str, str]:
@@ -24,7 +24,7 @@ def perturb(model, version: int) -> None:
 
 
 class StagingLoader:
-    """A load function that keeps every bucket and applies the push in ``finish`` (raysync.vllm's contract):
+    """A load function that keeps every bucket and applies the push in ``finish`` (raysync.engines.vllm's contract):
     ``fail`` makes the n-th bucket raise ("call"), or the apply fail part-way and put the old weights back
     ("restore") or not ("mixed": it raises WeightsMixed)."""
 
@@ -56,7 +56,7 @@ def model_receiver(
     endpoint: str, secret: SessionSecret, config: SyncConfig, pushes: int, mode: str, out
 ) -> None:
     """An engine: its own copy of the tiny model (another seed), ``pushes`` receives, digests after each."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=99)
     params = dict(model.named_parameters())
@@ -119,7 +119,7 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
     import os
     import signal
 
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
 
     model = tiny_qwen2(seed=99)
@@ -153,7 +153,7 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
 
 def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
     """A GPU rank of an NCCL broadcast group (GPU ``rank``): receives into its own copy of the tiny model."""
-    from raysync.models import tiny_qwen2
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
 
     torch.cuda.set_device(rank)
@@ -174,7 +174,7 @@ def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: 
 
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     torch.cuda.set_device(gpu)
     dest = allocate(layout, device="cuda", fill=False)
@@ -191,7 +191,7 @@ def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: 
 
 def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, out) -> None:
     """Pushes ``layout`` from GPU 0 until killed; reports its endpoint, then every completed version."""
-    from raysync.models import allocate
+    from raysync.tools.models import allocate
 
     torch.cuda.set_device(0)
     src = allocate(layout, device="cuda")
@@ -209,9 +209,9 @@ def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None
     import os
     import signal
 
-    from raysync.models import tiny_qwen2
-    from raysync.sharded import ShardedReceiver
+    from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
+    from raysync.transport.sharded import ShardedReceiver
 
     model = tiny_qwen2(seed=99)
     params = dict(model.named_parameters())

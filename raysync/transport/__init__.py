@@ -1,1 +1,1 @@
-"""Transports move bucket bytes; the control channel (raysync.control) says when. See registry.py."""
+"""Transports move bucket bytes; the control channel (raysync.core.control) says when. See registry.py."""

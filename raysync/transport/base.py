@@ -24,14 +24,14 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.plan import Bucket
-from raysync.source import SourceTensor
-from raysync.wire import Attached, DirectSources, Layout, RingInfo
+from raysync.core.config import SyncConfig
+from raysync.core.plan import Bucket
+from raysync.core.source import SourceTensor
+from raysync.core.wire import Attached, DirectSources, Layout, RingInfo
 
 
 class DataPlane(Protocol):
-    """The sender's half of a data plane, as the push session (raysync.session) drives it. A push claims,
+    """The sender's half of a data plane, as the push session (raysync.core.session) drives it. A push claims,
     packs and publishes bucket k = 0, 1, ...; ``slots`` buckets may be claimed before the push starts (pack
     ahead: 0 for a plane that reads the source in place)."""
 

@@ -4,7 +4,7 @@ standalone torch process group (NCCL on GPUs, gloo on CPUs; "hccl" is accepted f
     rank 0 (sender)                      ranks 1..N (receivers)
     rendezvous store on host:port <---   join the store, then the group (rendezvous, bounded by a set-up limit)
     (raysync.transport.rendezvous: only holders of the session key get a byte in)
-    control: one signed channel per receiver (control.Fanout), the push session's messages (raysync.session)
+    control: one signed channel per receiver (control.Fanout), the push session's messages (raysync.core.session)
     bucket k: pack into buffer k % S, broadcast it   ->   broadcast into buffer k % S (posted S buckets ahead),
                                                           unpack into the sink, post bucket k + S there
 
@@ -38,17 +38,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raysync.config import SyncConfig
-from raysync.control import Fanout, ReceiverChannel, SenderChannel
-from raysync.errors import PeerTimeout, RaysyncError, SchemaError
-from raysync.plan import Bucket, plan_buckets
-from raysync.report import PushReport
-from raysync.session import PushSender
-from raysync.session_receiver import PushReceiver
-from raysync.source import SourceTensor
+from raysync.core.config import SyncConfig
+from raysync.core.control import Fanout, ReceiverChannel, SenderChannel
+from raysync.core.errors import PeerTimeout, RaysyncError, SchemaError
+from raysync.core.plan import Bucket, plan_buckets
+from raysync.core.report import PushReport
+from raysync.core.session import PushSender
+from raysync.core.session_receiver import PushReceiver
+from raysync.core.source import SourceTensor
+from raysync.core.wire import Attached, DirectSources, Layout, RingInfo, SessionSecret
 from raysync.transport.rendezvous import StoreClient
 from raysync.transport.rendezvous_server import StoreServer
-from raysync.wire import Attached, DirectSources, Layout, RingInfo, SessionSecret
 
 logger = logging.getLogger(__name__)
 

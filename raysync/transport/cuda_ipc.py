@@ -35,8 +35,8 @@ import msgpack
 import torch
 from torch.multiprocessing import reductions
 
-from raysync.errors import LayoutError, PeerTimeout, TransportUnavailable
-from raysync.wire import Attached, CudaBuffer, RingInfo
+from raysync.core.errors import LayoutError, PeerTimeout, TransportUnavailable
+from raysync.core.wire import Attached, CudaBuffer, RingInfo
 
 logger = logging.getLogger(__name__)
 

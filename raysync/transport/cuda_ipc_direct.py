@@ -17,13 +17,13 @@ from typing import ClassVar
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.control import Channel
-from raysync.errors import LayoutError, SchemaError
-from raysync.plan import Bucket, direct_buckets
-from raysync.source import SourceTensor
+from raysync.core.config import SyncConfig
+from raysync.core.control import Channel
+from raysync.core.errors import LayoutError, SchemaError
+from raysync.core.plan import Bucket, direct_buckets
+from raysync.core.source import SourceTensor
+from raysync.core.wire import DTYPES, Attached, DirectSources, Layout, RingInfo
 from raysync.transport.cuda_ipc import CudaIpcRingSender, export, peer_index, rebuild, wait_stream
-from raysync.wire import DTYPES, Attached, DirectSources, Layout, RingInfo
 
 
 class CudaIpcDirectSender:

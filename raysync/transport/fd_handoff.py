@@ -25,9 +25,9 @@ import tempfile
 import threading
 import time
 
-from raysync import leftovers
-from raysync.control import private_dir_base
-from raysync.errors import LayoutError, PeerLost, PeerTimeout
+from raysync.core import leftovers
+from raysync.core.control import private_dir_base
+from raysync.core.errors import LayoutError, PeerLost, PeerTimeout
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from raysync.errors import TransportUnavailable
+from raysync.core.errors import TransportUnavailable
 
 if TYPE_CHECKING:
-    from raysync.config import SyncConfig
-    from raysync.control import Channel
+    from raysync.core.config import SyncConfig
+    from raysync.core.control import Channel
+    from raysync.core.wire import RingInfo
     from raysync.transport.base import DataPlane, PlaneReader
-    from raysync.wire import RingInfo
 
 _HALVES: dict[str, tuple[str, str]] = {
     "cuda_ipc": (

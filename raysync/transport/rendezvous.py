@@ -38,9 +38,9 @@ import torch.distributed as dist
 import zmq
 from zmq.utils import z85
 
-from raysync.control import binds_every_interface
-from raysync.errors import EndpointError, MalformedFrame, PeerTimeout, RaysyncError, WireError
-from raysync.wire import SessionSecret
+from raysync.core.control import binds_every_interface
+from raysync.core.errors import EndpointError, MalformedFrame, PeerTimeout, RaysyncError, WireError
+from raysync.core.wire import SessionSecret
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _derived_secret(secret: SessionSecret, role: str) -> bytes:
 
 def interface_address(host: str) -> str:
     """The numeric address of the one interface ``host`` names (a name is resolved here). Every spelling of
-    "all interfaces" is refused, decided by what it resolves to (raysync.control's guard, and any resolved
+    "all interfaces" is refused, decided by what it resolves to (raysync.core.control's guard, and any resolved
     address that is unspecified, IPv4-mapped too), never by how the string looks."""
     bare = host[1:-1] if len(host) >= 2 and host[0] == "[" and host[-1] == "]" else host
     try:

@@ -13,8 +13,9 @@ import msgpack
 import zmq
 from zmq.utils import z85
 
-from raysync.control import bound_to_every_interface
-from raysync.errors import EndpointError, MalformedFrame, WireError
+from raysync.core.control import bound_to_every_interface
+from raysync.core.errors import EndpointError, MalformedFrame, WireError
+from raysync.core.wire import SessionSecret
 from raysync.transport.rendezvous import (
     _ENVELOPE_BYTES,
     _HANDSHAKE_MS,
@@ -27,7 +28,6 @@ from raysync.transport.rendezvous import (
     _endpoint,
     interface_address,
 )
-from raysync.wire import SessionSecret
 
 logger = logging.getLogger(__name__)
 

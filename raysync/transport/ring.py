@@ -17,13 +17,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.control import Channel
-from raysync.errors import SchemaError
-from raysync.plan import Bucket, plan_buckets
-from raysync.source import SourceTensor
+from raysync.core.config import SyncConfig
+from raysync.core.control import Channel
+from raysync.core.errors import SchemaError
+from raysync.core.plan import Bucket, plan_buckets
+from raysync.core.source import SourceTensor
+from raysync.core.wire import Attached, BucketFreed, BucketReady, DirectSources, Layout, RingInfo
 from raysync.transport.base import RingReceiver, RingSender
-from raysync.wire import Attached, BucketFreed, BucketReady, DirectSources, Layout, RingInfo
 
 
 class RingPlane:

@@ -15,7 +15,7 @@ is registered with cudaHostRegister, so device <-> host copies run at pinned-mem
 # any point frees whatever only that side held, and nothing of a ring is ever in /dev/shm. The one named
 # entry is the handoff socket's private directory, ``raysync-<pid>-<start>-<pidns>-<random>`` in the temp dir:
 # removed once the receiver has its fds (and on every path the sender survives); after a SIGKILL of the sender
-# before that, the next sender, receiver or ring made on the machine removes it (raysync.leftovers).
+# before that, the next sender, receiver or ring made on the machine removes it (raysync.core.leftovers).
 # Python's multiprocessing.shared_memory is not used: on Python < 3.13 it registers every segment with the
 # resource_tracker, which warns about or unlinks segments it did not create.
 
@@ -53,12 +53,12 @@ from typing import ClassVar
 
 import torch
 
-from raysync import leftovers
-from raysync.control import private_dir_base
-from raysync.errors import LayoutError, ShmSpaceError
+from raysync.core import leftovers
+from raysync.core.control import private_dir_base
+from raysync.core.errors import LayoutError, ShmSpaceError
+from raysync.core.wire import Attached, RingInfo
 from raysync.transport.base import HostRing
 from raysync.transport.fd_handoff import _SOCKET_NAME, _TOKEN_BYTES, HANDOFF_TIMEOUT_S, FdHandoff, fetch_fds
-from raysync.wire import Attached, RingInfo
 
 logger = logging.getLogger(__name__)
 

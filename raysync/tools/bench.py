@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.models import LAYOUTS, allocate
+from raysync.tools.models import LAYOUTS, allocate
 from raysync.transport import registry
 
 

@@ -1,8 +1,8 @@
-"""The receiver's half of a push session (the stages: raysync.session), for every data plane
+"""The receiver's half of a push session (the stages: raysync.core.session), for every data plane
 (transport.base.PlaneReader).
 
 A push that fails part-way raises PushIncomplete naming the tensors not delivered. ``version`` then says
-what the destinations hold (Note [versions never lie] in raysync.version): the last push that completed, when
+what the destinations hold (Note [versions never lie] in raysync.core.version): the last push that completed, when
 the failed push touched nothing or was atomic (``SyncConfig.staged``, a staging load function), else MIXED.
 A sender that fails before its push starts (its source raised) sends an Abort that ends the wait at once.
 """
@@ -18,9 +18,9 @@ from collections.abc import Generator, Mapping
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.control import ReceiverChannel
-from raysync.errors import (
+from raysync.core.config import SyncConfig
+from raysync.core.control import ReceiverChannel
+from raysync.core.errors import (
     IntegrityError,
     LayoutError,
     PushIncomplete,
@@ -29,13 +29,11 @@ from raysync.errors import (
     SchemaError,
     WeightsMixed,
 )
-from raysync.plan import Bucket, total_bytes
-from raysync.report import PushReport
-from raysync.sink import LoadFn, Sink, Sinks
-from raysync.transport import registry
-from raysync.transport.base import PlaneReader
-from raysync.version import MIXED, Version
-from raysync.wire import (
+from raysync.core.plan import Bucket, total_bytes
+from raysync.core.report import PushReport
+from raysync.core.sink import LoadFn, Sink, Sinks
+from raysync.core.version import MIXED, Version
+from raysync.core.wire import (
     Abort,
     Accept,
     BucketReady,
@@ -48,6 +46,8 @@ from raysync.wire import (
     PushStart,
     RingInfo,
 )
+from raysync.transport import registry
+from raysync.transport.base import PlaneReader
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class PushReceiver:
 
     def receiving(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
                   wait_s: float | None = None, staging: bool = False) -> Generator[None, None, PushReport]:  # fmt: skip
-        """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.sharded runs
+        """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.transport.sharded runs
         several sessions' pushes from one thread, taking turns). ``staging``: ``load_fn`` only stages what it
         is given and the caller applies it after the push, so a failure here leaves the destinations as they
         were (Note [versions never lie])."""

@@ -1,15 +1,15 @@
 """WeightReceiver: the engine's half of a session. Connect once, receive many pushes.
 
-A thin wrapper: it connects the control channel, and the push session (raysync.session_receiver.PushReceiver)
+A thin wrapper: it connects the control channel, and the push session (raysync.core.session_receiver.PushReceiver)
 runs the stages of every push over the data plane the sender describes.
 """
 
 from __future__ import annotations
 
-from raysync.config import SyncConfig
-from raysync.control import ReceiverChannel
-from raysync.session_receiver import PushReceiver, SessionClosed
-from raysync.wire import SessionSecret
+from raysync.core.config import SyncConfig
+from raysync.core.control import ReceiverChannel
+from raysync.core.session_receiver import PushReceiver, SessionClosed
+from raysync.core.wire import SessionSecret
 
 __all__ = ["SessionClosed", "WeightReceiver"]
 

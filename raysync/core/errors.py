@@ -76,7 +76,7 @@ class RemoteError(RaysyncError):
 
 class PushIncomplete(RaysyncError):
     """A push stopped part-way. The receiver's version did not advance: it is the old one, or ``"mixed"`` when
-    ``mixed`` (bytes of this push had reached the destinations: Note [versions never lie] in raysync.version)."""
+    ``mixed`` (bytes of this push had reached the destinations: Note [versions never lie] in raysync.core.version)."""
 
     def __init__(self, version: int, stage: str, reason: str, undelivered: list[str], *,
                  mixed: bool | None = None):  # fmt: skip
@@ -98,7 +98,7 @@ class PushIncomplete(RaysyncError):
 
 
 class WeightsMixed(RaysyncError):
-    """Raised by a staging loader's ``finish`` (raysync.sink) that failed part-way and could not put the old
+    """Raised by a staging loader's ``finish`` (raysync.core.sink) that failed part-way and could not put the old
     weights back: the destinations hold a mix of two versions, and the receiver's version becomes "mixed"."""
 
 
@@ -109,8 +109,8 @@ class LayoutError(RaysyncError, ValueError):
 
 class BadLayout(LayoutError, SchemaError):
     """A layout that no side plans: a degenerate geometry (bucket_bytes, align_bytes), a tensor no real model
-    has, or more tensors, buckets or chunks than the bounds in raysync.wire (Note [layout bounds] in
-    raysync.plan). The same error with the same message where the layout is made (SyncConfig, the sender) and
+    has, or more tensors, buckets or chunks than the bounds in raysync.core.wire (Note [layout bounds] in
+    raysync.core.plan). The same error with the same message where the layout is made (SyncConfig, the sender) and
     where it arrives (a decoded Layout frame): a ValueError there, a WireError here."""
 
 
@@ -149,7 +149,7 @@ class ReloadFailed(RaysyncError):
     """An engine's reload of a push failed part-way and was undone: the engine keeps the weights it had."""
 
 
-# --- the driver (raysync.coordinator.WeightSync) ----------------------------------------------------------------
+# --- the driver (raysync.ray.coordinator.WeightSync) ----------------------------------------------------------------
 @dataclass(frozen=True)
 class EndpointFailure:
     endpoint: str  # "receiver #1 (node ..., pid ..., GPU ...)"

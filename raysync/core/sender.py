@@ -1,15 +1,15 @@
 """WeightSender: the trainer's half of a session. Set up once, push many times.
 
-A thin wrapper: it binds the control channel, and the push session (raysync.session.PushSender) runs the
+A thin wrapper: it binds the control channel, and the push session (raysync.core.session.PushSender) runs the
 stages of every push over the data plane the config names (shm ring, cuda_ipc ring, cuda_ipc direct).
 """
 
 from __future__ import annotations
 
-from raysync.config import SyncConfig
-from raysync.control import SenderChannel
-from raysync.session import PushSender
-from raysync.wire import SessionSecret
+from raysync.core.config import SyncConfig
+from raysync.core.control import SenderChannel
+from raysync.core.session import PushSender
+from raysync.core.wire import SessionSecret
 
 
 class WeightSender(PushSender):

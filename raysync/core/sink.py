@@ -10,9 +10,9 @@ Two kinds of destination, chosen by the caller of ``WeightReceiver.receive``:
   methods of the load function: ``check(specs)`` is called when a push is accepted, before any byte moves, with
   the push's TensorSpecs (raise LayoutError to refuse the push: nothing is touched); ``finish()`` is called once
   after the last bucket of a complete push, before the version counts as applied (a staging loader: it keeps
-  each bucket and applies the whole push at its end, see raysync.vllm).
+  each bucket and applies the whole push at its end, see raysync.engines.vllm).
 
-Which pushes are atomic (Note [versions never lie] in raysync.version): ``into`` with ``SyncConfig.staged``,
+Which pushes are atomic (Note [versions never lie] in raysync.core.version): ``into`` with ``SyncConfig.staged``,
 and a load function with ``finish`` — a staging loader's contract is that a ``finish`` that fails has put the
 old weights back, or raises ``WeightsMixed``. Every other push writes the destinations as its buckets land
 (``Sink.in_place``): one that fails part-way leaves them a mix, and the receiver says so.
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from raysync import digest
-from raysync.copies import CopyList
-from raysync.errors import LayoutError, WeightsMixed
-from raysync.plan import Bucket, Chunk
-from raysync.wire import DTYPES, TensorSpec
+from raysync.core import digest
+from raysync.core.copies import CopyList
+from raysync.core.errors import LayoutError, WeightsMixed
+from raysync.core.plan import Bucket, Chunk
+from raysync.core.wire import DTYPES, TensorSpec
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 
@@ -63,7 +63,7 @@ class Sink:
         it failed after touching the destinations."""
 
     def digests(self) -> list[int]:
-        """Each tensor's digest of the bytes that landed (raysync.digest), in layout order."""
+        """Each tensor's digest of the bytes that landed (raysync.core.digest), in layout order."""
         raise NotImplementedError
 
     def _sync(self, buffer: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ class IntoTensors(Sink):
         final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
         self.in_place = not staged
-        self._graphs = graphs  # raysync.copies: lists on one GPU replayed from a CUDA graph
+        self._graphs = graphs  # raysync.core.copies: lists on one GPU replayed from a CUDA graph
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
@@ -99,7 +99,7 @@ class IntoTensors(Sink):
     def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
         key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
         copies = self._copies.get(key)
-        if copies is None:  # made once per buckets and buffers, replayed every push (raysync.copies)
+        if copies is None:  # made once per buckets and buffers, replayed every push (raysync.core.copies)
             pairs = [(self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
                      for bucket, buffer in parts for c in bucket.chunks]  # fmt: skip
             copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()], self._graphs)

@@ -20,7 +20,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raysync.errors import RaysyncError
+from raysync.core.errors import RaysyncError
 
 
 class PlanError(RaysyncError):

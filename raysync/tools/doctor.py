@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raysync.placement import Placement, choose, probe
+from raysync.ray.placement import Placement, choose, probe
 from raysync.transport import registry
 
 SHM_DIR = "/dev/shm"

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.copies import CopyList
-from raysync.errors import LayoutError
-from raysync.plan import Bucket, Chunk
-from raysync.wire import DTYPES, TensorSpec, dtype_name
+from raysync.core.config import SyncConfig
+from raysync.core.copies import CopyList
+from raysync.core.errors import LayoutError
+from raysync.core.plan import Bucket, Chunk
+from raysync.core.wire import DTYPES, TensorSpec, dtype_name
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def pack_bucket(bucket: Bucket, sources: Sequence[SourceTensor], buffer: torch.T
 
 class Packer:
     """Packs the buckets of one layout from one set of source tensors into one ring, its copies made once
-    (raysync.copies) and replayed each push. Device copies into host memory are issued non-blocking; the
+    (raysync.core.copies) and replayed each push. Device copies into host memory are issued non-blocking; the
     current stream of every device involved is synchronized once per bucket, at its end."""
 
     def __init__(

@@ -6,9 +6,18 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("raysync.demo", "a local Ray, a trainer and engines (vLLM when installed), pushes, a check"),
-    "doctor": ("raysync.doctor", "what this machine / cluster supports and which transport each pair gets"),
-    "bench": ("raysync.bench", "every transport here x bucket sizes x model layouts, next to copy floors"),
+    "demo": (
+        "raysync.tools.demo",
+        "a local Ray, a trainer and engines (vLLM when installed), pushes, a check",
+    ),
+    "doctor": (
+        "raysync.tools.doctor",
+        "what this machine / cluster supports and which transport each pair gets",
+    ),
+    "bench": (
+        "raysync.tools.bench",
+        "every transport here x bucket sizes x model layouts, next to copy floors",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """The engine's model, seen from a push: what it accepts, its tied output heads, and undoing a failed reload.
 
-Used inside vLLM workers by raysync.vllm's loaders (imports vllm's internals inside the functions that need
+Used inside vLLM workers by raysync.engines.vllm's loaders (imports vllm's internals inside the functions that need
 them, so it is importable without vllm):
 
     check     PushCheck / refusals: a push runs through vLLM's own loader on a meta twin of the model first
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raysync.errors import LayoutError
+from raysync.core.errors import LayoutError
 
 
 # --- what the engine's model accepts ------------------------------------------------------------------------------

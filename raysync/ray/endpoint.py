@@ -1,6 +1,6 @@
 """What runs inside the user's actors, through Ray's ``__ray_call__`` (no base class, no mixin).
 
-Each function takes the actor instance first (for a vLLM engine: the worker, see raysync.vllm). The sessions of one WeightSync live in a dict on the actor
+Each function takes the actor instance first (for a vLLM engine: the worker, see raysync.engines.vllm). The sessions of one WeightSync live in a dict on the actor
 (``_raysync_sessions[sync_id]``), so an actor restarted by Ray simply has none, and says so.
 Results are plain dicts: a failure carries its stage, message and traceback back to the driver.
 """
@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.errors import PushIncomplete, RemoteError
-from raysync.placement import Placement, probe
-from raysync.receiver import WeightReceiver
-from raysync.sender import WeightSender
-from raysync.sharded import ShardedReceiver, shares
-from raysync.source import select
+from raysync.core.config import SyncConfig
+from raysync.core.errors import PushIncomplete, RemoteError
+from raysync.core.receiver import WeightReceiver
+from raysync.core.sender import WeightSender
+from raysync.core.source import select
+from raysync.core.version import MIXED, Version
+from raysync.core.wire import SessionSecret
+from raysync.ray.placement import Placement, probe
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
-from raysync.version import MIXED, Version
-from raysync.wire import SessionSecret
+from raysync.transport.sharded import ShardedReceiver, shares
 
 _STATE = "_raysync_sessions"
 _APPLIED = "_raysync_version"  # what the weights hold, by any session: the last version applied, or MIXED
@@ -83,7 +83,7 @@ def where(actor: Any, node: tuple[str, str] | None = None) -> Placement:
 
 # --- how the driver reaches an endpoint ---------------------------------------------------------------------------
 class ActorEndpoint:
-    """One of the user's Ray actors: one receiver. An engine adapter (raysync.vllm.VllmEngine) has the same
+    """One of the user's Ray actors: one receiver. An engine adapter (raysync.engines.vllm.VllmEngine) has the same
     ``call`` and serves one receiver per engine worker ("slots")."""
 
     def __init__(self, actor: Any):
@@ -100,7 +100,7 @@ def _on_slots(actor: Any, fn: Callable, args: dict[int, tuple]) -> dict[int, Any
 
 
 def as_endpoint(receiver: Any) -> Any:
-    """A Ray actor handle becomes an ActorEndpoint; an adapter (raysync.vllm.VllmEngine) stays as it is."""
+    """A Ray actor handle becomes an ActorEndpoint; an adapter (raysync.engines.vllm.VllmEngine) stays as it is."""
     import ray
 
     if isinstance(receiver, ray.actor.ActorHandle):
@@ -130,7 +130,7 @@ def collective_open(actor: Any, sync_id: str, config: SyncConfig, host: str, rec
                     secret: SessionSecret, source: Source, share: tuple[int, int] | None = None,
                     ) -> tuple[Rendezvous, int]:  # fmt: skip
     """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order). ``share=(k, S)``:
-    this sender broadcasts share k of S of the tensors (raysync.sharded)."""
+    this sender broadcasts share k of S of the tensors (raysync.transport.sharded)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
     if side.group is not None:
         side.group.close()

@@ -10,7 +10,7 @@ push rounds across all pairs at once, and repairs pairs whose actor was restarte
 Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
 receiver writes into ``actor.model``'s parameters; pass ``source=`` / ``sink=`` (functions of the actor) for
 anything else — a sink may return a dict of tensors or a ``load_weights``-style function. A receiver may also
-be an engine adapter (``raysync.vllm.VllmEngine(actor)``): one receiver per engine worker, each loading
+be an engine adapter (``raysync.engines.vllm.VllmEngine(actor)``): one receiver per engine worker, each loading
 through the engine's own path. ``plan``, ``versions()`` and reports number receivers that way: an engine of
 two workers is two receivers.
 
@@ -32,9 +32,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from raysync import endpoint as ep
-from raysync.config import SyncConfig
-from raysync.errors import (  # noqa: F401 -- SyncError and the actor errors are part of this module's API
+from raysync.core.config import SyncConfig
+from raysync.core.errors import (  # noqa: F401 -- SyncError and the actor errors are part of this module's API
     ActorGone,
     ActorUnavailable,
     EndpointFailure,
@@ -44,10 +43,11 @@ from raysync.errors import (  # noqa: F401 -- SyncError and the actor errors are
     SyncClosed,
     SyncError,
 )
-from raysync.placement import PairPlan, Placement, assign, choose, format_plan
+from raysync.core.version import MIXED, Version
+from raysync.core.wire import SessionSecret
+from raysync.ray import endpoint as ep
+from raysync.ray.placement import PairPlan, Placement, assign, choose, format_plan
 from raysync.transport import registry
-from raysync.version import MIXED, Version
-from raysync.wire import SessionSecret
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class WeightSync:
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
         ``shard_sources``: every sender broadcasts a disjoint share of the tensors to every receiver over its
-        own collective group (raysync.sharded): the senders must hold the same tensors (trainer ranks)."""
+        own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks)."""
         if not senders or not receivers:
             raise ValueError("WeightSync needs at least one sender and one receiver")
         self.senders = list(senders)

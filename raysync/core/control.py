@@ -1,11 +1,11 @@
-"""The control channel: signed msgpack frames (raysync.wire) over pyzmq, every wait bounded by a timeout.
+"""The control channel: signed msgpack frames (raysync.core.wire) over pyzmq, every wait bounded by a timeout.
 
 The sender binds a ROUTER socket; the receiver connects a DEALER. The sender talks only to the first peer
 that proves it holds the session key (a signed Hello); frames from any other connection are dropped unread.
 
 Endpoints:
 * default: ``ipc://`` in a fresh private directory (mode 0700, unguessable name that carries the owner: Note
-  [names that outlive a crash] in raysync.leftovers) under the temp dir. The sender removes the socket file and
+  [names that outlive a crash] in raysync.core.leftovers) under the temp dir. The sender removes the socket file and
   the directory as soon as its peer is connected, so a later crash of either side leaves nothing in the temp
   dir; a crash before that leaves a directory that the next sender or receiver made on the machine removes.
 * ``ipc:///path``: refused if the path exists (zmq would silently replace it); the socket file is removed when
@@ -29,9 +29,9 @@ import traceback
 
 import zmq
 
-from raysync import leftovers
-from raysync.errors import EndpointError, PeerLost, PeerTimeout, RaysyncError, RemoteError, WireError
-from raysync.wire import Abort, FrameCodec, Hello, Message, SessionSecret
+from raysync.core import leftovers
+from raysync.core.errors import EndpointError, PeerLost, PeerTimeout, RaysyncError, RemoteError, WireError
+from raysync.core.wire import Abort, FrameCodec, Hello, Message, SessionSecret
 
 logger = logging.getLogger(__name__)
 

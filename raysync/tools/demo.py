@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from raysync import SyncConfig, WeightSync
-from raysync.models import describe
+from raysync.tools.models import describe
 
 PROMPT = [(7 * i) % 8000 + 1 for i in range(48)]
 TOKENS = 8
@@ -30,7 +30,7 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32"
 def make_model(seed: int, tied: bool = False) -> torch.nn.Module:
     """A small Qwen2 (transformers, random init) if transformers is installed, else a small torch module."""
     try:
-        from raysync.models import tiny_qwen2
+        from raysync.tools.models import tiny_qwen2
 
         return tiny_qwen2(seed, hidden=256, layers=4, vocab=8192, tied=tied)
     except ImportError:
@@ -87,7 +87,7 @@ class VllmRollout:
     def __init__(self, checkpoint: str) -> None:
         from vllm import LLM
 
-        self.llm = LLM(checkpoint, worker_extension_cls="raysync.vllm.WorkerExtension", **ENGINE_ARGS)
+        self.llm = LLM(checkpoint, worker_extension_cls="raysync.engines.vllm.WorkerExtension", **ENGINE_ARGS)
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         from vllm import SamplingParams
@@ -132,7 +132,7 @@ def run(ray, args, use_vllm: bool, checkpoint: str) -> int:
     if use_vllm:
         import vllm
 
-        from raysync.vllm import VllmEngine
+        from raysync.engines.vllm import VllmEngine
 
         make_model(seed=1, tied=args.tied).save_pretrained(checkpoint)
         one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -97,7 +97,7 @@ def _check(data: torch.Tensor, offset_bytes: int) -> None:
     if offset_bytes < 0 or offset_bytes % _LANES:
         raise ValueError(
             f"digest.partial: offset_bytes={offset_bytes} must be a non-negative multiple of {_LANES} "
-            "(chunks are cut at multiples of align_bytes, see raysync.plan)"
+            "(chunks are cut at multiples of align_bytes, see raysync.core.plan)"
         )
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from raysync.errors import (
+from raysync.core.errors import (
     BadLayout,
     BadSignature,
     FrameTooLarge,
@@ -44,7 +44,7 @@ MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48  # beyond any real tensor
 
-# What one layout may ask of the two sides that plan it (Note [layout bounds] in raysync.plan): anything beyond
+# What one layout may ask of the two sides that plan it (Note [layout bounds] in raysync.core.plan): anything beyond
 # is refused, counted arithmetically, before a single bucket is made. What the costliest layout within them
 # costs to decode and plan is measured in docs/reliability.md (benchmarks/fuzz_layout.py).
 MIN_ALIGN_BYTES = 16  # the largest itemsize (complex128): a view of any dtype stays aligned
@@ -191,7 +191,9 @@ class Layout:
     tensors: tuple[TensorSpec, ...]
 
     def __post_init__(self) -> None:
-        from raysync.plan import check_layout  # plan imports this module; resolved once, then a dict lookup
+        from raysync.core.plan import (
+            check_layout,  # plan imports this module; resolved once, then a dict lookup
+        )
 
         check_layout(self.tensors, self.bucket_bytes, self.align_bytes)
         seen: set[str] = set()
@@ -246,7 +248,7 @@ class BucketFreed:
 
 @dataclass(frozen=True)
 class PushDigest:
-    """sender -> receiver, after the last bucket of a verified push: each tensor's digest (raysync.digest),
+    """sender -> receiver, after the last bucket of a verified push: each tensor's digest (raysync.core.digest),
     in layout order, computed from what the sender packed."""
 
     push_id: int
@@ -362,7 +364,7 @@ def _precheck_layout(body: dict) -> None:
     oversized layout costs its frame's scalars only: the geometry (which a sender's SyncConfig checked before
     it selected a tensor), then the tensor count. The same BadLayout as on the sender; values the schema
     refuses anyway are left to it."""
-    from raysync.plan import check_geometry, check_tensor_count
+    from raysync.core.plan import check_geometry, check_tensor_count
 
     bucket, align = body["bucket_bytes"], body["align_bytes"]
     if all(type(v) is int and 0 <= v < _INT_END for v in (bucket, align)):

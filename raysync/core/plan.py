@@ -22,7 +22,7 @@ A Layout comes off the wire, and its plan holds one Chunk per (tensor, bucket) i
 refuse it. So a layout is checked before it is planned (check_layout), in one pass over its tensors that
 allocates nothing per chunk: its geometry (check_geometry), its tensor count, and the buckets and chunks that
 plan_buckets *would* make, counted arithmetically by layout_size (which mirrors plan_buckets step by step; a
-property test holds the two equal). The bounds are constants in raysync.wire (MAX_LAYOUT_*), the same on both
+property test holds the two equal). The bounds are constants in raysync.core.wire (MAX_LAYOUT_*), the same on both
 sides, so a layout its sender accepts is one every receiver accepts, and a refusal is the same BadLayout, with
 the same message, on both. Layout.__post_init__ runs the check, so it happens where a sender makes a layout and
 where a receiver decodes one; plan_buckets and direct_buckets run it too, for any other caller. What a layout
@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raysync.errors import BadLayout
-from raysync.wire import (
+from raysync.core.errors import BadLayout
+from raysync.core.wire import (
     MAX_ALIGN_BYTES,
     MAX_BUCKET_BYTES,
     MAX_LAYOUT_BUCKETS,
@@ -76,7 +76,7 @@ def align_up(n: int, align: int) -> int:
 # --- layout bounds: checked before planning (Note [layout bounds]) ----------------------------------------------
 @dataclass(frozen=True)
 class LayoutBounds:
-    """The most tensors, buckets and chunks one layout may have (raysync.wire's constants; tests pass others)."""
+    """The most tensors, buckets and chunks one layout may have (raysync.core.wire's constants; tests pass others)."""
 
     tensors: int = MAX_LAYOUT_TENSORS
     buckets: int = MAX_LAYOUT_BUCKETS
@@ -121,7 +121,7 @@ def check_tensor_count(count: int, bounds: LayoutBounds = BOUNDS) -> None:
     """Refuse a layout of more tensors than the bound: callable on a frame's array before it is decoded."""
     if count > bounds.tensors:
         raise BadLayout(
-            f"a layout of {count} tensors is above the limit of {bounds.tensors} (raysync.wire."
+            f"a layout of {count} tensors is above the limit of {bounds.tensors} (raysync.core.wire."
             f"MAX_LAYOUT_TENSORS, which bounds what planning a layout costs each side); send fewer tensors per "
             f"sender: split them over several (SyncConfig.include / exclude, or WeightSync(shard_sources=True))"
         )
@@ -162,7 +162,7 @@ def check_layout(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: in
         raise BadLayout(
             f"a layout of {size.tensors} tensors ({size.nbytes} bytes) in buckets of {bucket_bytes} bytes "
             f"makes {size.buckets} buckets and {size.chunks} chunks, above the limits of {bounds.buckets} "
-            f"buckets and {bounds.chunks} chunks (raysync.wire.MAX_LAYOUT_BUCKETS and MAX_LAYOUT_CHUNKS bound "
+            f"buckets and {bounds.chunks} chunks (raysync.core.wire.MAX_LAYOUT_BUCKETS and MAX_LAYOUT_CHUNKS bound "
             f"what planning a layout costs each side); {_fewer_buckets(size, align_bytes, bounds)}"
         )
     return size

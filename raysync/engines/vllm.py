@@ -2,7 +2,7 @@
 
 Engine side, a worker extension (vLLM mixes it into each of its workers):
 
-    llm = LLM(model, worker_extension_cls="raysync.vllm.WorkerExtension", ...)
+    llm = LLM(model, worker_extension_cls="raysync.engines.vllm.WorkerExtension", ...)
 
 Driver side, an adapter for an engine that lives in one of the user's Ray actors (``actor.llm``):
 
@@ -14,7 +14,7 @@ placement, holds its own session, and loads each push through vLLM's own path, w
 checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
 
     check ``check(specs)`` when the push is accepted, before a byte moves: the push runs through vLLM's own
-          loader on a meta twin of the model (raysync.vllm_model); a name, shape or dtype the model does not
+          loader on a meta twin of the model (raysync.engines.vllm_model); a name, shape or dtype the model does not
           take, or a parameter the push leaves out, refuses it with the tensors and the model named;
     GPU   ``model.load_weights(bucket)`` for every bucket as it lands (the path RL frameworks use);
     CPU   the push is staged (one copy of the weights) and applied at its end by
@@ -45,15 +45,15 @@ from typing import Any
 
 import torch
 
-from raysync import endpoint as ep
-from raysync.config import SyncConfig
-from raysync.errors import ReloadFailed, SchemaError, WeightsMixed
-from raysync.placement import Placement
-from raysync.sink import LoadFn
+from raysync.core.config import SyncConfig
+from raysync.core.errors import ReloadFailed, SchemaError, WeightsMixed
+from raysync.core.sink import LoadFn
+from raysync.core.version import MIXED, Version
+from raysync.core.wire import DTYPES, SessionSecret, TensorSpec
+from raysync.engines.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
+from raysync.ray import endpoint as ep
+from raysync.ray.placement import Placement
 from raysync.transport.collective import Rendezvous
-from raysync.version import MIXED, Version
-from raysync.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
-from raysync.wire import DTYPES, SessionSecret, TensorSpec
 
 _FUNCTIONS: dict[str, Callable] = {f.__name__: f for f in (
     ep.where, ep.receiver_connect, ep.collective_connect, ep.receiver_receive, ep.receiver_version, ep.close,
@@ -141,7 +141,7 @@ class StagedReload:
 
 # --- the worker extension ----------------------------------------------------------------------------------------
 class WorkerExtension:
-    """``LLM(..., worker_extension_cls="raysync.vllm.WorkerExtension")``. Every name starts with ``raysync_``
+    """``LLM(..., worker_extension_cls="raysync.engines.vllm.WorkerExtension")``. Every name starts with ``raysync_``
     or ``_raysync_``: vLLM refuses to start when an extension's attribute clashes with its Worker's."""
 
     def raysync_call(self, name: str, args: list | dict[str, list]) -> dict[str, Any]:
@@ -162,7 +162,7 @@ class WorkerExtension:
     def _raysync_note_session(self, name: str, values: list) -> None:
         """Whether a session's pushes may be partial is in its SyncConfig (include/exclude), which only the
         connect calls carry: kept per session for the loader of each receive (Note [checking a push before
-        loading] in raysync.vllm_model)."""
+        loading] in raysync.engines.vllm_model)."""
         partial = self.__dict__.setdefault(_PARTIAL, {})
         if name in ("receiver_connect", "collective_connect"):
             sync_id, config = values[0], values[1]
@@ -180,7 +180,7 @@ class WorkerExtension:
 def weight_version(llm: Any) -> Version:
     """The engine's weight version (inside the process that holds ``llm``): None until every worker has applied
     a push; MIXED while any worker is MIXED or the workers hold different versions (the engine's tensor-parallel
-    shards then come from several versions: Note [versions never lie] in raysync.version)."""
+    shards then come from several versions: Note [versions never lie] in raysync.core.version)."""
     versions = set(llm.collective_rpc("raysync_version"))
     if None in versions:
         return None

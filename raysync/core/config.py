@@ -18,8 +18,8 @@ class SyncConfig:
     """Settings shared by both halves of a session (the sender's values are the ones that count for the layout).
 
     bucket_bytes    size of one ring buffer; a tensor larger than this is sliced over consecutive buckets. A
-                    multiple of align_bytes; a layout may make at most raysync.wire.MAX_LAYOUT_BUCKETS buckets
-                    (Note [layout bounds] in raysync.plan): the error says which size fits
+                    multiple of align_bytes; a layout may make at most raysync.core.wire.MAX_LAYOUT_BUCKETS buckets
+                    (Note [layout bounds] in raysync.core.plan): the error says which size fits
     num_buffers     buffers in the ring: the sender packs bucket k+1 while the receiver loads bucket k (on two
                     GPUs; two processes on one GPU take turns on it, so there few, large buckets win)
     align_bytes     every tensor starts at a multiple of this inside a bucket (views stay aligned for any dtype):
@@ -35,10 +35,10 @@ class SyncConfig:
     staged          receiver: land a push in a copy of the destination tensors and apply it after the last
                     bucket, so a push that fails part-way leaves the weights as they were (one more copy of
                     the weights in memory, one more copy per push). Load functions stage themselves (see
-                    raysync.vllm's StagedReload)
+                    raysync.engines.vllm's StagedReload)
     verify          sender: send each tensor's digest of the packed bytes after the last bucket; the receiver
                     compares it with what landed (into= destinations, or the bytes handed to a load
-                    function) before the push counts as applied (ring transports; see raysync.digest)
+                    function) before the push counts as applied (ring transports; see raysync.core.digest)
     direct          cuda_ipc pairs: no ring; the receiver copies straight from the trainer's tensors, whose
                     storages are exported once. They must stay alive between pushes, on the sender's GPU,
                     contiguous and in their wire dtype (one GPU or plain DDP; no cast_dtype); anything else is
@@ -74,7 +74,7 @@ class SyncConfig:
                     f"SyncConfig.{name} takes a tuple of names or patterns, got the string {value!r}"
                 )
             object.__setattr__(self, name, tuple(value))
-        from raysync.plan import check_geometry  # imported here, like check_dtype_name below
+        from raysync.core.plan import check_geometry  # imported here, like check_dtype_name below
 
         check_geometry(
             self.bucket_bytes, self.align_bytes
@@ -86,7 +86,7 @@ class SyncConfig:
         if self.max_frame_bytes < 4096:
             raise ValueError(f"max_frame_bytes={self.max_frame_bytes}: must be >= 4096")
         if self.cast_dtype is not None:
-            from raysync.wire import check_dtype_name
+            from raysync.core.wire import check_dtype_name
 
             check_dtype_name(self.cast_dtype)
 

@@ -10,7 +10,7 @@ from the same list of tensors (the same model), so the shares cover every tensor
 ordinary collective group (raysync.transport.collective) with its own checks, timeouts and aborts; a
 ShardedReceiver runs the receives of all its groups at once and counts a version as applied only when every
 share has applied it: while the shares hold different versions the engine's weights are a mix that no trainer
-had, and ``version`` says MIXED (Note [versions never lie] in raysync.version). On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
+had, and ``version`` says MIXED (Note [versions never lie] in raysync.core.version). On NCCL one thread drives them all, the shares taking turns bucket by bucket (NCCL
 does not allow communicators of one GPU to be driven from several threads at once), so a share that stalls
 holds the others up until its timeout; on gloo each share has its own thread. The groups' joins run in
 threads, since each blocks until its own ranks are in.
@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from raysync.config import SyncConfig
-from raysync.errors import LayoutError, PushIncomplete, RaysyncError, SchemaError, WeightsMixed
-from raysync.report import PushReport
-from raysync.sink import LoadFn
-from raysync.source import select
+from raysync.core.config import SyncConfig
+from raysync.core.errors import LayoutError, PushIncomplete, RaysyncError, SchemaError, WeightsMixed
+from raysync.core.report import PushReport
+from raysync.core.sink import LoadFn
+from raysync.core.source import select
+from raysync.core.version import MIXED, Version
 from raysync.transport.collective import CollectiveReceiver
-from raysync.version import MIXED, Version
 
 
 def shares(

@@ -24,7 +24,7 @@ when any receiver refused.
 Every wait is bounded by ``timeout_s``. A push that fails on this side before it starts (the trainer's
 source raised, a layout over the bounds, a pack ahead of the push) is announced to the receiver with an Abort,
 so it raises at once instead of waiting for a push that never comes. Once it started, a failure here is an
-Abort of that push; the receiver's version then follows Note [versions never lie] (raysync.version).
+Abort of that push; the receiver's version then follows Note [versions never lie] (raysync.core.version).
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ from collections.abc import Iterable
 import torch
 from tqdm import tqdm
 
-from raysync import digest
-from raysync.config import SyncConfig
-from raysync.control import Fanout, SenderChannel
-from raysync.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
-from raysync.plan import Bucket, plan_buckets, total_bytes
-from raysync.report import PushReport
-from raysync.source import Packer, SourceTensor, select
+from raysync.core import digest
+from raysync.core.config import SyncConfig
+from raysync.core.control import Fanout, SenderChannel
+from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
+from raysync.core.plan import Bucket, plan_buckets, total_bytes
+from raysync.core.report import PushReport
+from raysync.core.source import Packer, SourceTensor, select
+from raysync.core.wire import Accept, Attached, Close, Layout, PushDigest, PushDone, PushStart
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
-from raysync.wire import Accept, Attached, Close, Layout, PushDigest, PushDone, PushStart
 
 logger = logging.getLogger(__name__)
 
