@@ -7,15 +7,17 @@ from raysync.core.errors import (
     PeerLost,
     PeerTimeout,
     PeerUnavailable,
+    PlanError,
     PushIncomplete,
     RaysyncError,
     RemoteError,
+    SessionClosed,
     ShmSegmentResized,
     ShmSpaceError,
     WeightsMixed,
     WireError,
 )
-from raysync.core.receiver import SessionClosed, WeightReceiver
+from raysync.core.receiver import WeightReceiver
 from raysync.core.report import PushReport
 from raysync.core.sender import WeightSender
 from raysync.core.version import MIXED
@@ -31,6 +33,7 @@ __all__ = [
     "PeerLost",
     "PeerTimeout",
     "PeerUnavailable",
+    "PlanError",
     "PushIncomplete",
     "PushReport",
     "RaysyncError",

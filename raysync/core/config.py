@@ -38,7 +38,7 @@ class SyncConfig:
                     raysync.engines.vllm's StagedReload)
     verify          sender: send each tensor's digest of the packed bytes after the last bucket; the receiver
                     compares it with what landed (into= destinations, or the bytes handed to a load
-                    function) before the push counts as applied (ring transports; see raysync.core.digest)
+                    function) before the push counts as applied (every transport; see raysync.core.digest)
     direct          cuda_ipc pairs: no ring; the receiver copies straight from the trainer's tensors, whose
                     storages are exported once. They must stay alive between pushes, on the sender's GPU,
                     contiguous and in their wire dtype (one GPU or plain DDP; no cast_dtype); anything else is

@@ -94,8 +94,16 @@ def _socket(ctx: zmq.Context, kind: int, max_frame_bytes: int, timeout_s: float)
 class Channel:
     """One side of a session's control channel."""
 
-    def __init__(self, kind: int, secret: SessionSecret, role: str, peer_role: str, peer: str,
-                 timeout_s: float, max_frame_bytes: int):  # fmt: skip
+    def __init__(
+        self,
+        kind: int,
+        secret: SessionSecret,
+        role: str,
+        peer_role: str,
+        peer: str,
+        timeout_s: float,
+        max_frame_bytes: int,
+    ):
         self._ctx = zmq.Context()
         self.sock = _socket(self._ctx, kind, max_frame_bytes, timeout_s)
         self.codec = FrameCodec(secret, role, peer_role, max_frame_bytes)
@@ -167,8 +175,16 @@ class Channel:
 class SenderChannel(Channel):
     """``label``: what errors call the receiver (with its pid and host once it is connected)."""
 
-    def __init__(self, secret: SessionSecret, *, endpoint: str | None, allow_any_interface: bool,
-                 timeout_s: float, max_frame_bytes: int, label: str = "receiver"):  # fmt: skip
+    def __init__(
+        self,
+        secret: SessionSecret,
+        *,
+        endpoint: str | None,
+        allow_any_interface: bool,
+        timeout_s: float,
+        max_frame_bytes: int,
+        label: str = "receiver",
+    ):
         super().__init__(zmq.ROUTER, secret, "sender", "receiver", label, timeout_s, max_frame_bytes)
         self.label = label
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
@@ -359,8 +375,9 @@ def _symptom(error: RemoteError) -> bool:
 
 class ReceiverChannel(Channel):
     def __init__(self, secret: SessionSecret, *, endpoint: str, timeout_s: float, max_frame_bytes: int):
-        super().__init__(zmq.DEALER, secret, "receiver", "sender", f"sender at {endpoint}", timeout_s,
-                         max_frame_bytes)  # fmt: skip
+        super().__init__(
+            zmq.DEALER, secret, "receiver", "sender", f"sender at {endpoint}", timeout_s, max_frame_bytes
+        )
         leftovers.sweep_shared_dirs(private_dir_base())  # Note [names that outlive a crash]
         self.sock.connect(endpoint)
 

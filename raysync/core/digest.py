@@ -74,7 +74,7 @@ def partial(data: torch.Tensor, offset_bytes: int) -> torch.Tensor:
     return _sum(parts, data.device)
 
 
-def finish(parts_per_tensor: list[list[torch.Tensor]]) -> list[int]:
+def combine(parts_per_tensor: list[list[torch.Tensor]]) -> list[int]:
     """Each tensor's digest in [0, 2**63) from its partial digests: summed where they are, then read back
     with one host sync per device (never one per tensor)."""
     sums = [_sum(p, None) if p else None for p in parts_per_tensor]

@@ -50,10 +50,11 @@ class PeerTimeout(PeerUnavailable, TimeoutError):
     def __init__(self, peer: str, stage: str, timeout_s: float):
         self.timeout_s = timeout_s
         super().__init__(
-            peer, stage,
+            peer,
+            stage,
             f"no answer from {peer} within {timeout_s:g}s at stage '{stage}': the peer died, hung or never "
             f"connected (raise SyncConfig.timeout_s if it is just slow)",
-        )  # fmt: skip
+        )
 
 
 class PeerLost(PeerUnavailable, ConnectionError):
@@ -78,8 +79,9 @@ class PushIncomplete(RaysyncError):
     """A push stopped part-way. The receiver's version did not advance: it is the old one, or ``"mixed"`` when
     ``mixed`` (bytes of this push had reached the destinations: Note [versions never lie] in raysync.core.version)."""
 
-    def __init__(self, version: int, stage: str, reason: str, undelivered: list[str], *,
-                 mixed: bool | None = None):  # fmt: skip
+    def __init__(
+        self, version: int, stage: str, reason: str, undelivered: list[str], *, mixed: bool | None = None
+    ):
         self.version, self.stage, self.reason, self.undelivered = version, stage, reason, undelivered
         self.mixed = mixed  # None: the raiser does not know
         shown = ", ".join(undelivered[:5]) + (
@@ -166,11 +168,15 @@ class SyncError(RaysyncError):
     def __init__(self, version: int, failures: list[EndpointFailure], mixed: Sequence[int] = ()):
         self.version, self.failures, self.mixed = version, failures, tuple(mixed)
         first = failures[0]
-        text = f"push of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at " \
-               f"stage '{first.stage}': {first.error}"  # fmt: skip
+        text = (
+            f"push of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at "
+            f"stage '{first.stage}': {first.error}"
+        )
         if self.mixed:
-            text += (f"\nreceiver(s) {', '.join(f'#{j}' for j in self.mixed)} now hold a mix of two versions "
-                     f"(versions() says 'mixed'): the next push sends them the full weights")  # fmt: skip
+            text += (
+                f"\nreceiver(s) {', '.join(f'#{j}' for j in self.mixed)} now hold a mix of two versions "
+                f"(versions() says 'mixed'): the next push sends them the full weights"
+            )
         if first.traceback:
             text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
         super().__init__(text)
@@ -186,3 +192,11 @@ class ActorUnavailable(PeerUnavailable):
 
 class ActorGone(ActorUnavailable):
     """A Ray actor died and Ray will not restart it (its ``max_restarts`` are spent, or it had none)."""
+
+
+class SessionClosed(RaysyncError):
+    """The sender closed the session."""
+
+
+class PlanError(RaysyncError):
+    """No transport can serve a pair, or an override names one that cannot."""

@@ -151,8 +151,9 @@ def layout_size(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: int
     return LayoutSize(len(specs), closed + (1 if specs else 0), chunks, nbytes, padded)
 
 
-def check_layout(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: int,
-                 bounds: LayoutBounds = BOUNDS) -> LayoutSize:  # fmt: skip
+def check_layout(
+    specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: int, bounds: LayoutBounds = BOUNDS
+) -> LayoutSize:
     """Refuse a layout whose plan would exceed ``bounds``, before planning it (Note [layout bounds]); returns
     what its plan will hold. Raises BadLayout naming the counts, the limits and the bucket size that fits."""
     check_tensor_count(len(specs), bounds)
@@ -254,15 +255,19 @@ def direct_buckets(
     if not len(specs) == len(storage) == len(offset_bytes):
         raise BadLayout(f"{len(storage)} storages and {len(offset_bytes)} offsets for {len(specs)} tensors")
     if len(storage_bytes) > max(1, len(specs)):
-        raise BadLayout(f"{len(storage_bytes)} storages exported for {len(specs)} tensors: a sender exports only "
-                        f"the storages its tensors live in, at most one per tensor")  # fmt: skip
+        raise BadLayout(
+            f"{len(storage_bytes)} storages exported for {len(specs)} tensors: a sender exports only "
+            f"the storages its tensors live in, at most one per tensor"
+        )
     chunks: list[list[Chunk]] = [[] for _ in range(max(1, len(storage_bytes)))]
     for i, (spec, k, offset) in enumerate(zip(specs, storage, offset_bytes, strict=True)):
         if spec.nbytes == 0:
             k = offset = 0
         elif not (k < len(storage_bytes) and offset + spec.nbytes <= storage_bytes[k]):
-            raise BadLayout(f"tensor {spec.name!r}: {spec.nbytes} bytes at {offset} in storage {k} do not fit "
-                              f"the {len(storage_bytes)} storages exported")  # fmt: skip
+            raise BadLayout(
+                f"tensor {spec.name!r}: {spec.nbytes} bytes at {offset} in storage {k} do not fit "
+                f"the {len(storage_bytes)} storages exported"
+            )
         if offset % spec.itemsize:
             raise BadLayout(f"tensor {spec.name!r}: offset {offset} is not a multiple of its itemsize")
         chunks[k].append(Chunk(i, 0, offset, spec.nbytes, True))

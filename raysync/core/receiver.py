@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel
-from raysync.core.session_receiver import PushReceiver, SessionClosed
+from raysync.core.errors import SessionClosed
+from raysync.core.session_receiver import PushReceiver
 from raysync.core.wire import SessionSecret
 
 __all__ = ["SessionClosed", "WeightReceiver"]
@@ -19,8 +20,9 @@ class WeightReceiver(PushReceiver):
 
     def __init__(self, endpoint: str, secret: SessionSecret, config: SyncConfig | None = None):
         config = config or SyncConfig()
-        channel = ReceiverChannel(secret, endpoint=endpoint, timeout_s=config.timeout_s,
-                                  max_frame_bytes=config.max_frame_bytes)  # fmt: skip
+        channel = ReceiverChannel(
+            secret, endpoint=endpoint, timeout_s=config.timeout_s, max_frame_bytes=config.max_frame_bytes
+        )
         super().__init__(channel, config)
 
     def __enter__(self) -> WeightReceiver:

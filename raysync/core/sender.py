@@ -15,13 +15,22 @@ from raysync.core.wire import SessionSecret
 class WeightSender(PushSender):
     """Binds the control endpoint at construction; give ``endpoint`` and the secret to the receiver."""
 
-    def __init__(self, secret: SessionSecret, config: SyncConfig | None = None, *, endpoint: str | None = None,
-                 allow_any_interface: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        secret: SessionSecret,
+        config: SyncConfig | None = None,
+        *,
+        endpoint: str | None = None,
+        allow_any_interface: bool = False,
+    ):
         config = config or SyncConfig()
         channel = SenderChannel(
-            secret, endpoint=endpoint, allow_any_interface=allow_any_interface,
-            timeout_s=config.timeout_s, max_frame_bytes=config.max_frame_bytes,
-        )  # fmt: skip
+            secret,
+            endpoint=endpoint,
+            allow_any_interface=allow_any_interface,
+            timeout_s=config.timeout_s,
+            max_frame_bytes=config.max_frame_bytes,
+        )
         super().__init__(channel, config)
         self.endpoint = channel.endpoint
 

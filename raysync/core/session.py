@@ -13,7 +13,7 @@
 | accept       | pack ahead, PushStart, wait for Accept         | check every destination; Accept or Abort       |
 | stream       | bucket k: claim -> pack -> packed -> publish   | bucket k: receive -> unpack -> release         |
 | verify       | PushDigest of what was packed                  | compare with what landed                       |
-| commit       | wait for PushDone                              | drain, apply (sink.finish), version := pushed  |
+| commit       | wait for PushDone                              | drain, apply (sink.commit), version := pushed  |
 | report       | PushReport                                     | PushReport                                     |
 
 A session is one sender and N receivers (control.Fanout: N = 1 for a ring; a collective group's receivers).
@@ -110,8 +110,12 @@ class PushSender:
             self._stream(version, ahead)
             streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
-        self.last_stages_s = {"select": selected - start, "accept": accepted - selected,
-                              "stream": streamed - accepted, "finish": time.perf_counter() - streamed}  # fmt: skip
+        self.last_stages_s = {
+            "select": selected - start,
+            "accept": accepted - selected,
+            "stream": streamed - accepted,
+            "finish": time.perf_counter() - streamed,
+        }
         return self._report(version, len(sources), accept.skip, time.perf_counter() - start)
 
     def abort(self, error: BaseException, stage: str = "source") -> None:
@@ -201,7 +205,7 @@ class PushSender:
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
             stage = "verify" if self._digests is not None else "finish"
             self._send_digests()
-            self._plane.finish()
+            self._plane.wait_released()
         except RemoteError:
             self._plane.fail()
             raise
@@ -222,13 +226,20 @@ class PushSender:
         if self._digests is None:
             return
         count = len(self._layout.tensors)
-        sums = tuple(digest.finish([self._digests.get(i, []) for i in range(count)]))
+        sums = tuple(digest.combine([self._digests.get(i, []) for i in range(count)]))
         self._channel.send(PushDigest(self._push_id, sums), "verify")
 
     def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
         moved = not skipped
-        report = PushReport(version, self._plane.name, self._layout_bytes * moved, len(self._buckets) * moved,
-                            tensors, seconds, skipped=skipped)  # fmt: skip
+        report = PushReport(
+            version,
+            self._plane.name,
+            self._layout_bytes * moved,
+            len(self._buckets) * moved,
+            tensors,
+            seconds,
+            skipped=skipped,
+        )
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
 
@@ -250,8 +261,14 @@ class PushSender:
             Attached, 0, "handshake: waiting for the receiver to map the ring"
         ):
             plane.attached(attached)
-        logger.info("session up with %s (pids %s): %s plane, %d x %d bytes", self._channel.peer,
-                    [h.pid for h in hellos], plane.name, plane.slots, cfg.bucket_bytes)  # fmt: skip
+        logger.info(
+            "session up with %s (pids %s): %s plane, %d x %d bytes",
+            self._channel.peer,
+            [h.pid for h in hellos],
+            plane.name,
+            plane.slots,
+            cfg.bucket_bytes,
+        )
 
     def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
         """select(), skipped while the trainer pushes the same tensors (updated in place) as last time."""
@@ -316,8 +333,14 @@ class _LazyBar:
     def update(self, n: int) -> None:
         self._done += n
         if self._bar is None and self._enabled and time.perf_counter() - self._started > 1.0:
-            self._bar = tqdm(total=self._total, initial=self._done - n, unit="B", unit_scale=True, desc=self._desc,
-                             leave=False)  # fmt: skip
+            self._bar = tqdm(
+                total=self._total,
+                initial=self._done - n,
+                unit="B",
+                unit_scale=True,
+                desc=self._desc,
+                leave=False,
+            )
         if self._bar is not None:
             self._bar.update(n)
 

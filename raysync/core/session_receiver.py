@@ -27,6 +27,7 @@ from raysync.core.errors import (
     RaysyncError,
     RemoteError,
     SchemaError,
+    SessionClosed,
     WeightsMixed,
 )
 from raysync.core.plan import Bucket, total_bytes
@@ -50,10 +51,6 @@ from raysync.transport import registry
 from raysync.transport.base import PlaneReader
 
 logger = logging.getLogger(__name__)
-
-
-class SessionClosed(RaysyncError):
-    """The sender closed the session."""
 
 
 class PushReceiver:
@@ -88,8 +85,13 @@ class PushReceiver:
         """The tensors of the last layout received."""
         return tuple(s.name for s in self._layout.tensors) if self._layout else ()
 
-    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
-                wait_s: float | None = None) -> PushReport:  # fmt: skip
+    def receive(
+        self,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        load_fn: LoadFn | None = None,
+        wait_s: float | None = None,
+    ) -> PushReport:
         """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
         Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
         this is called (again when the push brings a new layout): do not change ``into`` from another thread
@@ -101,8 +103,14 @@ class PushReceiver:
             except StopIteration as done:
                 return done.value
 
-    def receiving(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
-                  wait_s: float | None = None, staging: bool = False) -> Generator[None, None, PushReport]:  # fmt: skip
+    def receiving(
+        self,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        load_fn: LoadFn | None = None,
+        wait_s: float | None = None,
+        staging: bool = False,
+    ) -> Generator[None, None, PushReport]:
         """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.transport.sharded runs
         several sessions' pushes from one thread, taking turns). ``staging``: ``load_fn`` only stages what it
         is given and the caller applies it after the push, so a failure here leaves the destinations as they
@@ -133,8 +141,11 @@ class PushReceiver:
                 raise
             self.version = start.version
             self._channel.send(PushDone(start.push_id, start.version), "finish")
-        self.last_stages_s = {"accept": accepted - started, "stream": streamed - accepted,
-                              "finish": time.perf_counter() - streamed}  # fmt: skip
+        self.last_stages_s = {
+            "accept": accepted - started,
+            "stream": streamed - accepted,
+            "finish": time.perf_counter() - streamed,
+        }
         return self._report(start.version, skip, time.perf_counter() - started)
 
     def _agree(self, start: PushStart) -> bool:
@@ -153,8 +164,15 @@ class PushReceiver:
 
     def _report(self, version: int, skipped: bool, seconds: float) -> PushReport:
         specs, moved = self._layout.tensors, not skipped
-        report = PushReport(version, self._plane.name, total_bytes(specs) * moved, len(self._buckets) * moved,
-                            len(specs), seconds, skipped=skipped)  # fmt: skip
+        report = PushReport(
+            version,
+            self._plane.name,
+            total_bytes(specs) * moved,
+            len(self._buckets) * moved,
+            len(specs),
+            seconds,
+            skipped=skipped,
+        )
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 
@@ -170,8 +188,13 @@ class PushReceiver:
             return None
         return self._layout.layout_id, self._sinks_made, sink  # no reference to the Sinks: see _drop_sinks
 
-    def _accept(self, start: PushStart, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None,
-                ahead: tuple | None = None) -> Sink:  # fmt: skip
+    def _accept(
+        self,
+        start: PushStart,
+        into: Mapping[str, torch.Tensor] | None,
+        load_fn: LoadFn | None,
+        ahead: tuple | None = None,
+    ) -> Sink:
         """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
         specs = self._layout.tensors if self._layout else ()
         try:
@@ -218,7 +241,7 @@ class PushReceiver:
                 stage = "verify"
                 self._verify(sink, self._channel.expect(PushDigest, pid, "verify: waiting for the digests"))
             stage = "apply"
-            sink.finish()
+            sink.commit()
             return streamed
         except RemoteError as e:  # the sender failed and told us
             self._plane.fail()
@@ -322,8 +345,11 @@ class PushReceiver:
         try:
             buckets = self._plane.take_sources(sources, self._layout)
         except Exception as e:
-            self._layout_error = e if isinstance(e, RaysyncError) else LayoutError(
-                f"cannot map the sender's storages: {type(e).__name__}: {e}")  # fmt: skip
+            self._layout_error = (
+                e
+                if isinstance(e, RaysyncError)
+                else LayoutError(f"cannot map the sender's storages: {type(e).__name__}: {e}")
+            )
             return
         self._buckets, self._layout_error = buckets, None
 

@@ -58,7 +58,7 @@ class Sink:
         """Unpack several buckets at once (direct mode: every storage of the sender, one bucket each)."""
         raise NotImplementedError
 
-    def finish(self) -> None:
+    def commit(self) -> None:
         """Every bucket has landed: apply what was staged (nothing for most sinks). Raises WeightsMixed when
         it failed after touching the destinations."""
 
@@ -80,8 +80,13 @@ class IntoTensors(Sink):
     part-way leaves the destinations as they were, never half old and half new. Costs one more copy of the
     weights in memory and one more copy per push."""
 
-    def __init__(self, specs: Sequence[TensorSpec], dest: Mapping[str, torch.Tensor], staged: bool = False,
-                 graphs: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        dest: Mapping[str, torch.Tensor],
+        staged: bool = False,
+        graphs: bool = True,
+    ):
         super().__init__(specs)
         final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
@@ -90,8 +95,6 @@ class IntoTensors(Sink):
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
-        kinds = {t.device.type for t in self._bytes}
-        self.device_type = kinds.pop() if len(kinds) == 1 else "mixed"  # where the destinations live
 
     def reset(self) -> None:
         self.done = set()
@@ -100,8 +103,11 @@ class IntoTensors(Sink):
         key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
         copies = self._copies.get(key)
         if copies is None:  # made once per buckets and buffers, replayed every push (raysync.core.copies)
-            pairs = [(self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
-                     for bucket, buffer in parts for c in bucket.chunks]  # fmt: skip
+            pairs = [
+                (self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
+                for bucket, buffer in parts
+                for c in bucket.chunks
+            ]
             copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()], self._graphs)
         copies.run()
         for bucket, buffer in parts:
@@ -109,9 +115,9 @@ class IntoTensors(Sink):
             self.landed(bucket)
 
     def digests(self) -> list[int]:
-        return digest.finish([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
+        return digest.combine([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
 
-    def finish(self) -> None:
+    def commit(self) -> None:
         if self._apply is None:
             return
         try:
@@ -122,8 +128,7 @@ class IntoTensors(Sink):
             raise WeightsMixed(f"applying the staged push failed part-way: {type(e).__name__}: {e}") from e
 
     def target(self, chunk: Chunk) -> torch.Tensor:
-        """The destination bytes of ``chunk``: a transport that can write there directly (a broadcast) skips
-        the buffer, then calls ``landed``."""
+        """The destination bytes of ``chunk`` (a staged sink's: its copy of the destinations)."""
         return self._bytes[chunk.index][chunk.src_offset : chunk.src_offset + chunk.nbytes]
 
     def landed(self, bucket: Bucket) -> None:
@@ -167,9 +172,9 @@ class IntoLoadFn(Sink):
         return batch
 
     def digests(self) -> list[int]:
-        return digest.finish([self._parts.get(i, []) for i in range(len(self.specs))])
+        return digest.combine([self._parts.get(i, []) for i in range(len(self.specs))])
 
-    def finish(self) -> None:
+    def commit(self) -> None:
         finish = getattr(self._load_fn, "finish", None)
         if finish is not None:
             finish()
@@ -188,8 +193,13 @@ class Sinks:
         self._key: tuple | None = None
         self._into: IntoTensors | None = None
 
-    def make(self, layout_id: int, specs: Sequence[TensorSpec], into: Mapping[str, torch.Tensor] | None,
-             load_fn: LoadFn | None) -> Sink:  # fmt: skip
+    def make(
+        self,
+        layout_id: int,
+        specs: Sequence[TensorSpec],
+        into: Mapping[str, torch.Tensor] | None,
+        load_fn: LoadFn | None,
+    ) -> Sink:
         if into is None:
             return IntoLoadFn(specs, load_fn)
         try:

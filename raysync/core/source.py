@@ -87,8 +87,11 @@ class Packer:
                     pairs.append(
                         (region if view.dtype == torch.uint8 else region.view(DTYPES[src.spec.dtype]), view)
                     )
-            host_sync = {sources[c.index].tensor.device for c in bucket.chunks
-                         if sources[c.index].tensor.is_cuda and buffer.device.type == "cpu"}  # fmt: skip
+            host_sync = {
+                sources[c.index].tensor.device
+                for c in bucket.chunks
+                if sources[c.index].tensor.is_cuda and buffer.device.type == "cpu"
+            }
             self._plans.append((CopyList(pairs, graphs), packed_each_time, host_sync))
 
     def pack(self, k: int) -> None:
@@ -128,12 +131,3 @@ def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
         region.view(wire).copy_(
             tensor.reshape(-1)[first : first + chunk.nbytes // wire.itemsize], non_blocking=non_blocking
         )
-
-
-def direct_bytes(src: SourceTensor, chunk: Chunk, device_type: str) -> torch.Tensor | None:
-    """The chunk's bytes, read in place from the trainer's tensor (no copy), when the tensor is contiguous,
-    keeps its dtype and lives on ``device_type``; None when it has to be packed."""
-    t = src.tensor
-    if t.dtype != DTYPES[src.spec.dtype] or not t.is_contiguous() or t.device.type != device_type:
-        return None
-    return t.reshape(-1).view(torch.uint8)[chunk.src_offset : chunk.src_offset + chunk.nbytes]

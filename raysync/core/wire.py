@@ -57,10 +57,29 @@ MAX_ARRAY_ITEMS = MAX_LAYOUT_TENSORS  # any array in a frame (per-tensor lists a
 
 # --- dtypes: by name, from an allowlist --------------------------------------------------------------------------
 _DTYPE_NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-)  # fmt: skip
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
 
@@ -114,8 +133,10 @@ class TensorSpec:
         if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
             raise BadLayout(f"tensor {self.name!r}: bad shape {self.shape} (at most {MAX_NDIM} sizes >= 0)")
         if self.nbytes > MAX_TENSOR_BYTES:
-            raise BadLayout(f"tensor {self.name!r}: {self.nbytes} bytes is beyond any real tensor "
-                            f"(limit {MAX_TENSOR_BYTES})")  # fmt: skip
+            raise BadLayout(
+                f"tensor {self.name!r}: {self.nbytes} bytes is beyond any real tensor "
+                f"(limit {MAX_TENSOR_BYTES})"
+            )
 
     @property
     def numel(self) -> int:
@@ -342,8 +363,9 @@ def _check_array(item: _Checker, value: object, where: str) -> tuple:
     return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 
-def _build(cls: type, fields: tuple[tuple[str, _Checker], ...], names: frozenset[str], body: object,
-           where: str) -> object:  # fmt: skip
+def _build(
+    cls: type, fields: tuple[tuple[str, _Checker], ...], names: frozenset[str], body: object, where: str
+) -> object:
     if not isinstance(body, dict):
         raise SchemaError(f"{where}: expected a map, got {type(body).__name__}")
     if body.keys() != names:

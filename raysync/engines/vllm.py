@@ -55,9 +55,17 @@ from raysync.ray import endpoint as ep
 from raysync.ray.placement import Placement
 from raysync.transport.collective import Rendezvous
 
-_FUNCTIONS: dict[str, Callable] = {f.__name__: f for f in (
-    ep.where, ep.receiver_connect, ep.collective_connect, ep.receiver_receive, ep.receiver_version, ep.close,
-)}  # fmt: skip
+_FUNCTIONS: dict[str, Callable] = {
+    f.__name__: f
+    for f in (
+        ep.where,
+        ep.receiver_connect,
+        ep.collective_connect,
+        ep.receiver_receive,
+        ep.receiver_version,
+        ep.close,
+    )
+}
 _TYPES: dict[str, type] = {c.__name__: c for c in (SyncConfig, SessionSecret, Rendezvous, Placement)}
 _SINK = "__raysync_sink__"  # stands for the driver's sink: the worker loads through vLLM instead
 

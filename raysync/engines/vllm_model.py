@@ -58,8 +58,9 @@ class PushCheck:
             )
 
 
-def refusals(model: torch.nn.Module, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-             partial: bool) -> list[str]:  # fmt: skip
+def refusals(
+    model: torch.nn.Module, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], partial: bool
+) -> list[str]:
     """What vLLM's loader finds wrong with a push of ``entries`` (name, dtype, shape), one line per kind of
     problem; empty when it would load. Runs on a meta twin of ``model``: nothing of the model is touched."""
     twin = meta_twin(model)
@@ -97,8 +98,11 @@ def refusals(model: torch.nn.Module, entries: list[tuple[str, torch.dtype, tuple
         _listed("tensor(s) of a dtype it cannot take", dtypes),
     ]
     if checkable:
-        short = [f"{p} ({min(written.get(p, 0), t.numel())} of {t.numel()} elements)" for p, t in params.items()
-                 if written.get(p, 0) < t.numel() and (written.get(p, 0) or not partial)]  # fmt: skip
+        short = [
+            f"{p} ({min(written.get(p, 0), t.numel())} of {t.numel()} elements)"
+            for p, t in params.items()
+            if written.get(p, 0) < t.numel() and (written.get(p, 0) or not partial)
+        ]
         what = "touches but does not write completely" if partial else "does not write"
         problems.append(_listed(f"of its parameter(s) that the push {what}", short))
     return [p for p in problems if p]
@@ -155,8 +159,11 @@ def _meta_like(t: torch.Tensor, module: torch.nn.Module, twin: torch.nn.Module) 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
     """{name: the name it is tied to} for each parameter of ``model`` that another name holds first."""
     first: dict[int, str] = {}
-    return {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
-            if first.setdefault(id(p), n) != n}  # fmt: skip
+    return {
+        n: first[id(p)]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if first.setdefault(id(p), n) != n
+    }
 
 
 class _Writes(TorchDispatchMode):
@@ -172,8 +179,12 @@ class _Writes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_WRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor,
-           torch.ops.aten.zero_.default}  # fmt: skip
+_WRITES = {
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.fill_.Scalar,
+    torch.ops.aten.fill_.Tensor,
+    torch.ops.aten.zero_.default,
+}
 
 
 def _castable(pushed: torch.dtype, param: torch.dtype) -> bool:

@@ -80,11 +80,15 @@ class SyncReport:
         return max(self.pairs, key=lambda p: p.seconds)
 
     def __str__(self) -> str:
-        lines = [f"version {self.version}: {len(self.pairs)} pair(s), {self.bytes / 1e6:.1f} MB in "
-                 f"{self.seconds * 1e3:.1f} ms"]  # fmt: skip
+        lines = [
+            f"version {self.version}: {len(self.pairs)} pair(s), {self.bytes / 1e6:.1f} MB in "
+            f"{self.seconds * 1e3:.1f} ms"
+        ]
         for p in self.pairs:
-            lines.append(f"  #{p.sender} -> #{p.receiver} over {p.transport}: {p.bytes / 1e6:.1f} MB, "
-                         f"{p.seconds * 1e3:.1f} ms, {p.gbps:.2f} GB/s")  # fmt: skip
+            lines.append(
+                f"  #{p.sender} -> #{p.receiver} over {p.transport}: {p.bytes / 1e6:.1f} MB, "
+                f"{p.seconds * 1e3:.1f} ms, {p.gbps:.2f} GB/s"
+            )
         return "\n".join(lines)
 
 
@@ -100,11 +104,20 @@ class Plan(list):
 
 
 class WeightSync:
-    def __init__(self, senders: Sequence[Any], receivers: Sequence[Any], config: SyncConfig | None = None, *,
-                 pairs: Sequence[tuple[int, int]] | None = None, source: ep.Source = ep.model_parameters,
-                 sink: ep.Sink = ep.model_destinations, transport: str | dict[tuple[int, int], str] | None = None,
-                 setup_timeout_s: float = 300.0, push_timeout_s: float = 3600.0,
-                 shard_sources: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        senders: Sequence[Any],
+        receivers: Sequence[Any],
+        config: SyncConfig | None = None,
+        *,
+        pairs: Sequence[tuple[int, int]] | None = None,
+        source: ep.SourceFn = ep.model_parameters,
+        sink: ep.SinkFn = ep.model_destinations,
+        transport: str | dict[tuple[int, int], str] | None = None,
+        setup_timeout_s: float = 300.0,
+        push_timeout_s: float = 3600.0,
+        shard_sources: bool = False,
+    ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
         ``shard_sources``: every sender broadcasts a disjoint share of the tensors to every receiver over its
@@ -130,8 +143,9 @@ class WeightSync:
         self._setup()
 
     # --- calls to actors (Ray restarts them) -------------------------------------------------------------------
-    def _ask(self, calls: dict[tuple[str, int], Callable[[], Any]], stage: str,
-             timeout_s: float) -> dict[tuple[str, int], Any]:  # fmt: skip
+    def _ask(
+        self, calls: dict[tuple[str, int], Callable[[], Any]], stage: str, timeout_s: float
+    ) -> dict[tuple[str, int], Any]:
         """Make the calls (``calls[(role, index)]()`` returns an ObjectRef) and wait for them all, bounded by
         ``timeout_s``. An actor that Ray is restarting answers at once with ActorUnavailableError: it is asked
         again until it is back or the time is up. Returns each key's result, or a typed error in its place
@@ -179,9 +193,13 @@ class WeightSync:
     ) -> RaysyncError:
         if not restarting:
             return PeerTimeout(self._label(*key), stage, timeout_s)
-        return ActorUnavailable(self._label(*key), stage, f"{self._label(*key)} did not answer at stage '{stage}': "
-                                f"Ray was still restarting it after {timeout_s:g}s (raise WeightSync's "
-                                f"setup_timeout_s if restarts take longer here)")  # fmt: skip
+        return ActorUnavailable(
+            self._label(*key),
+            stage,
+            f"{self._label(*key)} did not answer at stage '{stage}': "
+            f"Ray was still restarting it after {timeout_s:g}s (raise WeightSync's "
+            f"setup_timeout_s if restarts take longer here)",
+        )
 
     def _typed(self, error: Exception, key: tuple[str, int], stage: str) -> Exception:
         """A Ray error as raysync's: an actor gone for good is ActorUnavailable; a call that raised stays
@@ -192,9 +210,13 @@ class WeightSync:
             return error
         name = self._label(*key)
         if isinstance(error, ray.exceptions.ActorDiedError):
-            return ActorGone(name, stage, f"{name} died at stage '{stage}' and Ray will not restart it "
-                             f"({_first_line(error)}): give WeightSync live actors, or let Ray restart them "
-                             f"(max_restarts)")  # fmt: skip
+            return ActorGone(
+                name,
+                stage,
+                f"{name} died at stage '{stage}' and Ray will not restart it "
+                f"({_first_line(error)}): give WeightSync live actors, or let Ray restart them "
+                f"(max_restarts)",
+            )
         return ActorUnavailable(
             name, stage, f"Ray could not reach {name} at stage '{stage}': {_first_line(error)}"
         )
@@ -225,8 +247,10 @@ class WeightSync:
         for j, a in args.items():
             e, slot = self._slots[j]
             by_endpoint.setdefault(e, {})[slot] = a
-        return {("receiver", e): lambda e=e, a=per_slot: self.receivers[e].call(fn, a)
-                for e, per_slot in by_endpoint.items()}  # fmt: skip
+        return {
+            ("receiver", e): lambda e=e, a=per_slot: self.receivers[e].call(fn, a)
+            for e, per_slot in by_endpoint.items()
+        }
 
     def _by_receiver(self, e: int, by_slot: dict[int, Any]) -> dict[int, Any]:
         return {self._slots.index((e, slot)): r for slot, r in by_slot.items()}
@@ -263,25 +287,49 @@ class WeightSync:
         secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
         cfg = dataclasses.replace(self.config, transport=p.transport)
         sender = self.senders[p.sender]
-        [(address, self._pair_bytes[p.sender, p.receiver])] = self._get({("sender", p.sender): lambda: (
-            sender.__ray_call__.remote(ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint,
-                                       self._source))}, f"connect sender #{p.sender}")  # fmt: skip
-        self._get(self._on_receivers(ep.receiver_connect, {p.receiver: (self._sync_id, cfg, address, secret,
-                                                                        self._sink)}),
-                  f"connect receiver #{p.receiver}")  # fmt: skip
+        [(address, self._pair_bytes[p.sender, p.receiver])] = self._get(
+            {
+                ("sender", p.sender): lambda: sender.__ray_call__.remote(
+                    ep.sender_connect, self._sync_id, cfg, p.receiver, secret, endpoint, self._source
+                )
+            },
+            f"connect sender #{p.sender}",
+        )
+        self._get(
+            self._on_receivers(
+                ep.receiver_connect, {p.receiver: (self._sync_id, cfg, address, secret, self._sink)}
+            ),
+            f"connect receiver #{p.receiver}",
+        )
 
     def _connect_group(self, i: int, receivers: list[int]) -> None:
         secret, cfg = SessionSecret.generate(), self.config
         share = (i, len(self.senders)) if self._shard else None
         sender = self.senders[i]
-        [(rendezvous, nbytes)] = self._get({("sender", i): lambda: sender.__ray_call__.remote(
-            ep.collective_open, self._sync_id, cfg, self._sender_at[i].ip, receivers, secret, self._source, share)},
-            f"open the broadcast group of sender #{i}")  # fmt: skip
+        [(rendezvous, nbytes)] = self._get(
+            {
+                ("sender", i): lambda: sender.__ray_call__.remote(
+                    ep.collective_open,
+                    self._sync_id,
+                    cfg,
+                    self._sender_at[i].ip,
+                    receivers,
+                    secret,
+                    self._source,
+                    share,
+                )
+            },
+            f"open the broadcast group of sender #{i}",
+        )
         self._pair_bytes.update({(i, j): nbytes for j in receivers})
         joins = {("sender", i): lambda: sender.__ray_call__.remote(ep.collective_join, self._sync_id)}
-        joins |= self._on_receivers(ep.collective_connect, {j: (self._sync_id, cfg, rank, rendezvous, secret,
-                                                                self._sink, share)
-                                                            for rank, j in enumerate(receivers, start=1)})  # fmt: skip
+        joins |= self._on_receivers(
+            ep.collective_connect,
+            {
+                j: (self._sync_id, cfg, rank, rendezvous, secret, self._sink, share)
+                for rank, j in enumerate(receivers, start=1)
+            },
+        )
         self._get(joins, f"join the broadcast group of sender #{i}")
 
     def _repair(self) -> None:
@@ -291,8 +339,10 @@ class WeightSync:
             return
         broken = set(self._broken)  # kept until repaired: a repair that fails is tried again next push
         calls = {("sender", i): lambda a=self.senders[i]: a.__ray_call__.remote(ep.where) for i, _ in broken}
-        calls |= {("receiver", e): lambda r=self.receivers[e]: r.call(ep.where)
-                  for e in {self._slots[j][0] for _, j in broken}}  # fmt: skip
+        calls |= {
+            ("receiver", e): lambda r=self.receivers[e]: r.call(ep.where)
+            for e in {self._slots[j][0] for _, j in broken}
+        }
         placements = self._get(calls, "placement of the endpoints of the last failed push")
         for (role, index), at in zip(calls, placements, strict=True):
             if role == "sender":
@@ -316,13 +366,18 @@ class WeightSync:
         by_sender: dict[int, list[int]] = {}
         for p in self.plan:
             by_sender.setdefault(p.sender, []).append(p.receiver)
-        refs = {self.senders[i].__ray_call__.remote(ep.sender_push, self._sync_id, version, js): ("sender", i)
-                for i, js in by_sender.items()}  # fmt: skip
+        refs = {
+            self.senders[i].__ray_call__.remote(ep.sender_push, self._sync_id, version, js): ("sender", i)
+            for i, js in by_sender.items()
+        }
         receiving = {j: (self._sync_id,) for js in by_sender.values() for j in js}
         refs.update({make(): key for key, make in self._on_receivers(ep.receiver_receive, receiving).items()})
         results, failures = self._collect(refs, version)
-        results["receiver"] = {j: r for e, by_slot in results.get("receiver", {}).items()
-                               for j, r in self._by_receiver(e, by_slot).items()}  # fmt: skip
+        results["receiver"] = {
+            j: r
+            for e, by_slot in results.get("receiver", {}).items()
+            for j, r in self._by_receiver(e, by_slot).items()
+        }
         pairs = []
         for i, per_receiver in results.get("sender", {}).items():
             for j, r in per_receiver.items():
@@ -353,8 +408,15 @@ class WeightSync:
         failures: list[EndpointFailure] = []
         pending = list(refs)
         deadline = time.monotonic() + self._push_timeout_s
-        bar = tqdm(total=sum(self._pair_bytes.values()), unit="B", unit_scale=True, delay=1.0,
-                   desc=f"push v{version}", disable=not self.config.progress, leave=False)  # fmt: skip
+        bar = tqdm(
+            total=sum(self._pair_bytes.values()),
+            unit="B",
+            unit_scale=True,
+            delay=1.0,
+            desc=f"push v{version}",
+            disable=not self.config.progress,
+            leave=False,
+        )
         try:
             while pending:
                 left = deadline - time.monotonic()
@@ -372,8 +434,11 @@ class WeightSync:
                             bar.update(sum(b for (i, _), b in self._pair_bytes.items() if i == index))
                     except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
                         # not asked again (a restarted actor has no session): the next push repairs the pairs
-                        failures.append(EndpointFailure(self._label(role, index), f"push v{version}",
-                                                        _first_line(e), str(e)))  # fmt: skip
+                        failures.append(
+                            EndpointFailure(
+                                self._label(role, index), f"push v{version}", _first_line(e), str(e)
+                            )
+                        )
                         self._mark_broken(role, index)
         finally:
             bar.close()
@@ -381,8 +446,11 @@ class WeightSync:
 
     def _mark_broken(self, role: str, index: int) -> None:
         """Every pair of this sender or receiver endpoint is reconnected before the next push."""
-        self._broken.update((p.sender, p.receiver) for p in self.plan
-                            if (p.sender == index if role == "sender" else self._slots[p.receiver][0] == index))  # fmt: skip
+        self._broken.update(
+            (p.sender, p.receiver)
+            for p in self.plan
+            if (p.sender == index if role == "sender" else self._slots[p.receiver][0] == index)
+        )
 
     def _label(self, role: str, index: int) -> str:
         """``index``: a sender, or a receiver endpoint (an engine adapter names all of its workers)."""
@@ -423,8 +491,10 @@ class WeightSync:
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise SyncClosed(f"{what}() on WeightSync {self._sync_id}, which was closed (close() or the end of its "
-                             f"`with` block) and holds no sessions any more: make a new WeightSync")  # fmt: skip
+            raise SyncClosed(
+                f"{what}() on WeightSync {self._sync_id}, which was closed (close() or the end of its "
+                f"`with` block) and holds no sessions any more: make a new WeightSync"
+            )
 
     def close(self) -> None:
         """End every session (idempotent). Actors that are gone or restarting have none left: not waited for."""

@@ -30,8 +30,8 @@ from raysync.transport.sharded import ShardedReceiver, shares
 _STATE = "_raysync_sessions"
 _APPLIED = "_raysync_version"  # what the weights hold, by any session: the last version applied, or MIXED
 
-Source = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
-Sink = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
+SourceFn = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
+SinkFn = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
 
 
 def model_parameters(actor: Any) -> Iterable[tuple[str, torch.Tensor]]:
@@ -46,7 +46,7 @@ def model_destinations(actor: Any) -> dict[str, torch.Tensor]:
 
 @dataclass
 class _SenderSide:
-    source: Source
+    source: SourceFn
     senders: dict[int, WeightSender] = field(
         default_factory=dict
     )  # ring transports: one session per receiver
@@ -56,7 +56,7 @@ class _SenderSide:
 
 @dataclass
 class _ReceiverSide:
-    sink: Sink
+    sink: SinkFn
     receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver  # the same receive() either way
 
 
@@ -73,8 +73,12 @@ def _failure(stage: str, error: BaseException) -> dict:
             "traceback": error.remote_traceback,
         }
     stage = error.stage if isinstance(error, PushIncomplete) else stage
-    return {"ok": False, "stage": stage, "error": f"{type(error).__name__}: {error}",
-            "traceback": "".join(traceback.format_exception(error))}  # fmt: skip
+    return {
+        "ok": False,
+        "stage": stage,
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(traceback.format_exception(error)),
+    }
 
 
 def where(actor: Any, node: tuple[str, str] | None = None) -> Placement:
@@ -113,8 +117,15 @@ def as_endpoint(receiver: Any) -> Any:
 
 
 # --- sender side -------------------------------------------------------------------------------------------------
-def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, secret: SessionSecret,
-                   endpoint: str | None, source: Source) -> tuple[str, int]:  # fmt: skip
+def sender_connect(
+    actor: Any,
+    sync_id: str,
+    config: SyncConfig,
+    receiver: int,
+    secret: SessionSecret,
+    endpoint: str | None,
+    source: SourceFn,
+) -> tuple[str, int]:
     """(Re)open the session for one receiver; returns the endpoint it must connect to, and the bytes a push
     of the current source moves (for the driver's progress bar)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
@@ -126,9 +137,16 @@ def sender_connect(actor: Any, sync_id: str, config: SyncConfig, receiver: int, 
     return sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config))
 
 
-def collective_open(actor: Any, sync_id: str, config: SyncConfig, host: str, receivers: list[int],
-                    secret: SessionSecret, source: Source, share: tuple[int, int] | None = None,
-                    ) -> tuple[Rendezvous, int]:  # fmt: skip
+def collective_open(
+    actor: Any,
+    sync_id: str,
+    config: SyncConfig,
+    host: str,
+    receivers: list[int],
+    secret: SessionSecret,
+    source: SourceFn,
+    share: tuple[int, int] | None = None,
+) -> tuple[Rendezvous, int]:
     """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order). ``share=(k, S)``:
     this sender broadcasts share k of S of the tensors (raysync.transport.sharded)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
@@ -186,13 +204,14 @@ def _abort_sessions(senders: list[WeightSender | CollectiveSender], error: Excep
 
 
 # --- receiver side -----------------------------------------------------------------------------------------------
-def receiver_connect(actor: Any, sync_id: str, config: SyncConfig, endpoint: str, secret: SessionSecret,
-                     sink: Sink) -> None:  # fmt: skip
+def receiver_connect(
+    actor: Any, sync_id: str, config: SyncConfig, endpoint: str, secret: SessionSecret, sink: SinkFn
+) -> None:
     _set_receiver(actor, sync_id, sink, WeightReceiver(endpoint, secret, config))
 
 
 def _set_receiver(
-    actor: Any, sync_id: str, sink: Sink, receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver
+    actor: Any, sync_id: str, sink: SinkFn, receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver
 ) -> None:
     old = _sessions(actor).pop(sync_id, None)
     if old is not None:
@@ -201,8 +220,16 @@ def _set_receiver(
     _sessions(actor)[sync_id] = _ReceiverSide(sink, receiver)
 
 
-def collective_connect(actor: Any, sync_id: str, config: SyncConfig, rank: int, rendezvous: Rendezvous,
-                       secret: SessionSecret, sink: Sink, share: tuple[int, int] | None = None) -> None:  # fmt: skip
+def collective_connect(
+    actor: Any,
+    sync_id: str,
+    config: SyncConfig,
+    rank: int,
+    rendezvous: Rendezvous,
+    secret: SessionSecret,
+    sink: SinkFn,
+    share: tuple[int, int] | None = None,
+) -> None:
     """Join the sender's broadcast group as ``rank`` (returns when every rank has joined). ``share=(k, S)``:
     the group of share k, one part of this engine's ShardedReceiver."""
     receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)

@@ -20,11 +20,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raysync.core.errors import RaysyncError
-
-
-class PlanError(RaysyncError):
-    """No transport can serve a pair, or an override names one that cannot."""
+from raysync.core.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -76,8 +72,18 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
         )
     elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - Ascend, untested here
         device = "npu"
-    return Placement(node_id, socket.gethostname(), ip, os.getpid(), device, uuids, current,
-                     os.environ.get("CUDA_VISIBLE_DEVICES"), ipc_ok, peers)  # fmt: skip
+    return Placement(
+        node_id,
+        socket.gethostname(),
+        ip,
+        os.getpid(),
+        device,
+        uuids,
+        current,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        ipc_ok,
+        peers,
+    )
 
 
 @dataclass(frozen=True)
@@ -140,8 +146,11 @@ def assign(senders: Sequence[Placement], receivers: Sequence[Placement]) -> list
     One sender gives the disaggregated topology; one per GPU the colocated one; mixed placements mix both."""
     pairs = []
     for j, r in enumerate(receivers):
-        same_gpu = [i for i, s in enumerate(senders) if s.node_id == r.node_id and s.current_gpu and
-                    s.current_gpu == r.current_gpu]  # fmt: skip
+        same_gpu = [
+            i
+            for i, s in enumerate(senders)
+            if s.node_id == r.node_id and s.current_gpu and s.current_gpu == r.current_gpu
+        ]
         same_node = [i for i, s in enumerate(senders) if s.node_id == r.node_id]
         pairs.append(((same_gpu or same_node or [0])[0], j))
     return pairs
@@ -152,8 +161,14 @@ def format_plan(
 ) -> str:
     rows = [("sender", "receiver", "transport", "why")]
     for p in plans:
-        rows.append((f"#{p.sender} {senders[p.sender].label()}", f"#{p.receiver} {receivers[p.receiver].label()}",
-                     p.transport, p.reason))  # fmt: skip
+        rows.append(
+            (
+                f"#{p.sender} {senders[p.sender].label()}",
+                f"#{p.receiver} {receivers[p.receiver].label()}",
+                p.transport,
+                p.reason,
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -91,12 +91,23 @@ def sender_for(
     return sender, sender.endpoint
 
 
-def run_point(transport: str, src: dict[str, torch.Tensor], layout: str, device: str, bucket_mb: int,
-              pushes: int, timeout_s: float = 300.0) -> dict[str, Any]:  # fmt: skip
+def run_point(
+    transport: str,
+    src: dict[str, torch.Tensor],
+    layout: str,
+    device: str,
+    bucket_mb: int,
+    pushes: int,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
     """Time ``pushes`` pushes of ``src`` over ``transport`` (after one warm-up push)."""
     ctx = mp.get_context("spawn")
-    config = SyncConfig(transport="shm" if transport == "collective" else transport, bucket_bytes=bucket_mb << 20,
-                        timeout_s=timeout_s, progress=False)  # fmt: skip
+    config = SyncConfig(
+        transport="shm" if transport == "collective" else transport,
+        bucket_bytes=bucket_mb << 20,
+        timeout_s=timeout_s,
+        progress=False,
+    )
     secret, out = SessionSecret.generate(), ctx.Queue()
     gpu = 1 if transport == "collective" and device == "cuda" else 0
     sender, where = sender_for(transport, secret, config, device)
@@ -148,9 +159,15 @@ def run(layouts: list[str], bucket_mbs: list[int], transports: list[str], device
         for r in rows:
             r["gbps"] = nbytes / r["median_s"] / 1e9
             r["pct_of_floor"] = 100 * floor / r["median_s"]
-        result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),
-                                  "floor": {"name": "one copy per tensor", "s": floor, "gbps": nbytes / floor / 1e9},
-                                  "runs": rows})  # fmt: skip
+        result["layouts"].append(
+            {
+                "layout": layout,
+                "bytes": nbytes,
+                "tensors": len(src),
+                "floor": {"name": "one copy per tensor", "s": floor, "gbps": nbytes / floor / 1e9},
+                "runs": rows,
+            }
+        )
         del src
     return result
 
@@ -158,14 +175,18 @@ def run(layouts: list[str], bucket_mbs: list[int], transports: list[str], device
 def format_table(result: dict) -> str:
     lines = []
     for lay in result["layouts"]:
-        lines.append(f"{lay['layout']}: {lay['tensors']} tensors, {lay['bytes'] / 1e9:.2f} GB, "
-                     f"device={result['device']} ({result['hardware']})")  # fmt: skip
+        lines.append(
+            f"{lay['layout']}: {lay['tensors']} tensors, {lay['bytes'] / 1e9:.2f} GB, "
+            f"device={result['device']} ({result['hardware']})"
+        )
         lines.append(f"{'path':<34}{'bucket':>8}{'median ms':>11}{'GB/s':>8}{'% floor':>9}")
         f = lay["floor"]
         lines.append(f"{'floor: ' + f['name']:<34}{'-':>8}{f['s'] * 1e3:>11.2f}{f['gbps']:>8.2f}{100:>8}%")
         for r in lay["runs"]:
-            lines.append(f"{r['transport']:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['gbps']:>8.2f}"
-                         f"{r['pct_of_floor']:>8.0f}%")  # fmt: skip
+            lines.append(
+                f"{r['transport']:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.2f}{r['gbps']:>8.2f}"
+                f"{r['pct_of_floor']:>8.0f}%"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -199,8 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    ap.add_argument("--layout", nargs="+", default=None, choices=sorted(LAYOUTS),
-                    help="default: qwen2.5-0.5b on CPU, qwen2.5-7b on GPU")  # fmt: skip
+    ap.add_argument(
+        "--layout",
+        nargs="+",
+        default=None,
+        choices=sorted(LAYOUTS),
+        help="default: qwen2.5-0.5b on CPU, qwen2.5-7b on GPU",
+    )
     ap.add_argument(
         "--bucket-mb", type=int, nargs="+", default=None, help="default: 8 32 128 (CPU), 256 512 1024"
     )

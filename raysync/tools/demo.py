@@ -23,8 +23,15 @@ from raysync.tools.models import describe
 
 PROMPT = [(7 * i) % 8000 + 1 for i in range(48)]
 TOKENS = 8
-ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=160,
-                   max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20)  # fmt: skip
+ENGINE_ARGS = dict(
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    dtype="float32",
+    max_model_len=160,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    kv_cache_memory_bytes=64 << 20,
+)
 
 
 def make_model(seed: int, tied: bool = False) -> torch.nn.Module:
@@ -66,8 +73,9 @@ class Trainer:
         return fingerprint(self.model)
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
-        ids = self.model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
-                                  do_sample=False)  # fmt: skip
+        ids = self.model.generate(
+            torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
+        )
         return ids[0, len(prompt) :].tolist()
 
 
@@ -111,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=4)
-    ap.add_argument("--engine", choices=["auto", "vllm", "torch"], default="auto",
-                    help="auto: vLLM engines when vLLM is installed, else torch modules")  # fmt: skip
+    ap.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "torch"],
+        default="auto",
+        help="auto: vLLM engines when vLLM is installed, else torch modules",
+    )
     ap.add_argument("--tied", action="store_true", help="a model whose output head is its embedding")
     args = ap.parse_args(argv)
     use_vllm = args.engine == "vllm" or (args.engine == "auto" and vllm_usable())
@@ -137,12 +149,16 @@ def run(ray, args, use_vllm: bool, checkpoint: str) -> int:
         make_model(seed=1, tied=args.tied).save_pretrained(checkpoint)
         one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         layout = "one process each" if one_process == "0" else "EngineCore and worker processes each"
-        print(f"engines: {args.engines} x vLLM {vllm.__version__} (LLM with raysync's worker extension, {layout}), "
-              f"started from a local checkpoint of other random weights")  # fmt: skip
+        print(
+            f"engines: {args.engines} x vLLM {vllm.__version__} (LLM with raysync's worker extension, {layout}), "
+            f"started from a local checkpoint of other random weights"
+        )
         print(f"model: {ray.get(trainer.describe.remote())}")
         env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": one_process}}
-        actors = [ray.remote(num_cpus=0.5)(VllmRollout).options(runtime_env=env).remote(checkpoint)
-                  for _ in range(args.engines)]  # fmt: skip
+        actors = [
+            ray.remote(num_cpus=0.5)(VllmRollout).options(runtime_env=env).remote(checkpoint)
+            for _ in range(args.engines)
+        ]
         receivers = [VllmEngine(a) for a in actors]
         before = ray.get([a.greedy.remote(PROMPT, TOKENS) for a in actors])
     else:

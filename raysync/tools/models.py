@@ -27,15 +27,19 @@ class Qwen2Shape:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             out += [
-                (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
-                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.q_proj.bias", (h,)),
+                (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.bias", (kv,)),
                 (p + "self_attn.o_proj.weight", (h, h)),
                 (p + "mlp.gate_proj.weight", (self.intermediate, h)),
                 (p + "mlp.up_proj.weight", (self.intermediate, h)),
                 (p + "mlp.down_proj.weight", (h, self.intermediate)),
-                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-            ]  # fmt: skip
+                (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,)),
+            ]
         out.append(("model.norm.weight", (h,)))
         if not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
@@ -50,8 +54,9 @@ LAYOUTS: dict[str, Qwen2Shape] = {
 }
 
 
-def allocate(layout: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-             fill: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+def allocate(
+    layout: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", fill: bool = True
+) -> dict[str, torch.Tensor]:
     """Tensors of ``layout``'s shapes (filled with a cheap pattern so pages are really touched)."""
     out = {}
     for i, (name, shape) in enumerate(LAYOUTS[layout].named_shapes()):
@@ -69,9 +74,15 @@ def tiny_qwen2(seed: int, *, hidden: int = 128, layers: int = 2, vocab: int = 51
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=tied,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).eval()
 
@@ -84,5 +95,7 @@ def describe(model: torch.nn.Module) -> str:
     if config is None:
         return f"{type(model).__name__} (torch), {count / 1e6:.2f}M parameters"
     tied = "tied to the embedding" if config.tie_word_embeddings else "its own tensor"
-    return (f"{type(model).__name__}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-            f"{config.vocab_size}, output head {tied}, {count / 1e6:.2f}M parameters")  # fmt: skip
+    return (
+        f"{type(model).__name__}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+        f"{config.vocab_size}, output head {tied}, {count / 1e6:.2f}M parameters"
+    )

@@ -68,7 +68,7 @@ class DataPlane(Protocol):
 
     def publish(self, k: int) -> None: ...  # the receiver may read bucket k
 
-    def finish(self) -> None: ...  # wait until the receiver has released every bucket
+    def wait_released(self) -> None: ...  # wait until the receiver has released every bucket
 
     def fail(self) -> None: ...  # this push failed here: end whatever a receiver may still wait on
 

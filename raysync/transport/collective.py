@@ -217,7 +217,7 @@ class BroadcastPlane:
         slot, size = k % self.slots, self._sizes[k]
         self._works[slot] = self.transport.broadcast([self.buffers[slot][:size]]) if size else []
 
-    def finish(self) -> None:
+    def wait_released(self) -> None:
         for k, works in enumerate(self._works):
             self.transport.wait(works, "finish", block=k == self.slots - 1)
         self._works = [[] for _ in self.buffers]
@@ -247,8 +247,10 @@ class BroadcastReader:
     def plan(self, layout: Layout) -> list[Bucket]:
         size = self.buffers[0].numel()
         if layout.bucket_bytes > size:
-            raise SchemaError(f"the sender's bucket_bytes={layout.bucket_bytes} exceed this receiver's buffers "
-                              f"({size}); use one SyncConfig on both sides")  # fmt: skip
+            raise SchemaError(
+                f"the sender's bucket_bytes={layout.bucket_bytes} exceed this receiver's buffers "
+                f"({size}); use one SyncConfig on both sides"
+            )
         self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
         return self._buckets
 
@@ -308,24 +310,48 @@ class CollectiveSender(PushSender):
     def is_available(cls) -> bool:
         return dist.is_available()
 
-    def __init__(self, secret: SessionSecret, config: SyncConfig, *, host: str, num_receivers: int,
-                 backend: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        secret: SessionSecret,
+        config: SyncConfig,
+        *,
+        host: str,
+        num_receivers: int,
+        backend: str | None = None,
+    ):
         self._server = StoreServer(secret, host, config.max_frame_bytes)  # refuses every-interface hosts
         channels: list[SenderChannel] = []
         try:
-            store = StoreClient(secret, host, self._server.port, timeout_s=config.timeout_s,
-                                max_value_bytes=config.max_frame_bytes)  # fmt: skip
+            store = StoreClient(
+                secret,
+                host,
+                self._server.port,
+                timeout_s=config.timeout_s,
+                max_value_bytes=config.max_frame_bytes,
+            )
             for rank in range(1, num_receivers + 1):
-                channels.append(SenderChannel(secret, endpoint=_control_endpoint(host), allow_any_interface=False,
-                                              timeout_s=config.timeout_s, max_frame_bytes=config.max_frame_bytes,
-                                              label=f"rank {rank}"))  # fmt: skip
+                channels.append(
+                    SenderChannel(
+                        secret,
+                        endpoint=_control_endpoint(host),
+                        allow_any_interface=False,
+                        timeout_s=config.timeout_s,
+                        max_frame_bytes=config.max_frame_bytes,
+                        label=f"rank {rank}",
+                    )
+                )
         except BaseException:
             for c in channels:
                 c.close()
             self._server.close()
             raise
-        self.rendezvous = Rendezvous(host, self._server.port, num_receivers + 1, backend or default_backend(),
-                                     tuple(c.endpoint for c in channels))  # fmt: skip
+        self.rendezvous = Rendezvous(
+            host,
+            self._server.port,
+            num_receivers + 1,
+            backend or default_backend(),
+            tuple(c.endpoint for c in channels),
+        )
         self._group = _Group(config, 0, self.rendezvous, store)
         super().__init__(Fanout(channels), config)
 
@@ -360,11 +386,20 @@ class CollectiveReceiver(PushReceiver):
     def __init__(self, secret: SessionSecret, config: SyncConfig, *, rank: int, rendezvous: Rendezvous):
         if not 1 <= rank <= len(rendezvous.control):
             raise ValueError(f"rank {rank}: the group has receiver ranks 1..{len(rendezvous.control)}")
-        store = StoreClient(secret, rendezvous.host, rendezvous.port, timeout_s=config.timeout_s,
-                            max_value_bytes=config.max_frame_bytes)  # fmt: skip
+        store = StoreClient(
+            secret,
+            rendezvous.host,
+            rendezvous.port,
+            timeout_s=config.timeout_s,
+            max_value_bytes=config.max_frame_bytes,
+        )
         self._group = _Group(config, rank, rendezvous, store)
-        channel = ReceiverChannel(secret, endpoint=rendezvous.control[rank - 1], timeout_s=config.timeout_s,
-                                  max_frame_bytes=config.max_frame_bytes)  # fmt: skip
+        channel = ReceiverChannel(
+            secret,
+            endpoint=rendezvous.control[rank - 1],
+            timeout_s=config.timeout_s,
+            max_frame_bytes=config.max_frame_bytes,
+        )
         super().__init__(channel, config)
 
     def join(self, timeout_s: float = 300.0) -> None:

@@ -41,11 +41,25 @@ from raysync.core.wire import Attached, CudaBuffer, RingInfo
 logger = logging.getLogger(__name__)
 
 # what raysync passes to rebuild_cuda_tensor, by name (Note [rebuilding a buffer without pickle])
-_REBUILD_ARGS = frozenset({
-    "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype", "storage_device",
-    "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
-    "ref_counter_offset", "event_handle", "event_sync_required",
-})  # fmt: skip
+_REBUILD_ARGS = frozenset(
+    {
+        "tensor_cls",
+        "tensor_size",
+        "tensor_stride",
+        "tensor_offset",
+        "storage_cls",
+        "dtype",
+        "storage_device",
+        "storage_handle",
+        "storage_size_bytes",
+        "storage_offset_bytes",
+        "requires_grad",
+        "ref_counter_handle",
+        "ref_counter_offset",
+        "event_handle",
+        "event_sync_required",
+    }
+)
 
 
 def uuid_of(index: int) -> str:
@@ -73,12 +87,17 @@ def export(buffer: torch.Tensor, packed: torch.cuda.Event | None = None) -> Cuda
             f"a layout raysync does not know; use the shm transport"
         )
     return CudaBuffer(
-        device_uuid=uuid_of(named["storage_device"]), handle=named["storage_handle"],
-        storage_bytes=named["storage_size_bytes"], storage_offset_bytes=named["storage_offset_bytes"],
-        tensor_offset=named["tensor_offset"], ref_counter_handle=named["ref_counter_handle"],
-        ref_counter_offset=named["ref_counter_offset"], event_handle=named["event_handle"] or b"",
-        event_sync_required=bool(named["event_sync_required"]), packed_event=packed.ipc_handle() if packed else b"",
-    )  # fmt: skip
+        device_uuid=uuid_of(named["storage_device"]),
+        handle=named["storage_handle"],
+        storage_bytes=named["storage_size_bytes"],
+        storage_offset_bytes=named["storage_offset_bytes"],
+        tensor_offset=named["tensor_offset"],
+        ref_counter_handle=named["ref_counter_handle"],
+        ref_counter_offset=named["ref_counter_offset"],
+        event_handle=named["event_handle"] or b"",
+        event_sync_required=bool(named["event_sync_required"]),
+        packed_event=packed.ipc_handle() if packed else b"",
+    )
 
 
 def rebuild(b: CudaBuffer, nbytes: int, device: int) -> torch.Tensor:
@@ -94,12 +113,22 @@ def rebuild(b: CudaBuffer, nbytes: int, device: int) -> torch.Tensor:
             f"a buffer of {nbytes} bytes at {b.tensor_offset} does not fit its {b.storage_bytes}"
         )
     return reductions.rebuild_cuda_tensor(
-        tensor_cls=torch.Tensor, tensor_size=(nbytes,), tensor_stride=(1,), tensor_offset=b.tensor_offset,
-        storage_cls=torch.UntypedStorage, dtype=torch.uint8, storage_device=device, storage_handle=b.handle,
-        storage_size_bytes=b.storage_bytes, storage_offset_bytes=b.storage_offset_bytes, requires_grad=False,
-        ref_counter_handle=b.ref_counter_handle, ref_counter_offset=b.ref_counter_offset,
-        event_handle=b.event_handle or None, event_sync_required=b.event_sync_required,
-    )  # fmt: skip
+        tensor_cls=torch.Tensor,
+        tensor_size=(nbytes,),
+        tensor_stride=(1,),
+        tensor_offset=b.tensor_offset,
+        storage_cls=torch.UntypedStorage,
+        dtype=torch.uint8,
+        storage_device=device,
+        storage_handle=b.handle,
+        storage_size_bytes=b.storage_bytes,
+        storage_offset_bytes=b.storage_offset_bytes,
+        requires_grad=False,
+        ref_counter_handle=b.ref_counter_handle,
+        ref_counter_offset=b.ref_counter_offset,
+        event_handle=b.event_handle or None,
+        event_sync_required=b.event_sync_required,
+    )
 
 
 class CudaIpcRingSender:
@@ -160,8 +189,10 @@ class CudaIpcRingReceiver:
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or not 1 <= info.num_buffers == len(info.cuda) <= 64:
-            raise LayoutError(f"ring description does not fit the cuda_ipc transport: {info.transport}, "
-                              f"{info.num_buffers} buffers, {len(info.cuda)} described")  # fmt: skip
+            raise LayoutError(
+                f"ring description does not fit the cuda_ipc transport: {info.transport}, "
+                f"{info.num_buffers} buffers, {len(info.cuda)} described"
+            )
         uuids = {b.device_uuid for b in info.cuda}
         if len(uuids) != 1:
             raise LayoutError(f"a ring lives on one GPU; this one names {sorted(uuids)}")
@@ -228,8 +259,12 @@ def ipc_works(timeout_s: float = 120.0) -> bool:
         shared = export(probe, event)
         torch.cuda.current_stream().synchronize()
         payload = msgpack.packb(dataclasses.astuple(shared))
-        child = subprocess.run([sys.executable, "-c", "from raysync.transport.cuda_ipc import _probe_child; "
-                                "_probe_child()"], input=payload, capture_output=True, timeout=timeout_s)  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, "-c", "from raysync.transport.cuda_ipc import _probe_child; _probe_child()"],
+            input=payload,
+            capture_output=True,
+            timeout=timeout_s,
+        )
         ok = child.returncode == 0 and child.stdout.strip().endswith(b"ipc ok")
         if not ok:
             logger.info("CUDA IPC refused here: %s", child.stderr.decode(errors="replace")[-500:])

@@ -70,8 +70,10 @@ class CudaIpcDirectSender:
             t = src.tensor
             why = _not_in_place(t, DTYPES[src.spec.dtype], self.device)
             if why:
-                raise LayoutError(f"direct mode reads the trainer's tensors in place, and {src.spec.name!r} {why}; "
-                                  f"use the ring (SyncConfig(direct=False))")  # fmt: skip
+                raise LayoutError(
+                    f"direct mode reads the trainer's tensors in place, and {src.spec.name!r} {why}; "
+                    f"use the ring (SyncConfig(direct=False))"
+                )
             if t.numel() == 0:
                 storage.append(0)
                 offsets.append(0)
@@ -104,7 +106,7 @@ class CudaIpcDirectSender:
     def publish(self, k: int) -> None:
         pass  # the ready event recorded in begin covers every bucket
 
-    def finish(self) -> None:
+    def wait_released(self) -> None:
         pass  # nothing to free: PushDone says the receiver has copied everything
 
     def fail(self) -> None:
@@ -134,8 +136,10 @@ class CudaIpcDirectReceiver:
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or info.num_buffers or info.cuda or not info.ready_event:
-            raise LayoutError(f"ring description does not fit the cuda_ipc_direct transport: {info.transport}, "
-                              f"{info.num_buffers} buffers, ready event {bool(info.ready_event)}")  # fmt: skip
+            raise LayoutError(
+                f"ring description does not fit the cuda_ipc_direct transport: {info.transport}, "
+                f"{info.num_buffers} buffers, ready event {bool(info.ready_event)}"
+            )
         self.device = torch.cuda.current_device()
         self.transport = self
         self.buffers: list[torch.Tensor] = []

@@ -61,8 +61,9 @@ class FdHandoff:
             self._wake.close()
             self._release()
             raise
-        self._thread = threading.Thread(target=self._serve, args=(timeout_s,), name="raysync-shm-handoff",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._serve, args=(timeout_s,), name="raysync-shm-handoff", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -85,8 +86,9 @@ class FdHandoff:
                 remaining = deadline - time.monotonic()
                 ready = {fd for fd, _ in poller.poll(max(0, int(remaining * 1000)))}  # 0: the deadline passed
                 if not ready:
-                    logger.warning("no receiver fetched the shm ring within %gs: its handoff socket is closed",
-                                   timeout_s)  # fmt: skip
+                    logger.warning(
+                        "no receiver fetched the shm ring within %gs: its handoff socket is closed", timeout_s
+                    )
                     return
                 if self._woken.fileno() in ready:
                     return
@@ -104,8 +106,12 @@ class FdHandoff:
         try:
             token = _recv_exactly(conn, _TOKEN_BYTES) if uid == os.geteuid() else b""
             if not hmac.compare_digest(token, self.token):
-                logger.warning("refused a connection to the shm ring's handoff socket from pid %d (uid %d): "
-                               "not this session's receiver", pid, uid)  # fmt: skip
+                logger.warning(
+                    "refused a connection to the shm ring's handoff socket from pid %d (uid %d): "
+                    "not this session's receiver",
+                    pid,
+                    uid,
+                )
                 return
             socket.send_fds(conn, [_HANDOFF_MAGIC], self._fds)
         except OSError as e:  # a timeout or a peer that went away: wait for the next connection
@@ -155,12 +161,18 @@ def fetch_fds(
             raise PeerTimeout(peer, stage, timeout_s) from None
         except OSError as e:
             raise PeerLost(
-                peer, stage, f"its handoff socket {path} is not there ({e.strerror}): it died, gave up waiting "
-                f"for this receiver, or served another one; start a new session"
-            ) from None  # fmt: skip
+                peer,
+                stage,
+                f"its handoff socket {path} is not there ({e.strerror}): it died, gave up waiting "
+                f"for this receiver, or served another one; start a new session",
+            ) from None
     if not data and not fds:
-        raise PeerLost(peer, stage, f"it closed its handoff socket {path} without handing over the ring: it "
-                       "refused this receiver (another session's token, or another user)")  # fmt: skip
+        raise PeerLost(
+            peer,
+            stage,
+            f"it closed its handoff socket {path} without handing over the ring: it "
+            "refused this receiver (another session's token, or another user)",
+        )
     if data != _HANDOFF_MAGIC or flags & socket.MSG_CTRUNC or len(fds) != count:
         for fd in fds:
             os.close(fd)

@@ -63,19 +63,15 @@ def _halves(name: str) -> tuple[str, str]:
         raise TransportUnavailable(f"unknown transport {name!r}; built so far: {names()}") from None
 
 
-_RINGS = {
-    "cuda_ipc",
-    "cuda_ipc_direct",
-    "shm",
-}  # the transports a WeightSender / WeightReceiver pair can use (collective: a group, not a pair)
+_GROUPS = {"collective"}  # broadcast groups (one sender, N ranks): WeightSync makes them, never a pair
 
 
 def _ring(name: str) -> tuple[str, str]:
     halves = _halves(name)
-    if name not in _RINGS:
+    if name in _GROUPS:
         raise TransportUnavailable(
             f"transport {name!r} is a broadcast group, not a ring for one sender and one receiver: use "
-            f"WeightSync (or CollectiveSender / CollectiveReceiver); rings: {sorted(_RINGS)}"
+            f"WeightSync (or CollectiveSender / CollectiveReceiver); rings: {sorted(set(_HALVES) - _GROUPS)}"
         )
     return halves
 

@@ -159,8 +159,11 @@ class StoreClient(dist.Store):
         return self._call("multi_get", [list(keys), int(self._timeout_s() * 1000)], ",".join(keys))
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
-        self._call("multi_set", [list(keys), [self._bytes(k, v) for k, v in zip(keys, values, strict=True)]],
-                   ",".join(keys))  # fmt: skip
+        self._call(
+            "multi_set",
+            [list(keys), [self._bytes(k, v) for k, v in zip(keys, values, strict=True)]],
+            ",".join(keys),
+        )
 
     def append(self, key: str, value: bytes | str) -> None:
         self._call("append", [key, self._bytes(key, value)], key)
@@ -205,8 +208,10 @@ class StoreClient(dist.Store):
     def _bytes(self, key: str, value: bytes | str) -> bytes:
         data = value.encode() if isinstance(value, str) else bytes(value)
         if len(data) > self.max_value_bytes:
-            raise WireError(f"store value for key {key!r}: {len(data)} bytes exceed max_frame_bytes="
-                            f"{self.max_value_bytes}; raise SyncConfig.max_frame_bytes")  # fmt: skip
+            raise WireError(
+                f"store value for key {key!r}: {len(data)} bytes exceed max_frame_bytes="
+                f"{self.max_value_bytes}; raise SyncConfig.max_frame_bytes"
+            )
         return data
 
     def _call(self, op: str, args: list, key: str, wait_s: float | None = None) -> object:

@@ -74,8 +74,9 @@ class StoreServer:
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if bound_to_every_interface(bound):  # a spelling nothing above foresaw
             self._close_sockets()
-            raise EndpointError(f"the rendezvous store bound {bound}, every interface, for host {host!r}; "
-                                f"give this node's IP")  # fmt: skip
+            raise EndpointError(
+                f"the rendezvous store bound {bound}, every interface, for host {host!r}; give this node's IP"
+            )
         self.port = int(bound.rsplit(":", 1)[1])
         self.refused = 0  # connections refused at the handshake
         self._data: dict[str, bytes] = {}
@@ -242,8 +243,12 @@ def _parse_request(frame: bytes) -> tuple[int, str, list]:
         request = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise MalformedFrame(f"not msgpack: {e}") from None
-    if not (isinstance(request, list) and len(request) == 3 and isinstance(request[1], str)
-            and isinstance(request[2], list)):  # fmt: skip
+    if not (
+        isinstance(request, list)
+        and len(request) == 3
+        and isinstance(request[1], str)
+        and isinstance(request[2], list)
+    ):
         raise MalformedFrame("expected [request_id, op, args]")
     return _int(request[0]), request[1], request[2]
 

@@ -81,7 +81,7 @@ class RingPlane:
         stage = f"pack bucket {k}/{self._buckets}"
         self._channel.send(BucketReady(self._push_id, k, k % self.slots), stage)
 
-    def finish(self) -> None:
+    def wait_released(self) -> None:
         for _ in range(min(self.slots, self._buckets)):  # the frees of the last S buckets
             self._channel.expect(BucketFreed, self._push_id, "finish")
 

@@ -95,8 +95,13 @@ class ShardedReceiver:
             for f in [pool.submit(_join, r, timeout_s) for r in self.receivers]:
                 f.result()
 
-    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, load_fn: LoadFn | None = None,
-                wait_s: float | None = None) -> PushReport:  # fmt: skip
+    def receive(
+        self,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        load_fn: LoadFn | None = None,
+        wait_s: float | None = None,
+    ) -> PushReport:
         """Serve one push of every share: on NCCL from this thread, the shares taking turns bucket by bucket
         (NCCL forbids operating communicators of one GPU from several threads at once); on gloo a thread per
         share. The load function is called by one share at a time."""
@@ -125,9 +130,15 @@ class ShardedReceiver:
         self._check_disjoint()
         if staging and not all(r.skipped for r in reports):
             self._apply(finish, versions[0], before)
-        return PushReport(versions[0], self.name, sum(r.bytes for r in reports), sum(r.buckets for r in reports),
-                          sum(r.tensors for r in reports), max(r.seconds for r in reports),
-                          skipped=all(r.skipped for r in reports))  # fmt: skip
+        return PushReport(
+            versions[0],
+            self.name,
+            sum(r.bytes for r in reports),
+            sum(r.buckets for r in reports),
+            sum(r.tensors for r in reports),
+            max(r.seconds for r in reports),
+            skipped=all(r.skipped for r in reports),
+        )
 
     def _raise_failed(self, failed: list[tuple[int, Exception]]) -> None:
         """One PushIncomplete naming the tensors of every share that stopped part-way (and whether the
@@ -164,8 +175,10 @@ class ShardedReceiver:
         for k, r in enumerate(self.receivers):
             for name in r.names:
                 if seen.setdefault(name, k) != k:
-                    raise LayoutError(f"tensor {name!r} is in share {seen[name]} and in share {k}: compute "
-                                      f"the shares from the same tensors on every trainer rank")  # fmt: skip
+                    raise LayoutError(
+                        f"tensor {name!r} is in share {seen[name]} and in share {k}: compute "
+                        f"the shares from the same tensors on every trainer rank"
+                    )
 
     def close(self) -> None:
         for r in self.receivers:

@@ -283,8 +283,9 @@ class ShmRingSender(HostRing):
     def is_available(cls) -> bool:
         return memfd_sealing_works()
 
-    def __init__(self, num_buffers: int, buffer_bytes: int, pin: bool = True,
-                 timeout_s: float = HANDOFF_TIMEOUT_S):  # fmt: skip
+    def __init__(
+        self, num_buffers: int, buffer_bytes: int, pin: bool = True, timeout_s: float = HANDOFF_TIMEOUT_S
+    ):
         leftovers.sweep_shared_dirs(private_dir_base())  # Note [names that outlive a crash]
         _check_memory(num_buffers, buffer_bytes)
         self.buffer_bytes = buffer_bytes
@@ -304,8 +305,9 @@ class ShmRingSender(HostRing):
 
     def info(self) -> RingInfo:
         assert self._handoff is not None, "info() of a closed ring"
-        return RingInfo(self.name, len(self._segments), self.buffer_bytes,
-                        (self._handoff.path, self._handoff.token.hex()))  # fmt: skip
+        return RingInfo(
+            self.name, len(self._segments), self.buffer_bytes, (self._handoff.path, self._handoff.token.hex())
+        )
 
     def receiver_attached(self, attached: Attached | None = None) -> None:
         if self._handoff is not None:
