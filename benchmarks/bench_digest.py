@@ -72,7 +72,7 @@ def run(layout: str, device: torch.device, repeats: int) -> dict:
     copy = torch.empty_like(flat)
 
     def per_tensor(partial: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
-        return lambda: digest.finish(
+        return lambda: digest.combine(
             [[partial(b)] for b in views]
         )  # as a receiver does: per tensor, one sync
 
@@ -82,7 +82,7 @@ def run(layout: str, device: torch.device, repeats: int) -> dict:
         "floor: copy of the bytes, one buffer": timed(lambda: copy.copy_(flat), device, repeats),
         "old digest (sum of 64-bit words), per tensor": timed(per_tensor(old_partial), device, repeats),
         "digest, per tensor": timed(per_tensor(lambda b: digest.partial(b, 0)), device, repeats),
-        "digest, one buffer": timed(lambda: digest.finish([[digest.partial(flat, 0)]]), device, repeats),
+        "digest, one buffer": timed(lambda: digest.combine([[digest.partial(flat, 0)]]), device, repeats),
     }  # fmt: skip
     fast = digest._fast_int8_product
     try:  # the path of a device where torch has no fast int8 product (Note in raysync.core.digest)

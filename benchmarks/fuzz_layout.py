@@ -40,17 +40,16 @@ import msgpack
 from common import emit
 
 from raysync.core.errors import BadLayout, WireError
+from raysync.core.frames import FrameCodec, _direction_key
 from raysync.core.plan import direct_buckets, layout_size, plan_buckets
 from raysync.core.wire import (
     MAX_LAYOUT_BUCKETS,
     MAX_LAYOUT_CHUNKS,
     MAX_LAYOUT_TENSORS,
     PROTOCOL,
-    FrameCodec,
     Layout,
     SessionSecret,
     TensorSpec,
-    _direction_key,
 )
 
 DTYPES = ("bool", "uint8", "bfloat16", "float32", "float64", "complex128")

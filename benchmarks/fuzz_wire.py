@@ -29,7 +29,8 @@ import msgpack
 from common import emit
 
 from raysync.core.errors import WireError
-from raysync.core.wire import PROTOCOL, FrameCodec, Hello, PushStart, SessionSecret, _direction_key
+from raysync.core.frames import FrameCodec, _direction_key
+from raysync.core.wire import PROTOCOL, Hello, PushStart, SessionSecret
 
 
 class _Bomb:

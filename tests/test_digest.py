@@ -34,7 +34,7 @@ def reference(data: bytes, offset: int = 0) -> int:
 
 
 def of(data: torch.Tensor, offset: int = 0) -> int:
-    return digest.finish([[digest.partial(data, offset)]])[0]
+    return digest.combine([[digest.partial(data, offset)]])[0]
 
 
 def random_bytes(n: int, seed: int) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_the_chunks_of_a_plan_add_up_to_the_whole_tensor(product, bucket_bytes):
                 digest.partial(tensors[c.index][c.src_offset : c.src_offset + c.nbytes], c.src_offset)
             )
     assert len(parts[1]) > 1 or bucket_bytes > specs[1].nbytes
-    assert digest.finish(parts) == [of(t) for t in tensors] == [reference(bytes(t.numpy())) for t in tensors]
+    assert digest.combine(parts) == [of(t) for t in tensors] == [reference(bytes(t.numpy())) for t in tensors]
 
 
 @settings(max_examples=60, deadline=None)
@@ -225,7 +225,7 @@ def test_any_cut_at_aligned_offsets_and_any_flip(data, cuts, first_word, flip):
     bounds = sorted({0, len(data), *(min(256 * c, len(data)) for c in cuts)})
     parts = [digest.partial(t[a:b], offset + a) for a, b in zip(bounds, bounds[1:], strict=False)]
     whole = of(t, offset)
-    assert digest.finish([parts])[0] == whole == reference(data, offset)
+    assert digest.combine([parts])[0] == whole == reference(data, offset)
     if data:
         k, bit = flip[0] % len(data), flip[1]
         flipped = t.clone()
@@ -241,7 +241,7 @@ def test_a_gpu_computes_the_same_digest_as_the_cpu():
         assert of(data.cuda(), offset) == of(data, offset) == reference(bytes(data.numpy()), offset)
     big = random_bytes(digest.GEMM_ROWS * ROWS + 5 * ROWS + 3, seed=9).cuda()  # more than one int8 product
     cut = digest.GEMM_ROWS * ROWS // 2
-    assert digest.finish([[digest.partial(big[:cut], 0), digest.partial(big[cut:], cut)]]) == [of(big)]
+    assert digest.combine([[digest.partial(big[:cut], 0), digest.partial(big[cut:], cut)]]) == [of(big)]
     assert of(big[1:]) == of(big[1:].cpu())  # an unaligned view: copied first
 
 

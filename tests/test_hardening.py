@@ -81,7 +81,7 @@ class HostileSender:
     def __init__(self, secret, endpoint: str):
         import zmq
 
-        from raysync.core.wire import FrameCodec
+        from raysync.core.frames import FrameCodec
         from raysync.transport.shm import ShmRingSender
 
         self.secret, self.seq, self.receiver_id = secret, 0, None

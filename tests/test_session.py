@@ -27,8 +27,9 @@ from raysync import (
 )
 from raysync.core import leftovers
 from raysync.core.errors import EndpointError, SchemaError
+from raysync.core.frames import FrameCodec
 from raysync.core.version import MIXED
-from raysync.core.wire import FrameCodec, Hello
+from raysync.core.wire import Hello
 from raysync.transport.shm import ring_memory_bytes
 
 CFG = SyncConfig(bucket_bytes=4096, timeout_s=3, progress=False)

@@ -24,6 +24,7 @@ from raysync.core.errors import (
     SchemaError,
     WireError,
 )
+from raysync.core.frames import FrameCodec
 from raysync.core.plan import check_layout, check_tensor_count, layout_size, plan_buckets
 from raysync.core.wire import (
     MAC_BYTES,
@@ -33,7 +34,6 @@ from raysync.core.wire import (
     MAX_LAYOUT_TENSORS,
     Abort,
     BucketReady,
-    FrameCodec,
     Hello,
     Layout,
     PushDigest,

@@ -31,7 +31,8 @@ import zmq
 
 from raysync.core import leftovers
 from raysync.core.errors import EndpointError, PeerLost, PeerTimeout, RaysyncError, RemoteError, WireError
-from raysync.core.wire import Abort, FrameCodec, Hello, Message, SessionSecret
+from raysync.core.frames import FrameCodec
+from raysync.core.wire import Abort, Hello, Message, SessionSecret
 
 logger = logging.getLogger(__name__)
 
@@ -278,99 +279,6 @@ class SenderChannel(Channel):
             logger.warning("dropped a frame from a connection that is not this session's receiver")
             return None
         return parts[1]
-
-
-class Fanout:
-    """A sender's channels to its N receivers, used as one: a message to all is sent N times (they are tens of
-    bytes), and ``expect`` collects one answer from each under one deadline, raising at once for the first
-    Abort, whichever receiver sends it. With N = 1 it is the pair channel."""
-
-    def __init__(self, channels: list[SenderChannel]):
-        if not channels:
-            raise ValueError("a session needs at least one receiver")
-        self.channels = channels
-        self.timeout_s = channels[0].timeout_s
-
-    @property
-    def peer(self) -> str:
-        peers = [c.peer for c in self.channels]
-        return peers[0] if len(peers) == 1 else f"{len(peers)} receivers ({', '.join(peers)})"
-
-    def accept(self, stage: str = "handshake") -> list[Hello]:
-        return [c.accept(stage) for c in self.channels]
-
-    def send(self, msg: Message, stage: str) -> None:
-        for c in self.channels:
-            c.send(msg, stage)
-
-    def try_send(self, msg: Message) -> None:
-        for c in self.channels:
-            c.try_send(msg)
-
-    def abort(self, push_id: int, stage: str, error: BaseException) -> None:
-        for c in self.channels:
-            c.abort(push_id, stage, error)
-
-    def expect(self, kind: type, push_id: int, stage: str, timeout_s: float | None = None) -> list[Message]:
-        """One ``kind`` message of push ``push_id`` from every receiver, in channel order; the first Abort of
-        this push, from any receiver, raises RemoteError naming it (Channel.expect's rules, per receiver)."""
-        if len(self.channels) == 1:
-            return [self.channels[0].expect(kind, push_id, stage, timeout_s)]
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        got: dict[int, Message] = {}
-        poller = zmq.Poller()
-        for c in self.channels:
-            poller.register(c.sock, zmq.POLLIN)
-        while len(got) < len(self.channels):
-            remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
-            if not ready:
-                late = [c.peer for i, c in enumerate(self.channels) if i not in got]
-                raise PeerTimeout(", ".join(late), stage, timeout)
-            for i, c in enumerate(self.channels):
-                if c.sock in ready:  # a frame is there: read it (a stranger's is dropped unread)
-                    msg = c.expected(c.recv(stage, max(1e-3, remaining)), kind, push_id, stage)
-                    if msg is not None:
-                        if i in got:
-                            raise WireError(f"{c.peer} sent a second {kind.__name__} at stage '{stage}'")
-                        got[i] = msg
-        return [got[i] for i in range(len(self.channels))]
-
-    def reason(self, push_id: int, wait_s: float) -> RemoteError | None:
-        """The Aborts of push ``push_id`` that receivers sent (waiting up to ``wait_s``), the cause preferred
-        over a symptom: this side saw a broadcast fail, and a receiver that failed first says why, while the
-        others only say that their broadcasts failed too (PeerTimeout, PeerLost)."""
-        deadline = time.monotonic() + wait_s
-        found: list[RemoteError] = []
-        poller = zmq.Poller()
-        waiting = {c.sock: c for c in self.channels}
-        for sock in waiting:
-            poller.register(sock, zmq.POLLIN)
-        while waiting and not any(not _symptom(e) for e in found):
-            remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
-            if not ready:
-                break
-            for sock in [s for s in ready if s in waiting]:
-                c = waiting[sock]
-                try:
-                    msg = c.recv("reason", 1e-3)
-                except RaysyncError:
-                    continue
-                if isinstance(msg, Abort) and msg.push_id == push_id:
-                    found.append(RemoteError(c.peer, msg.stage, msg.message, msg.traceback))
-                    poller.unregister(sock)
-                    del waiting[sock]
-        return next((e for e in found if not _symptom(e)), found[0] if found else None)
-
-    def close(self) -> None:
-        for c in self.channels:
-            c.close()
-
-
-def _symptom(error: RemoteError) -> bool:
-    return error.message.startswith(("PeerTimeout", "PeerLost"))
 
 
 class ReceiverChannel(Channel):

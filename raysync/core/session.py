@@ -38,8 +38,9 @@ from tqdm import tqdm
 
 from raysync.core import digest
 from raysync.core.config import SyncConfig
-from raysync.core.control import Fanout, SenderChannel
+from raysync.core.control import SenderChannel
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
+from raysync.core.fanout import Fanout
 from raysync.core.plan import Bucket, plan_buckets, total_bytes
 from raysync.core.report import PushReport
 from raysync.core.source import Packer, SourceTensor, select

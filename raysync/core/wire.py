@@ -1,6 +1,5 @@
-"""The control protocol: message schemas, msgpack framing, HMAC, size caps and the dtype allowlist.
-
-Nothing received is ever unpickled. A frame is
+"""The control protocol's messages: their schemas (frozen dataclasses), the size caps and the dtype allowlist.
+How they travel, signed and checked, is raysync.core.frames. Nothing received is ever unpickled. A frame is
 
     +--------------------------------------------------------------+----------------------+
     | msgpack [ "rs1", session_id: bin16, seq: uint, kind: str, body: map ] | HMAC-SHA256 (32 B) |
@@ -15,26 +14,17 @@ from the session key, so a frame reflected back at its sender fails the HMAC.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import hmac
 import math
 import re
 import secrets
 import typing
 from dataclasses import dataclass
 
-import msgpack
 import torch
 
 from raysync.core.errors import (
     BadLayout,
-    BadSignature,
-    FrameTooLarge,
     LayoutError,
-    MalformedFrame,
-    ReplayedFrame,
-    SchemaError,
 )
 
 PROTOCOL = "rs1"
@@ -313,146 +303,6 @@ Message = (
     | Close
 )
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
-
-
-# --- schema checking ---------------------------------------------------------------------------------------------
-# Each schema type gets its checker made once (typing's introspection costs microseconds a call, and a Layout
-# frame holds up to MAX_LAYOUT_TENSORS specs of three fields each).
-_SCALARS = (int, str, bytes, bool, float)
-_INT_END = 1 << 63
-_Checker = typing.Callable[[object, str], object]
-
-
-def _check_int(value: object, where: str) -> object:
-    if type(value) is not int:  # exact: a bool is not an int here
-        raise SchemaError(f"{where}: expected int, got {type(value).__name__}")
-    if not 0 <= value < _INT_END:
-        raise SchemaError(f"{where}: integer {value} out of range [0, 2**63)")
-    return value
-
-
-@functools.cache
-def _checker(hint: object) -> _Checker:
-    """The function that checks a received value against the schema type ``hint`` (and builds it)."""
-    if hint is int:
-        return _check_int
-    if hint in _SCALARS:
-
-        def check_scalar(value: object, where: str) -> object:
-            if type(value) is not hint:
-                raise SchemaError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")  # type: ignore[union-attr]
-            return value
-
-        return check_scalar
-    if typing.get_origin(hint) is tuple:
-        (item_hint, _ellipsis) = typing.get_args(hint)
-        return functools.partial(_check_array, _checker(item_hint))
-    if dataclasses.is_dataclass(hint):
-        fields = tuple((name, _checker(h)) for name, h in typing.get_type_hints(hint).items())
-        return functools.partial(_build, hint, fields, frozenset(name for name, _ in fields))
-    raise AssertionError(f"unsupported schema type {hint}")
-
-
-def _check_array(item: _Checker, value: object, where: str) -> tuple:
-    if not isinstance(value, (tuple, list)):
-        raise SchemaError(f"{where}: expected an array, got {type(value).__name__}")
-    if len(value) > MAX_ARRAY_ITEMS:
-        raise SchemaError(f"{where}: {len(value)} items, above the limit of {MAX_ARRAY_ITEMS}")
-    if item is _check_int and all(type(v) is int and 0 <= v < _INT_END for v in value):
-        return tuple(value)  # the common case (shapes, offsets, digests) without a call per item
-    return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
-
-
-def _build(
-    cls: type, fields: tuple[tuple[str, _Checker], ...], names: frozenset[str], body: object, where: str
-) -> object:
-    if not isinstance(body, dict):
-        raise SchemaError(f"{where}: expected a map, got {type(body).__name__}")
-    if body.keys() != names:
-        raise SchemaError(f"{where}: fields {sorted(map(str, body))} != schema {sorted(names)}")
-    if cls is Layout:
-        _precheck_layout(body)
-    values = {name: check(body[name], f"{where}.{name}") for name, check in fields}
-    try:
-        return cls(**values)
-    except BadLayout:
-        raise  # the very error, and message, that the side making this layout gets
-    except (LayoutError, ValueError) as e:
-        raise SchemaError(f"{where}: {e}") from None
-
-
-def _precheck_layout(body: dict) -> None:
-    """The checks of a Layout that need no TensorSpec, made before one is built, so that a degenerate or
-    oversized layout costs its frame's scalars only: the geometry (which a sender's SyncConfig checked before
-    it selected a tensor), then the tensor count. The same BadLayout as on the sender; values the schema
-    refuses anyway are left to it."""
-    from raysync.core.plan import check_geometry, check_tensor_count
-
-    bucket, align = body["bucket_bytes"], body["align_bytes"]
-    if all(type(v) is int and 0 <= v < _INT_END for v in (bucket, align)):
-        check_geometry(bucket, align)
-    if isinstance(body["tensors"], (list, tuple)):
-        check_tensor_count(len(body["tensors"]))
-
-
-def _decode_body(cls: type, body: object, where: str) -> object:
-    return _checker(cls)(body, where)
-
-
-# --- framing -----------------------------------------------------------------------------------------------------
-def _direction_key(key: bytes, role: str) -> bytes:
-    return hmac.new(key, f"raysync/{PROTOCOL}/{role}".encode(), hashlib.sha256).digest()
-
-
-class FrameCodec:
-    """Signs what this side sends and checks what its peer sends. One per endpoint per session."""
-
-    def __init__(self, secret: SessionSecret, role: str, peer_role: str, max_frame_bytes: int):
-        self._session_id = secret.session_id
-        self._send_key = _direction_key(secret.key, role)
-        self._recv_key = _direction_key(secret.key, peer_role)
-        self._max = max_frame_bytes
-        self._sent_seq = 0
-        self._seen_seq = 0
-
-    def encode(self, msg: Message) -> bytes:
-        body = dataclasses.asdict(msg)  # type: ignore[call-overload]
-        _decode_body(
-            type(msg), body, type(msg).__name__
-        )  # never send what the peer would refuse (e.g. version -1)
-        self._sent_seq += 1
-        payload = msgpack.packb([PROTOCOL, self._session_id, self._sent_seq, type(msg).__name__, body])
-        if len(payload) + MAC_BYTES > self._max:
-            raise FrameTooLarge(
-                f"{type(msg).__name__} frame of {len(payload)} bytes exceeds max_frame_bytes={self._max}"
-            )
-        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
-
-    def decode(self, frame: bytes) -> Message:
-        if len(frame) > self._max:
-            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self._max}")
-        if len(frame) <= MAC_BYTES:
-            raise MalformedFrame(f"frame of {len(frame)} bytes is too short to carry a signature")
-        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self._recv_key, payload, hashlib.sha256).digest()):
-            raise BadSignature("frame signature does not match this session's key")
-        try:
-            header = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise MalformedFrame(f"signed frame is not valid msgpack: {e}") from None
-        if not (isinstance(header, tuple) and len(header) == 5 and header[0] == PROTOCOL):
-            raise MalformedFrame("signed frame does not carry a raysync header")
-        _, session_id, seq, kind, body = header
-        if session_id != self._session_id:
-            raise BadSignature("frame belongs to another session")
-        if type(seq) is not int or seq <= self._seen_seq:
-            raise ReplayedFrame(f"sequence number {seq!r} is not above the last accepted {self._seen_seq}")
-        cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-        if cls is None:
-            raise SchemaError(f"unknown message kind {kind!r}")
-        msg = _decode_body(cls, body, kind)
-        self._seen_seq = seq
-        return msg  # type: ignore[return-value]
 
 
 SHM_NAME = re.compile(r"raysync-[0-9a-f]{32}")

@@ -29,143 +29,27 @@ the group; no control message goes through it.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from raysync.core.config import SyncConfig
-from raysync.core.control import Fanout, ReceiverChannel, SenderChannel
-from raysync.core.errors import PeerTimeout, RaysyncError, SchemaError
+from raysync.core.control import ReceiverChannel, SenderChannel
+from raysync.core.errors import RaysyncError, SchemaError
+from raysync.core.fanout import Fanout
 from raysync.core.plan import Bucket, plan_buckets
 from raysync.core.report import PushReport
 from raysync.core.session import PushSender
 from raysync.core.session_receiver import PushReceiver
 from raysync.core.source import SourceTensor
 from raysync.core.wire import Attached, DirectSources, Layout, RingInfo, SessionSecret
+from raysync.transport.process_group import BroadcastGroup, Rendezvous, default_backend
 from raysync.transport.rendezvous import StoreClient
 from raysync.transport.rendezvous_server import StoreServer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """What a receiver needs to join: plain values, handed out by the coordinator. ``control``: the control
-    endpoint of each receiver rank (rank r connects to ``control[r - 1]``)."""
-
-    host: str
-    port: int
-    world_size: int
-    backend: str  # "gloo" | "nccl" | "hccl"
-    control: tuple[str, ...] = ()
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-class _Group:
-    """The store and the process group of one rank."""
-
-    def __init__(self, config: SyncConfig, rank: int, rdv: Rendezvous, store: StoreClient):
-        self.rank, self.rdv, self.config, self.store = rank, rdv, config, store
-        self.timeout = datetime.timedelta(seconds=config.timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if rdv.backend == "nccl" else None
-        self.pg = None
-
-    def join(self, timeout_s: float) -> None:
-        """Create the process group: blocks until every rank has joined (at most ``timeout_s``: ranks may take
-        a while to start, so this is the set-up limit, not the per-stage ``SyncConfig.timeout_s``)."""
-        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        try:
-            self._create(datetime.timedelta(seconds=timeout_s))
-        except Exception as e:
-            raise PeerTimeout(f"the other ranks of the {self.rdv.backend} group", "join", timeout_s) from e
-        finally:
-            self.store.set_timeout(self.timeout)
-
-    def _create(self, rendezvous_timeout: datetime.timedelta) -> None:
-        backend = self.rdv.backend
-        if backend == "gloo":  # gloo connects every pair at creation: give it the set-up limit
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = rendezvous_timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.rdv.host)]
-            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.rdv.world_size, opts)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.rdv.world_size, opts)
-        elif backend == "hccl":  # pragma: no cover - Ascend, untested here
-            import torch_npu  # noqa: F401
-
-            self.pg = torch.distributed.ProcessGroupHCCL(
-                self.store, self.rank, self.rdv.world_size, self.timeout
-            )
-        else:
-            raise ValueError(f"unknown collective backend {backend!r} (gloo, nccl, hccl)")
-
-    # --- collectives ---------------------------------------------------------------------------------------------
-    def broadcast(self, views: list[torch.Tensor]) -> list:
-        """Broadcast every view (rank 0's bytes into everyone's), as one NCCL group launch where it can."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        if self.rdv.backend != "nccl" or len(views) < 2:
-            return [self.pg.broadcast([v], opts) for v in views]
-        self.pg._start_coalescing()
-        for v in views:
-            self.pg.broadcast([v], opts)
-        return [self.pg._end_coalescing()]
-
-    def wait(self, works: list, stage: str, block: bool = True) -> None:
-        """Wait for broadcasts, bounded by timeout_s. NCCL: the current stream waits for them (no host wait,
-        so packing and unpacking keep the GPU busy), and ``block`` then polls that stream's progress from the
-        host: torch's own bounded wait sleeps a millisecond between polls, which a push pays at every stage."""
-        if self.rdv.backend == "nccl":
-            for work in works:
-                work.wait()
-            if block:
-                self.poll_stream(stage)
-            return
-        for work in works:
-            try:
-                ok = work.wait(self.timeout)
-            except Exception as e:
-                self.abort()
-                why = f"{stage}: {str(e).splitlines()[0]}"
-                raise PeerTimeout("a rank of the group", why, self.config.timeout_s) from e
-            if ok is False:
-                self.abort()
-                raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
-
-    def poll_stream(self, stage: str) -> None:
-        done = torch.cuda.Event()
-        done.record()
-        started = time.monotonic()
-        while not done.query():
-            waited = time.monotonic() - started
-            if waited > self.config.timeout_s:
-                self.abort()
-                raise PeerTimeout("a rank of the group", stage, self.config.timeout_s)
-            time.sleep(0 if waited < 1e-3 else 5e-5)  # spin briefly, then poll every ~50 us
-
-    def abort(self) -> None:
-        """Note [no hangs in a collective]."""
-        if self.pg is not None:
-            try:
-                self.pg.abort()
-            except Exception:  # already broken
-                pass
-            self.pg = None
-
-    def close(self) -> None:
-        self.abort()
-        self.store.close()
 
 
 def _buffers(config: SyncConfig, device: torch.device | None) -> list[torch.Tensor]:
@@ -182,7 +66,7 @@ class BroadcastPlane:
     reads_in_place = False
     all_or_none = True
 
-    def __init__(self, group: _Group, buffers: list[torch.Tensor]):
+    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor]):
         self.transport, self.buffers, self.slots = group, buffers, len(buffers)
         self._sizes: list[int] = []
         self._works: list[list] = [[] for _ in buffers]
@@ -236,7 +120,7 @@ class BroadcastReader:
     name = "collective"
     all_or_none = True
 
-    def __init__(self, group: _Group, buffers: list[torch.Tensor]):
+    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor]):
         self.transport, self.buffers, self.slots = group, buffers, len(buffers)
         self._buckets: list[Bucket] = []
         self._works: dict[int, list] = {}
@@ -352,7 +236,7 @@ class CollectiveSender(PushSender):
             backend or default_backend(),
             tuple(c.endpoint for c in channels),
         )
-        self._group = _Group(config, 0, self.rendezvous, store)
+        self._group = BroadcastGroup(config, 0, self.rendezvous, store)
         super().__init__(Fanout(channels), config)
 
     def join(self, timeout_s: float = 300.0) -> None:
@@ -393,7 +277,7 @@ class CollectiveReceiver(PushReceiver):
             timeout_s=config.timeout_s,
             max_value_bytes=config.max_frame_bytes,
         )
-        self._group = _Group(config, rank, rendezvous, store)
+        self._group = BroadcastGroup(config, rank, rendezvous, store)
         channel = ReceiverChannel(
             secret,
             endpoint=rendezvous.control[rank - 1],
