@@ -31,20 +31,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm import tqdm
 
 from raysync.core import digest
+from raysync.core.agreement import SenderLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import SenderChannel
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
-from raysync.core.plan import Bucket, plan_buckets, total_bytes
 from raysync.core.report import PushReport
-from raysync.core.source import Packer, SourceTensor, select
-from raysync.core.wire import Accept, Attached, Close, Layout, PushDigest, PushDone, PushStart
+from raysync.core.source import SourceTensor
+from raysync.core.wire import Accept, Attached, Close, PushDigest, PushDone, PushStart
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
 
@@ -61,17 +61,9 @@ class PushSender:
         self._channel = channel if isinstance(channel, Fanout) else Fanout([channel])
         self._given_plane = plane
         self._plane: DataPlane | None = None
-        self._layout: Layout | None = None
-        self._layout_bytes = 0
-        self._buckets: list[Bucket] = []
+        self._agreed = SenderLayout(config)  # the layout, its buckets, the Packer (raysync.core.agreement)
         self._push_id = 0
-        self._sources: list[SourceTensor] = []
-        self._sources_key: tuple | None = None
-        self._named: list[tuple[str, torch.Tensor]] = []  # what the last push was given
-        self._placed = 0  # counts the placements: what every push replays, made once per set of tensors
-        self._is_placed = False  # for the current tensors (_select clears it when they change)
-        self._packer: Packer | None = None  # the copies into the plane's buffers (none: read in place)
-        self._digests: dict[int, list[torch.Tensor]] | None = None
+        self._stream: SenderStream | None = None  # made with the plane
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     @property
@@ -91,24 +83,29 @@ class PushSender:
         except Exception as e:
             self.abort(e, "source")
             raise
-        self._digests = {} if self.config.verify else None
+        stream = self._stream
+        if stream is not None:
+            stream.reset()
         # the same tensor objects as last push (a training loop): the device packs the first buckets while the
         # host checks the tensors; what was packed is dropped if they changed after all (new data pointers)
-        placed = self._placed if self._is_placed else -1
-        ahead = self._pack_ahead() if placed >= 0 and self._same_objects(named) else 0
+        agreed = self._agreed
+        placed = agreed.placed if agreed.is_placed else -1
+        ahead = stream.pack_ahead(self.abort) if placed >= 0 and agreed.same_objects(named) else 0
         sources = self._select_or_abort(named)
         self._ensure_session()
         self._agree_layout_or_abort(sources)
-        if self._placed != placed:
-            self._digests, ahead = {} if self.config.verify else None, 0
+        stream = self._stream
+        if agreed.placed != placed:
+            stream.reset()
+            ahead = 0
         if not ahead:
-            ahead = self._pack_ahead()
+            ahead = stream.pack_ahead(self.abort)
         self._push_id += 1
         selected = time.perf_counter()
         accept = self._accept(version)
         accepted = streamed = time.perf_counter()
         if not accept.skip:
-            self._stream(version, ahead)
+            stream.run(self._push_id, version, ahead)
             streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
         self.last_stages_s = {
@@ -135,7 +132,7 @@ class PushSender:
 
     def _select_or_abort(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
         try:
-            return self._select(named)
+            return self._agreed.select(named)
         except Exception as e:  # a bad tensor: before the first push nobody waits yet (no handshake needed)
             if self._plane is not None:
                 self.abort(e, "select")
@@ -143,7 +140,7 @@ class PushSender:
 
     def _agree_layout_or_abort(self, sources: list[SourceTensor]) -> None:
         try:
-            self._agree_layout(sources)
+            self._agreed.agree(sources, self._plane, self._channel)
         except Exception as e:  # e.g. a layout over the bounds (BadLayout): the receiver is waiting
             self.abort(e, "layout")
             raise
@@ -152,8 +149,10 @@ class PushSender:
         """Every receiver's Accept; the go for a plane that moves all receivers together (skip only if every
         receiver has the version). A refusal by one is an Abort for all: nothing moved anywhere."""
         pid = self._push_id
-        self._plane.begin(pid, self._buckets)
-        self._channel.send(PushStart(pid, version, self._layout.layout_id, self.config.verify), "accept")
+        self._plane.begin(pid, self._agreed.buckets)
+        self._channel.send(
+            PushStart(pid, version, self._agreed.layout.layout_id, self.config.verify), "accept"
+        )
         try:
             answers = self._channel.expect(Accept, pid, "accept")
         except RemoteError as e:
@@ -161,85 +160,21 @@ class PushSender:
                 self._channel.abort(pid, "accept", e)
             raise
         go = Accept(pid, all(a.skip for a in answers))
-        if getattr(self._plane, "all_or_none", False):
+        if self._plane.all_or_none:
             self._channel.send(go, "accept: the go")
         return go
 
-    def _pack_ahead(self) -> int:
-        """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
-        with every buffer released), and nothing is published until the receiver accepts."""
-        ahead = min(self._plane.slots, len(self._buckets))
-        for k in range(ahead):
-            try:
-                self._pack(k)
-            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
-                self.abort(e, f"pack bucket {k} ahead of the push")
-                raise
-        return ahead
-
-    def _pack(self, k: int) -> None:
-        """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
-        if self._plane.claim(k) is not None:
-            self._packer.pack(k)
-        if self._digests is not None:  # of the bytes as the receiver reads them, wire dtype and all
-            view = self._plane.bucket_view(k)
-            for c in self._buckets[k].chunks:
-                part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
-                self._digests.setdefault(c.index, []).append(part)
-        self._plane.packed(k)
-
-    def _stream(self, version: int, packed_ahead: int) -> None:
-        count = len(self._buckets)
-        bar = _LazyBar(self._layout_bytes, f"push v{version}", self.config.progress)
-        stage = "stream"
-        walk = self._buckets
-        if getattr(self._plane, "reads_in_place", False) and self._digests is None:
-            walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
-            bar.update(self._layout_bytes)
-        try:
-            for k, bucket in enumerate(walk):
-                stage = f"pack bucket {k}/{count}"
-                if k >= packed_ahead:
-                    self._pack(k)
-                self._plane.publish(k)
-                bar.update(sum(c.nbytes for c in bucket.chunks))
-                logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
-            stage = "verify" if self._digests is not None else "finish"
-            self._send_digests()
-            self._plane.wait_released()
-        except RemoteError:
-            self._plane.fail()
-            raise
-        except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
-            self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
-            cause = None
-            if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:
-                cause = self._channel.reason(self._push_id, wait_s=1.0)  # a receiver that failed first
-            self._channel.abort(self._push_id, stage, e)
-            if cause is not None:
-                raise cause from e
-            raise
-        finally:
-            bar.close()
-
-    def _send_digests(self) -> None:
-        """Verified pushes: each tensor's digest of what was packed (read in place: of the tensor itself)."""
-        if self._digests is None:
-            return
-        count = len(self._layout.tensors)
-        sums = tuple(digest.combine([self._digests.get(i, []) for i in range(count)]))
-        self._channel.send(PushDigest(self._push_id, sums), "verify")
-
     def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
         moved = not skipped
+        agreed = self._agreed
         report = PushReport(
             version,
             self._plane.name,
-            self._layout_bytes * moved,
-            len(self._buckets) * moved,
+            agreed.nbytes * moved,
+            len(agreed.buckets) * moved,
             tensors,
             seconds,
-            skipped=skipped,
+            skipped,
         )
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
@@ -257,6 +192,7 @@ class PushSender:
             self._channel.abort(0, "handshake: ring", e)
             raise
         self._plane = plane
+        self._stream = SenderStream(plane, self._channel, self._agreed, cfg)
         self._channel.send(plane.describe(), "handshake: ring")
         for attached in self._channel.expect(
             Attached, 0, "handshake: waiting for the receiver to map the ring"
@@ -271,55 +207,94 @@ class PushSender:
             cfg.bucket_bytes,
         )
 
-    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
-        """select(), skipped while the trainer pushes the same tensors (updated in place) as last time."""
-        key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in named)
-        if key != self._sources_key:
-            self._sources, self._sources_key = select(named, self.config), key
-            self._is_placed, self._packer = False, None
-        self._named = named
-        return self._sources
-
-    def _same_objects(self, named: list[tuple[str, torch.Tensor]]) -> bool:
-        """The same names and tensor objects as last push: likely (not surely) the same tensors."""
-        last = self._named
-        if len(named) != len(last):
-            return False
-        return all(a[0] == b[0] and a[1] is b[1] for a, b in zip(named, last, strict=True))
-
-    def _agree_layout(self, sources: list[SourceTensor]) -> None:
-        """Send the Layout when the tensors' names, dtypes or shapes change; make what every push replays when
-        the tensors themselves change: the Packer's copies, or what the plane places (a direct plane: the
-        exported storages and its own plan, checked before anything is sent)."""
-        if self._is_placed:  # made for these very tensors (_select clears it when they change)
-            return
-        cfg = self.config
-        specs = tuple(s.spec for s in sources)
-        new = self._layout is None or self._layout.tensors != specs
-        layout = self._layout
-        if new:
-            layout_id = self._layout.layout_id + 1 if self._layout else 1
-            layout = Layout(layout_id, cfg.bucket_bytes, cfg.align_bytes, specs)
-        placed = self._plane.place(layout, sources)
-        if new:
-            self._layout, self._layout_bytes = layout, total_bytes(specs)
-            self._buckets = plan_buckets(specs, cfg.bucket_bytes, cfg.align_bytes)
-            self._channel.send(layout, "layout")
-        if placed is not None:
-            self._buckets, message = placed
-            self._channel.send(message, "layout: the trainer's storages")
-        buffers = self._plane.buffers
-        self._packer = Packer(self._buckets, sources, buffers, cfg.cuda_graphs) if buffers else None
-        self._placed, self._is_placed = self._placed + 1, True
-
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
-        self._packer = None  # its copies hold views of the ring: drop them first
+        self._agreed.packer = None  # its copies hold views of the ring: drop them first
         if self._plane is not None:
             self._channel.try_send(Close())
             self._plane.close()
-            self._plane = None
+            self._plane = self._stream = None
         self._channel.close()
+
+
+class SenderStream:
+    """The stream stage, sender half: bucket k = 0, 1, ... claimed, packed (the first ones ahead of the push),
+    published; the digests of what was packed (verify); then every buffer released. Made with the plane."""
+
+    def __init__(self, plane: DataPlane, channel: Fanout, agreed: SenderLayout, config: SyncConfig):
+        self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
+        self.reset()
+
+    def reset(self) -> None:
+        """A new push (or new tensors): nothing packed counts yet."""
+        self._digests: dict[int, list[torch.Tensor]] | None = {} if self._config.verify else None
+
+    def pack_ahead(self, abort: Callable[[BaseException, str], None]) -> int:
+        """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
+        with every buffer released), and nothing is published until the receiver accepts."""
+        ahead = min(self._plane.slots, len(self._agreed.buckets))
+        for k in range(ahead):
+            try:
+                self._pack(k)
+            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
+                abort(e, f"pack bucket {k} ahead of the push")
+                raise
+        return ahead
+
+    def _pack(self, k: int) -> None:
+        """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
+        if self._plane.claim(k) is not None:
+            self._agreed.packer.pack(k)
+        if self._digests is not None:  # of the bytes as the receiver reads them, wire dtype and all
+            view = self._plane.bucket_view(k)
+            for c in self._agreed.buckets[k].chunks:
+                part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
+                self._digests.setdefault(c.index, []).append(part)
+        self._plane.packed(k)
+
+    def run(self, push_id: int, version: int, packed_ahead: int) -> None:
+        """Publish every bucket (packing those not packed ahead), send the digests, wait for the releases."""
+        buckets, nbytes = self._agreed.buckets, self._agreed.nbytes
+        count = len(buckets)
+        bar = _LazyBar(nbytes, f"push v{version}", self._config.progress)
+        stage = "stream"
+        walk = buckets
+        if self._plane.reads_in_place and self._digests is None:
+            walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
+            bar.update(nbytes)
+        try:
+            for k, bucket in enumerate(walk):
+                stage = f"pack bucket {k}/{count}"
+                if k >= packed_ahead:
+                    self._pack(k)
+                self._plane.publish(k)
+                bar.update(sum(c.nbytes for c in bucket.chunks))
+                logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
+            stage = "verify" if self._digests is not None else "finish"
+            self._send_digests(push_id)
+            self._plane.wait_released()
+        except RemoteError:
+            self._plane.fail()
+            raise
+        except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
+            self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
+            cause = None
+            if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:
+                cause = self._channel.reason(push_id, wait_s=1.0)  # a receiver that failed first
+            self._channel.abort(push_id, stage, e)
+            if cause is not None:
+                raise cause from e
+            raise
+        finally:
+            bar.close()
+
+    def _send_digests(self, push_id: int) -> None:
+        """Verified pushes: each tensor's digest of what was packed (read in place: of the tensor itself)."""
+        if self._digests is None:
+            return
+        count = len(self._agreed.layout.tensors)
+        sums = tuple(digest.combine([self._digests.get(i, []) for i in range(count)]))
+        self._channel.send(PushDigest(push_id, sums), "verify")
 
 
 class _LazyBar:

@@ -14,10 +14,11 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 
 import torch
 
+from raysync.core.agreement import ReceiverLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel
 from raysync.core.errors import (
@@ -27,21 +28,15 @@ from raysync.core.errors import (
     RaysyncError,
     RemoteError,
     SchemaError,
-    SessionClosed,
     WeightsMixed,
 )
-from raysync.core.plan import Bucket, total_bytes
+from raysync.core.plan import total_bytes
 from raysync.core.report import PushReport
-from raysync.core.sink import LoadFn, Sink, Sinks
+from raysync.core.sink import LoadFn, Sink
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import (
-    Abort,
     Accept,
-    BucketReady,
-    Close,
-    DirectSources,
     Hello,
-    Layout,
     PushDigest,
     PushDone,
     PushStart,
@@ -63,13 +58,9 @@ class PushReceiver:
         self._channel = channel
         self._given_plane = plane
         self._plane: PlaneReader | None = None
-        self._layout: Layout | None = None
-        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
-        self._sinks_made = 1  # counts the Sinks made: a sink checked ahead is used only from the current one
-        self._layout_error: RaysyncError | None = None  # a Layout we refused; answered at the next PushStart
-        self._buckets: list[Bucket] = []
+        self._stream: ReceiverStream | None = None  # made with the plane
+        self._agreed = ReceiverLayout(config)  # the layout, its buckets, the sinks (raysync.core.agreement)
         self.version: Version = None  # what the destinations hold (Note [versions never lie])
-        self._last_push_id = 0  # the last push started (or aborted by the sender before it started)
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
 
     @property
@@ -83,7 +74,7 @@ class PushReceiver:
     @property
     def names(self) -> tuple[str, ...]:
         """The tensors of the last layout received."""
-        return tuple(s.name for s in self._layout.tensors) if self._layout else ()
+        return tuple(self._agreed.names)
 
     def receive(
         self,
@@ -120,9 +111,9 @@ class PushReceiver:
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
             )
         self._ensure_session()
-        ahead = self._check_ahead(into, load_fn)
+        ahead = self._agreed.check_ahead(into, load_fn)
         try:
-            start = self._wait_push(wait_s)
+            start = self._agreed.next_push(self._channel, self._plane, wait_s)
         except BaseException:
             # the error's traceback keeps this frame: the sink checked ahead holds views of the ring (direct
             # mode: of the sender's mapped tensors), which must not stay mapped for as long as the error lives
@@ -135,7 +126,7 @@ class PushReceiver:
         accepted = streamed = time.perf_counter()
         if not skip:
             try:
-                streamed = yield from self._stream(start, sink, staging)
+                streamed = yield from self._stream.run(start, sink, staging)
             except BaseException:
                 sink = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
                 raise
@@ -159,34 +150,14 @@ class PushReceiver:
         try:
             return self._channel.expect(Accept, start.push_id, "accept: waiting for the other receivers").skip
         except RemoteError as e:
-            names = [s.name for s in self._layout.tensors]
-            raise self._incomplete(start, f"sender: {e.stage}", e.message, names) from e
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, self._agreed.names) from e
 
     def _report(self, version: int, skipped: bool, seconds: float) -> PushReport:
-        specs, moved = self._layout.tensors, not skipped
-        report = PushReport(
-            version,
-            self._plane.name,
-            total_bytes(specs) * moved,
-            len(self._buckets) * moved,
-            len(specs),
-            seconds,
-            skipped=skipped,
-        )
+        specs, moved = self._agreed.layout.tensors, not skipped
+        nbytes, buckets = total_bytes(specs) * moved, len(self._agreed.buckets) * moved
+        report = PushReport(version, self._plane.name, nbytes, buckets, len(specs), seconds, skipped)
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
-
-    def _check_ahead(self, into: Mapping[str, torch.Tensor] | None, load_fn: LoadFn | None) -> tuple | None:
-        """Check the destinations against the current layout before the push starts (the engine waits then,
-        while accept is on every push's critical path). Used only if nothing changed by the time the push
-        starts; any error is left for accept to raise and report."""
-        if self._layout is None or self._layout_error is not None:
-            return None
-        try:
-            sink = self._sinks.make(self._layout.layout_id, self._layout.tensors, into, load_fn)
-        except RaysyncError:
-            return None
-        return self._layout.layout_id, self._sinks_made, sink  # no reference to the Sinks: see _drop_sinks
 
     def _accept(
         self,
@@ -196,38 +167,84 @@ class PushReceiver:
         ahead: tuple | None = None,
     ) -> Sink:
         """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
-        specs = self._layout.tensors if self._layout else ()
         try:
-            if self._layout_error is not None:
-                raise self._layout_error
-            if self._layout is None or start.layout_id != self._layout.layout_id:
-                raise SchemaError(
-                    f"push {start.push_id} names layout {start.layout_id}, which was never sent"
-                )
             self._plane.check_start(start.push_id, start.layout_id)
-            if ahead is not None and ahead[:2] == (self._layout.layout_id, self._sinks_made):
-                sink = ahead[2]  # checked while waiting, and nothing changed since
-            else:
-                sink = self._sinks.make(self._layout.layout_id, specs, into, load_fn)
+            sink = self._agreed.sink_for(start, into, load_fn, ahead)
             sink.verify = start.verify
             return sink
         except RaysyncError as e:
             self._channel.abort(start.push_id, "accept", e)
-            raise self._incomplete(start, "accept", str(e), [s.name for s in specs]) from e
+            raise self._incomplete(start, "accept", str(e), self._agreed.names) from e
 
-    def _stream(self, start: PushStart, sink: Sink, staging: bool) -> Generator[None, None, float]:
+    def _incomplete(
+        self, start: PushStart, stage: str, reason: str, undelivered: list[str]
+    ) -> PushIncomplete:
+        return PushIncomplete(start.version, stage, reason, undelivered, mixed=self.version == MIXED)
+
+    def _mixed(self) -> None:
+        self.version = MIXED
+
+    # --- set-up and layout -------------------------------------------------------------------------------------
+    def _ensure_session(self) -> None:
+        if self._plane is not None:
+            return
+        self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
+        info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
+        try:
+            if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
+                raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
+            given = self._given_plane
+            if given is not None and info.transport != given.name:
+                raise LayoutError(
+                    f"the sender runs a {info.transport} plane, this receiver a {given.name} one"
+                )
+            self._plane = given or registry.reader_plane(info, self._channel)
+            self._stream = ReceiverStream(
+                self._plane, self._channel, self._agreed, self.config, self._mixed, self._incomplete
+            )
+        except Exception as e:  # tell the sender instead of letting it time out
+            self._channel.abort(0, "handshake: map the ring", e)
+            raise
+        self._channel.send(self._plane.attached(), "handshake: attached")
+
+    # --- teardown ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._agreed.drop_sinks()  # Note [a kept error keeps nothing mapped]: the sinks go before the ring
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = self._stream = None
+        self._channel.close()
+
+
+class ReceiverStream:
+    """The stream stage, receiver half: every batch of buckets received, unpacked into the sink and released;
+    then drained, verified and committed. Made with the plane; the version it marks MIXED and the errors it
+    raises are its PushReceiver's (Note [versions never lie])."""
+
+    def __init__(
+        self,
+        plane: PlaneReader,
+        channel: ReceiverChannel,
+        agreed: ReceiverLayout,
+        config: SyncConfig,
+        mixed: Callable[[], None],
+        incomplete: Callable[..., PushIncomplete],
+    ):
+        self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
+        self._mixed, self._incomplete = mixed, incomplete
+
+    def run(self, start: PushStart, sink: Sink, staging: bool) -> Generator[None, None, float]:
         """Every bucket into the sink (yielding after each batch), then the end of the push (drained, verified,
         applied); returns when the buckets were done, for ``last_stages_s``."""
-        pid, count = start.push_id, len(self._buckets)
+        pid, buckets = start.push_id, self._agreed.buckets
+        count = len(buckets)
         stage = "stream"
         parts: list | None = None
         try:
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
                 stage = f"wait for {named}/{count}"
-                parts = list(
-                    zip([self._buckets[k] for k in batch], self._plane.receive(batch, pid), strict=True)
-                )
+                parts = list(zip([buckets[k] for k in batch], self._plane.receive(batch, pid), strict=True))
                 stage = f"unpack {named}/{count}"
                 if batch[0] == 0 and not staging:
                     self._touching(sink)
@@ -236,7 +253,7 @@ class PushReceiver:
                 parts = None
                 yield
             streamed = time.perf_counter()
-            self._plane.drain(self.config.timeout_s)  # Note [ordering GPU buffers]
+            self._plane.drain(self._config.timeout_s)  # Note [ordering GPU buffers]
             if start.verify:
                 stage = "verify"
                 self._verify(sink, self._channel.expect(PushDigest, pid, "verify: waiting for the digests"))
@@ -258,7 +275,7 @@ class PushReceiver:
             sink = parts = None  # noqa: F841
             traceback.clear_frames(e.__traceback__)
             if isinstance(e, WeightsMixed):  # an atomic sink that could not keep its promise
-                self.version = MIXED
+                self._mixed()
             self._channel.abort(pid, stage, e)  # first: the sender looks for it when its broadcasts fail
             self._plane.fail()
             raise self._incomplete(start, stage, str(e), undelivered) from e
@@ -268,12 +285,7 @@ class PushReceiver:
         until the push completes, a failure anywhere leaves them a mix of two versions, so say so first. An
         atomic sink (staged) touches them only in ``finish`` and says itself when that fails (WeightsMixed)."""
         if sink.in_place:
-            self.version = MIXED
-
-    def _incomplete(
-        self, start: PushStart, stage: str, reason: str, undelivered: list[str]
-    ) -> PushIncomplete:
-        return PushIncomplete(start.version, stage, reason, undelivered, mixed=self.version == MIXED)
+            self._mixed()
 
     def _verify(self, sink: Sink, sent: PushDigest) -> None:
         """Compare what landed with what the sender packed; the tensors that differ count as undelivered."""
@@ -283,86 +295,5 @@ class PushReceiver:
         bad = [i for i, (a, b) in enumerate(zip(sent.digests, got, strict=True)) if a != b]
         if bad:
             sink.done -= set(bad)
-            names = [self._layout.tensors[i].name for i in bad]
+            names = [self._agreed.names[i] for i in bad]
             raise IntegrityError(f"{len(bad)} tensor(s) differ from what the sender packed: {names[:5]}")
-
-    # --- set-up and layout -------------------------------------------------------------------------------------
-    def _ensure_session(self) -> None:
-        if self._plane is not None:
-            return
-        self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
-        info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
-        try:
-            if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
-                raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
-            given = self._given_plane
-            if given is not None and info.transport != given.name:
-                raise LayoutError(
-                    f"the sender runs a {info.transport} plane, this receiver a {given.name} one"
-                )
-            self._plane = given or registry.reader_plane(info, self._channel)
-        except Exception as e:  # tell the sender instead of letting it time out
-            self._channel.abort(0, "handshake: map the ring", e)
-            raise
-        self._channel.send(self._plane.attached(), "handshake: attached")
-
-    def _wait_push(self, wait_s: float | None) -> PushStart:
-        """Wait for the next PushStart, taking a new Layout on the way; skip leftovers of failed pushes."""
-        stage = "waiting for a push"
-        while True:
-            msg = self._channel.recv(stage, wait_s)
-            if isinstance(msg, Layout):
-                self._take_layout(msg)
-            elif isinstance(msg, DirectSources):
-                self._take_sources(msg)
-            elif isinstance(msg, PushStart):
-                self._last_push_id = msg.push_id
-                return msg
-            elif isinstance(msg, Close):
-                raise SessionClosed(f"{self._channel.peer} closed the session")
-            elif isinstance(msg, Abort) and msg.push_id > self._last_push_id:
-                self._last_push_id = msg.push_id  # the sender failed before it started this push (its source)
-                raise RemoteError(self._channel.peer, msg.stage, msg.message, msg.traceback)
-            elif isinstance(msg, (BucketReady, Abort)):
-                logger.debug("skipping %s left over from push %d", type(msg).__name__, msg.push_id)
-            else:
-                raise SchemaError(f"{self._channel.peer} sent {type(msg).__name__} while no push was running")
-
-    def _take_layout(self, layout: Layout) -> None:
-        """Plan the layout as the plane moves it; a refusal is answered at the next PushStart."""
-        try:
-            buckets = self._plane.plan(layout)
-        except SchemaError as e:
-            self._layout, self._buckets, self._layout_error = None, [], e
-            return
-        self._layout, self._buckets, self._layout_error = layout, buckets, None
-
-    def _take_sources(self, sources: DirectSources) -> None:
-        """A plane that reads the sender's storages in place maps them (once per set of tensors) and plans from
-        them; a refusal is answered at the next PushStart, like a refused layout."""
-        self._drop_sinks()  # their copies read the old mappings: drop them first
-        self._buckets = []
-        try:
-            buckets = self._plane.take_sources(sources, self._layout)
-        except Exception as e:
-            self._layout_error = (
-                e
-                if isinstance(e, RaysyncError)
-                else LayoutError(f"cannot map the sender's storages: {type(e).__name__}: {e}")
-            )
-            return
-        self._buckets, self._layout_error = buckets, None
-
-    # --- teardown ----------------------------------------------------------------------------------------------
-    def _drop_sinks(self) -> None:
-        """The cached sinks hold views of the ring (or of the sender's mapped storages) and keep that memory
-        mapped: they go before the ring does, and nothing else may keep them (an exception's frames can)."""
-        self._sinks = Sinks(self.config.staged, self.config.cuda_graphs)
-        self._sinks_made += 1
-
-    def close(self) -> None:
-        self._drop_sinks()
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
-        self._channel.close()
