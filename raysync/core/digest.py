@@ -63,7 +63,7 @@ _COLUMNS = 16  # 3 per lane, padded to a multiple of 8 (torch._int_mm)
 def partial(data: torch.Tensor, offset_bytes: int) -> torch.Tensor:
     """The digest of the bytes of ``data`` (a 1-d uint8 tensor) that start at byte ``offset_bytes`` of their
     tensor (a chunk's ``src_offset``; 0 for a whole tensor), as a 0-d int64 tensor on its device (no host
-    sync). Chunks' partial digests add up, in ``finish``, to the digest of the whole tensor."""
+    sync). Chunks' partial digests add up, in ``combine``, to the digest of the whole tensor."""
     _check(data, offset_bytes)
     signed = data.view(torch.int8)
     first_word = offset_bytes // _LANES

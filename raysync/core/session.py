@@ -74,6 +74,11 @@ class PushSender:
 
     _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
+    @property
+    def packed_buckets(self) -> int:
+        """How many buckets the last push packed (each once, for every receiver; 0 when read in place)."""
+        return self._stream.packs if self._stream is not None else 0
+
     # --- the push ----------------------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
@@ -228,6 +233,7 @@ class SenderStream:
     def reset(self) -> None:
         """A new push (or new tensors): nothing packed counts yet."""
         self._digests: dict[int, list[torch.Tensor]] | None = {} if self._config.verify else None
+        self.packs = 0  # buckets packed for this push: one each, whatever the number of receivers
 
     def pack_ahead(self, abort: Callable[[BaseException, str], None]) -> int:
         """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
@@ -245,6 +251,7 @@ class SenderStream:
         """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
         if self._plane.claim(k) is not None:
             self._agreed.packer.pack(k)
+            self.packs += 1
         if self._digests is not None:  # of the bytes as the receiver reads them, wire dtype and all
             view = self._plane.bucket_view(k)
             for c in self._agreed.buckets[k].chunks:

@@ -180,6 +180,7 @@ class RingInfo:
     handles: tuple[str, ...]
     cuda: tuple[CudaBuffer, ...] = ()
     ready_event: bytes = b""
+    readers: int = 1  # receivers reading this ring (fan-out: each bucket packed once for all of them)
 
 
 @dataclass(frozen=True)

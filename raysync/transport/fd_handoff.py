@@ -41,12 +41,13 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 # --- the handoff of the fds (Note [handing over the segments]) -------------------------------------------------------
 class FdHandoff:
-    """The sender's half: serves ``fds`` once, to the first connection of this user that sends ``token``, from
-    a thread, for at most ``timeout_s``. ``path`` and ``token`` go to the receiver in the signed RingInfo."""
+    """The sender's half: serves ``fds`` to the first ``readers`` connections of this user that send ``token``
+    (one each), from a thread, for at most ``timeout_s``. ``path`` and ``token`` go to the receivers in the
+    signed RingInfo."""
 
-    def __init__(self, fds: list[int], timeout_s: float = HANDOFF_TIMEOUT_S):
+    def __init__(self, fds: list[int], timeout_s: float = HANDOFF_TIMEOUT_S, readers: int = 1):
         self.token = secrets.token_bytes(_TOKEN_BYTES)
-        self.served = False
+        self.served, self.readers = 0, readers
         self.path, self._dir = "", ""
         self._fds: list[int] = []  # our own copies: the ring closing its fds never pulls one from the thread
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -82,7 +83,7 @@ class FdHandoff:
         poller.register(self._listener, select.POLLIN)
         poller.register(self._woken, select.POLLIN)
         try:
-            while not self.served:
+            while self.served < self.readers:
                 remaining = deadline - time.monotonic()
                 ready = {fd for fd, _ in poller.poll(max(0, int(remaining * 1000)))}  # 0: the deadline passed
                 if not ready:
@@ -117,7 +118,7 @@ class FdHandoff:
         except OSError as e:  # a timeout or a peer that went away: wait for the next connection
             logger.warning("shm ring handoff to pid %d failed: %s", pid, e)
             return
-        self.served = True
+        self.served += 1
         logger.debug("handed %d shm ring segments to pid %d", len(self._fds), pid)
 
     def _release(self) -> None:

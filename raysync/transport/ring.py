@@ -5,7 +5,12 @@
     receiver  receive(k): wait for BucketReady(k, k % S), then before_unpack -> unpack -> release(k):
               after_unpack + BucketFreed(k, k % S)
 
-S is the ring's number of buffers. Between pushes every buffer is free (a push ends when the receiver has
+S is the ring's number of buffers. A ring may have N readers (fan-out, shm only so far): bucket k is packed
+once, BucketReady goes to all N, and its buffer is free again when all N have sent BucketFreed (the session's
+Fanout collects one from each). N readers move together (``all_or_none``): one that has the version already
+reads the push anyway, so no buffer waits for a reader that skipped.
+
+S Between pushes every buffer is free (a push ends when the receiver has
 freed all of them), so the first S buckets of the next push may be claimed and packed before it starts. A
 ring transport supplies only its two halves (transport.base.RingSender / RingReceiver: buffers and the
 ordering hooks of Note [ordering GPU buffers]); the hooks are looked up on the ring at every call.
@@ -19,7 +24,7 @@ import torch
 
 from raysync.core.config import SyncConfig
 from raysync.core.control import Channel
-from raysync.core.errors import SchemaError
+from raysync.core.errors import SchemaError, TransportUnavailable
 from raysync.core.plan import Bucket, plan_buckets
 from raysync.core.source import SourceTensor
 from raysync.core.wire import Attached, BucketFreed, BucketReady, DirectSources, Layout, RingInfo
@@ -30,16 +35,23 @@ class RingPlane:
     """The sender's half: owns the ring (``transport``)."""
 
     reads_in_place = False
-    all_or_none = False  # one reader
 
     def __init__(self, ring: RingSender, channel: Channel):
         self.transport, self._channel = ring, channel
         self.name = ring.name
+        self.all_or_none = getattr(ring, "readers", 1) > 1
         self._push_id, self._buckets = 0, 0
 
     @classmethod
     def open(cls, transport: type, config: SyncConfig, channel: Channel) -> RingPlane:
-        return cls(transport(config.num_buffers, config.bucket_bytes), channel)
+        readers = len(getattr(channel, "channels", [channel]))
+        if readers == 1:
+            return cls(transport(config.num_buffers, config.bucket_bytes), channel)
+        if transport.name != "shm":
+            raise TransportUnavailable(
+                f"{readers} readers of one {transport.name} ring: fan-out is built for shm only"
+            )
+        return cls(transport(config.num_buffers, config.bucket_bytes, readers=readers), channel)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -95,16 +107,15 @@ class RingPlane:
 class RingReader:
     """The receiver's half: maps the ring the sender described (``transport``)."""
 
-    all_or_none = False
-
-    def __init__(self, ring: RingReceiver, channel: Channel):
+    def __init__(self, ring: RingReceiver, channel: Channel, readers: int = 1):
         self.transport, self._channel = ring, channel
         self.name = ring.name
+        self.all_or_none = readers > 1  # the ring's other readers move with this one
         self._buckets = 0
 
     @classmethod
     def open(cls, transport: type, info: RingInfo, channel: Channel) -> RingReader:
-        return cls(transport(info), channel)
+        return cls(transport(info), channel, info.readers)
 
     @property
     def slots(self) -> int:

@@ -284,7 +284,12 @@ class ShmRingSender(HostRing):
         return memfd_sealing_works()
 
     def __init__(
-        self, num_buffers: int, buffer_bytes: int, pin: bool = True, timeout_s: float = HANDOFF_TIMEOUT_S
+        self,
+        num_buffers: int,
+        buffer_bytes: int,
+        pin: bool = True,
+        timeout_s: float = HANDOFF_TIMEOUT_S,
+        readers: int = 1,
     ):
         leftovers.sweep_shared_dirs(private_dir_base())  # Note [names that outlive a crash]
         _check_memory(num_buffers, buffer_bytes)
@@ -294,20 +299,20 @@ class ShmRingSender(HostRing):
         try:
             for _ in range(num_buffers):
                 self._segments.append(create_segment(buffer_bytes, pin))
-            self._handoff = FdHandoff([s.fd for s in self._segments], timeout_s)
+            self._handoff = FdHandoff([s.fd for s in self._segments], timeout_s, readers)
         except BaseException:
             self.close()
             raise
         self.buffers = [s.tensor for s in self._segments]
+        self.readers = readers
         logger.debug(
             "shm ring: %d x %d bytes, handed over at %s", num_buffers, buffer_bytes, self._handoff.path
         )
 
     def info(self) -> RingInfo:
         assert self._handoff is not None, "info() of a closed ring"
-        return RingInfo(
-            self.name, len(self._segments), self.buffer_bytes, (self._handoff.path, self._handoff.token.hex())
-        )
+        handles = (self._handoff.path, self._handoff.token.hex())
+        return RingInfo(self.name, len(self._segments), self.buffer_bytes, handles, readers=self.readers)
 
     def receiver_attached(self, attached: Attached | None = None) -> None:
         if self._handoff is not None:

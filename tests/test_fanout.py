@@ -1,0 +1,78 @@
+"""Fan-out (issue 20, item 3): one sender, N receivers reading one shm ring; each bucket packed once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync import PushIncomplete, RemoteError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+
+CFG = SyncConfig(bucket_bytes=4096, num_buffers=2, timeout_s=30, progress=False, transport="shm")
+NAMES = [f"w{i}" for i in range(7)]  # 7 tensors of 4 KB and one of 10 KB: sliced over buckets
+
+
+def weights(v: float) -> dict[str, torch.Tensor]:
+    out = {n: torch.full((1024,), v + i) for i, n in enumerate(NAMES)}
+    out["big"] = torch.arange(2560, dtype=torch.float32) * v
+    return out
+
+
+def zeros() -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in weights(1.0).items()}
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_one_pack_per_bucket_serves_three_receivers_bit_exact(in_thread, verify):
+    config = SyncConfig(**{**CFG.__dict__, "verify": verify})
+    secret = SessionSecret.generate()
+    with WeightSender(secret, config, receivers=3) as sender:
+        receivers = [WeightReceiver(e, secret, config) for e in sender.endpoints]
+        dests = [zeros() for _ in receivers]
+        try:
+            for version in (1, 2, 3):
+                got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
+                report = sender.push(weights(float(version)).items(), version)
+                assert [g.result(timeout=30).version for g in got] == [version] * 3
+                assert report.buckets > 2 * CFG.num_buffers  # the ring wrapped around: frees came from all 3
+                assert sender.packed_buckets == report.buckets  # packed once, not once per receiver
+                for d in dests:
+                    assert all(torch.equal(d[n], t) for n, t in weights(float(version)).items())
+            got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
+            assert sender.push(weights(3.0).items(), 3).skipped  # all three have version 3
+            assert all(g.result(timeout=30).skipped for g in got)
+        finally:
+            for r in receivers:
+                r.close()
+
+
+def test_a_receiver_that_refuses_stops_the_push_for_all_before_any_byte(in_thread):
+    secret = SessionSecret.generate()
+    with WeightSender(secret, CFG, receivers=3) as sender:
+        receivers = [WeightReceiver(e, secret, CFG) for e in sender.endpoints]
+        dests = [zeros() for _ in receivers]
+        try:
+            got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
+            sender.push(weights(1.0).items(), 1)
+            assert [g.result(timeout=30).version for g in got] == [1, 1, 1]
+            dests[1]["w3"] = torch.zeros(5)  # receiver 1's destinations no longer fit
+            got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
+            with pytest.raises(RemoteError, match="w3"):
+                sender.push(weights(2.0).items(), 2)
+            errors = [g.exception(timeout=30) for g in got]
+            assert all(isinstance(e, PushIncomplete) and e.stage.endswith("accept") for e in errors), errors
+            assert [r.version for r in receivers] == [1, 1, 1]  # nothing touched anywhere
+            assert all(torch.equal(d["w0"], weights(1.0)["w0"]) for d in dests)
+            dests[1]["w3"] = torch.zeros(1024)  # fixed: the next push lands everywhere
+            got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
+            sender.push(weights(3.0).items(), 3)
+            assert [g.result(timeout=30).version for g in got] == [3, 3, 3]
+            assert all(torch.equal(d["big"], weights(3.0)["big"]) for d in dests)
+        finally:
+            for r in receivers:
+                r.close()
+
+
+def test_fan_out_is_refused_where_it_is_not_built():
+    secret = SessionSecret.generate()
+    with pytest.raises(ValueError, match="1 when an endpoint is given"):
+        WeightSender(secret, CFG, endpoint="ipc:///tmp/x", receivers=2)
