@@ -11,6 +11,10 @@ port stalls rank 0's store thread and every rank with it. raysync's store instea
       drops the connection before it is allocated; a handshake not done within 5 s is closed
       a dict of at most MAX_KEYS keys, values capped; set / get / add / wait / check ... answered per request
 
+This module holds the keys, the limits and the client; the server is raysync.transport.rendezvous_server (its
+sockets, the ZAP handler, its thread) over raysync.transport.rendezvous_table (what a request means, the keys
+and values within their limits, the requests that wait for keys; no socket, no thread).
+
 # Note [who may talk to the rendezvous store]
 # Both key pairs are derived from the session key (HMAC-SHA256 with a fixed label), so only a holder of the
 # session key can complete the CURVE handshake (the client must know the server's public key) and pass the

@@ -33,8 +33,8 @@ class Waiter:
 
 class StoreTable:
     """At most MAX_KEYS keys of at most MAX_KEY_CHARS characters, values of at most ``max_value_bytes``, and at
-    most MAX_WAITERS waiting requests. Every operation checks its arguments first; a bad one raises ValueError
-    (or TypeError, KeyError) and the server answers it as refused."""
+    most MAX_WAITERS waiting requests. Every operation checks its arguments (count, types, sizes) first; a bad
+    one raises ValueError (or TypeError) and the server answers it as refused: no request ends its thread."""
 
     def __init__(self, max_value_bytes: int):
         self.max_value_bytes = max_value_bytes
@@ -43,13 +43,14 @@ class StoreTable:
 
     def apply(self, peer: bytes, request_id: int, op: str, args: list, now: float) -> object:
         """The answer to one request, or PENDING when it waits for keys (``now`` is time.monotonic())."""
+        if op not in _ARITY:
+            raise ValueError(f"unknown store operation {op!r}")
+        if len(args) != _ARITY[op]:  # else args[i] raises IndexError, which would end the server's thread
+            raise ValueError(f"store {op} takes {_ARITY[op]} arguments, got {len(args)}")
         if op in ("get", "multi_get", "wait"):
             keys = _keys(args[0]) if op != "get" else (_key(args[0]),)
             return self._get_or_wait(Waiter(peer, request_id, op, keys, now + _int(args[1]) / 1000))
-        answer = _ANSWERS.get(op)
-        if answer is None:
-            raise ValueError(f"unknown store operation {op!r}")
-        return answer(self, args)
+        return _ANSWERS[op](self, args)
 
     # waiting requests ----------------------------------------------------------------------------------------------
     def next_deadline(self) -> float:
@@ -112,6 +113,8 @@ class StoreTable:
     def _add(self, args: list) -> int:
         key, amount = _key(args[0]), _int(args[1])
         value = int(self._data.get(key, b"0")) + amount
+        if not -(1 << 63) <= value < 1 << 63:  # TCPStore's counters are int64, and msgpack packs no larger
+            raise ValueError(f"store add {key!r}: {value} is outside the 64-bit range")
         self._put(key, str(value).encode())
         return value
 
@@ -147,6 +150,20 @@ _ANSWERS: dict[str, Callable[[StoreTable, list], object]] = {
     "delete_key": StoreTable._delete_key,
     "delete_keys": StoreTable._delete_keys,
     "num_keys": StoreTable._num_keys,
+}
+_ARITY = {  # how many arguments each operation takes: what StoreClient sends
+    "set": 2,
+    "multi_set": 2,
+    "append": 2,
+    "add": 2,
+    "compare_set": 3,
+    "check": 1,
+    "delete_key": 1,
+    "delete_keys": 1,
+    "num_keys": 0,
+    "get": 2,
+    "multi_get": 2,
+    "wait": 2,
 }
 
 
