@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysync.ray.placement import Placement, PlanError, assign, choose, format_plan, probe
+from raysync.ray.placement import Placement, PlanError, assign, check_groups, choose, format_plan, probe
 
 
 def at(node: str, gpu: str | None = None, *, host: str = "h1", ipc: bool = True, visible=("GPU-a", "GPU-b")):
@@ -106,3 +106,23 @@ def test_probe_reports_this_process_as_torch_sees_it():
     assert not me.ipc_ok or me.device == "cuda"  # the CUDA IPC probe passes only where there is CUDA
     if me.device == "cuda":
         assert all(me.peer_access[i][i] for i in range(gpus))  # a GPU reaches its own memory
+
+
+def test_a_group_with_two_ranks_on_one_gpu_is_refused_at_planning():
+    """NCCL refuses two ranks of one group on a GPU (issue 20): a plan that makes one is a PlanError naming
+    them, while the same placements over gloo (CPU), or on different GPUs, are fine."""
+    trainer, engine, other = at("n1", "GPU-a"), at("n1", "GPU-a"), at("n1", "GPU-b")
+    forced = [
+        choose(0, 0, trainer, engine, ALL, "collective"),
+        choose(0, 1, trainer, other, ALL, "collective"),
+    ]
+    with pytest.raises(PlanError, match=r"sender #0 and receiver #0 .* same GPU GPU-a"):
+        check_groups(forced, [trainer], [engine, other])
+    two_engines = [choose(0, j, at("n0", "GPU-a"), r, ALL) for j, r in enumerate([engine, at("n1", "GPU-a")])]
+    assert {p.transport for p in two_engines} == {"collective"}  # other nodes: one group for both
+    with pytest.raises(PlanError, match=r"receiver #0 and receiver #1"):
+        check_groups(two_engines, [at("n0", "GPU-a")], [engine, at("n1", "GPU-a")])
+    check_groups(forced[1:], [trainer], [engine, other])  # different GPUs
+    check_groups([choose(0, 0, trainer, engine, ALL)], [trainer], [engine])  # cuda_ipc: no group
+    cpu = [at("n1"), at("n1")]
+    check_groups([choose(0, 0, cpu[0], cpu[1], ALL, "collective")], cpu[:1], cpu[1:])  # gloo

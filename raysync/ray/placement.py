@@ -141,6 +141,31 @@ def choose(
     )
 
 
+def check_groups(
+    plans: Sequence[PairPlan], senders: Sequence[Placement], receivers: Sequence[Placement]
+) -> None:
+    """Each sender's collective pairs make one group: the sender and those receivers. NCCL refuses a group
+    with two ranks on one GPU, and says so only at the first push, from deep inside: refuse such a plan here,
+    naming the two ranks and the GPU (a forced collective, or sharded sources, between colocated actors)."""
+    groups: dict[int, list[int]] = {}
+    for p in plans:
+        if p.transport == "collective":
+            groups.setdefault(p.sender, []).append(p.receiver)
+    for i, js in groups.items():
+        seen: dict[str, str] = {}
+        for name, at in [(f"sender #{i}", senders[i])] + [(f"receiver #{j}", receivers[j]) for j in js]:
+            if at.device != "cuda" or not at.current_gpu:
+                continue  # gloo: any number of ranks per machine
+            key = f"{at.node_id}/{at.current_gpu}"
+            if key in seen:
+                raise PlanError(
+                    f"{seen[key]} and {name} would be two ranks of one NCCL group on the same GPU "
+                    f"{at.current_gpu} ({at.label()}), which NCCL refuses: give the pair another transport "
+                    f"(same GPU: cuda_ipc) or put the actors on different GPUs"
+                )
+            seen[key] = name
+
+
 def assign(senders: Sequence[Placement], receivers: Sequence[Placement]) -> list[tuple[int, int]]:
     """Which sender serves each receiver: the one on the same GPU, else on the same node, else sender 0.
     One sender gives the disaggregated topology; one per GPU the colocated one; mixed placements mix both."""
