@@ -177,7 +177,7 @@ def resize_case(victim: Victim, k: int) -> dict:
         with WeightReceiver(victim.conn.recv(), victim.secret, CONFIG) as receiver:
             for version in (1, 2, 3):
                 if version == 2:
-                    _try_after(receiver._ring, "after_unpack", k, victim.proc.pid, tried)
+                    _try_after(receiver.ring, "after_unpack", k, victim.proc.pid, tried)
                 dest = _dest()
                 try:
                     exact &= _bit_exact(dest, receiver.receive(into=dest).version)
@@ -190,7 +190,7 @@ def resize_case(victim: Victim, k: int) -> dict:
     ) as sender:  # this process sends, and tries after packing bucket k
         victim.conn.send(sender.endpoint)
         sender.push(_source(1).items(), 1)
-        _try_after(sender._ring, "after_pack", k, victim.proc.pid, tried)
+        _try_after(sender.ring, "after_pack", k, victim.proc.pid, tried)
         try:
             for version in (2, 3):
                 sender.push(_source(version).items(), version)

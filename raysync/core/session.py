@@ -51,7 +51,19 @@ from raysync.transport.base import DataPlane
 logger = logging.getLogger(__name__)
 
 
-class PushSender:
+class OnPlane:
+    """Either half of a session: what tools and tests may look at of the data plane it runs on."""
+
+    _plane: object | None
+
+    @property
+    def ring(self) -> object | None:
+        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
+        the exported or mapped storages); None before the first push."""
+        return self._plane.transport if self._plane is not None else None
+
+
+class PushSender(OnPlane):
     """The sender's half of a session over ``channel`` (bound; the receiver connects to it), or over a Fanout
     to several receivers. ``plane``: the data plane, when the transport made it before the session (a
     collective group); else the session makes the one ``config`` names once the receiver is there."""
@@ -65,14 +77,6 @@ class PushSender:
         self._push_id = 0
         self._stream: SenderStream | None = None  # made with the plane
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
-
-    @property
-    def ring(self) -> object | None:
-        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
-        the exported or mapped storages); None before the first push."""
-        return self._plane.transport if self._plane is not None else None
-
-    _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
     @property
     def packed_buckets(self) -> int:

@@ -32,6 +32,7 @@ from raysync.core.errors import (
 )
 from raysync.core.plan import total_bytes
 from raysync.core.report import PushReport
+from raysync.core.session import OnPlane
 from raysync.core.sink import LoadFn, Sink
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import (
@@ -48,7 +49,7 @@ from raysync.transport.base import PlaneReader
 logger = logging.getLogger(__name__)
 
 
-class PushReceiver:
+class PushReceiver(OnPlane):
     """The receiver's half of a session over ``channel`` (connected to the sender's endpoint). ``plane``: the
     data plane, when the transport made it before the session (a collective group); else the one the sender
     describes is attached at the first receive."""
@@ -62,14 +63,6 @@ class PushReceiver:
         self._agreed = ReceiverLayout(config)  # the layout, its buckets, the sinks (raysync.core.agreement)
         self.version: Version = None  # what the destinations hold (Note [versions never lie])
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time here
-
-    @property
-    def ring(self) -> object | None:
-        """The transport's own object this session runs on (a ring: its ``buffers``, to inspect them; direct:
-        the exported or mapped storages); None before the first receive."""
-        return self._plane.transport if self._plane is not None else None
-
-    _ring = ring  # the name tests and benchmarks used before ``ring`` was public
 
     @property
     def names(self) -> tuple[str, ...]:
