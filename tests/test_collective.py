@@ -339,3 +339,17 @@ def test_the_store_answers_its_session_and_refuses_what_it_must():
 def test_the_rendezvous_never_listens_on_every_interface(host):
     with pytest.raises(EndpointError, match="every interface"):
         CollectiveSender(SessionSecret.generate(), CFG, host=host, num_receivers=1, backend="gloo")
+
+
+def test_the_store_table_refuses_malformed_requests_without_dying():
+    """Requests a key holder could send that once ended the store's thread (an IndexError on too few
+    arguments, an OverflowError past int64 while answering an add): refused, and the table goes on."""
+    from raysync.transport.rendezvous_table import StoreTable
+
+    table = StoreTable(1 << 10)
+    with pytest.raises(ValueError, match="takes 2 arguments, got 0"):
+        table.apply(b"p", 1, "set", [], 0.0)
+    assert table.apply(b"p", 2, "add", ["n", (1 << 63) - 1], 0.0) == (1 << 63) - 1
+    with pytest.raises(ValueError):
+        table.apply(b"p", 3, "add", ["n", 1], 0.0)
+    assert table.apply(b"p", 4, "add", ["n", 0], 0.0) == (1 << 63) - 1  # the refused add left it alone
