@@ -330,3 +330,113 @@ def test_a_tensor_parallel_engine_is_one_receiver_per_worker(ray_local, model_di
         assert [p.receiver for p in report.pairs] == [0, 1]
         assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected
         assert sync.versions() == [1, 1] and ray.get(host.weight_version.remote()) == 1
+
+
+# --- versions that cannot lie (Notes [an engine's version and its weights], [sleep, wake and the version]) --------
+def reload_from_checkpoint(host: VllmHost) -> None:
+    """vLLM's own reload, outside raysync: the engine loads its starting checkpoint again."""
+    host.llm.collective_rpc("reload_weights")
+    host.llm.reset_prefix_cache()
+
+
+def negate_final_norm(host: VllmHost) -> None:
+    """A write into one parameter through a collective_rpc of the user's own, outside raysync."""
+
+    def write(worker) -> None:
+        with torch.no_grad():
+            worker.model_runner.get_model().get_parameter(
+                "model.norm.weight"
+            ).neg_()  # greedy picks the least likely
+
+    host.llm.collective_rpc(write)
+    host.llm.reset_prefix_cache()
+
+
+def test_weights_changed_outside_raysync_leave_no_version_and_the_same_push_lands_again(
+    ray_local, model_dirs, no_leftovers, engines
+):
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=8)
+    host = engines(model_dirs[False], ONE_PROCESS)
+    start = ray.get(host.generate.remote(PROMPTS, TOKENS))
+    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+        ray.get(trainer.step.remote(1))
+        expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+        sync.push(1)
+        assert sync.versions() == [1] and sync.push(1).pairs[0].bytes == 0  # unchanged: skipped
+        for change in (reload_from_checkpoint, negate_final_norm):
+            ray.get(host.__ray_call__.remote(change))
+            got = ray.get(host.generate.remote(PROMPTS, TOKENS))
+            assert got != expected, change.__name__
+            if change is reload_from_checkpoint:
+                assert got == start  # the checkpoint's weights, not v1's
+            assert sync.versions() == [None] and ray.get(host.weight_version.remote()) is None
+            report = sync.push(1)  # the same version: applied, not skipped
+            assert report.pairs[0].bytes > 0, change.__name__
+            assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected, change.__name__
+            assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
+
+
+def sleep_and_wake(host: VllmHost, level: int) -> None:
+    from raysync.engines.vllm import sleep, wake_up
+
+    sleep(host.llm, level)
+    wake_up(host.llm)
+    assert not host.llm.llm_engine.is_sleeping()
+
+
+def sleep_only(host: VllmHost, level: int) -> None:
+    from raysync.engines.vllm import sleep
+
+    sleep(host.llm, level)
+
+
+def is_sleeping(host: VllmHost) -> bool:
+    return host.llm.llm_engine.is_sleeping()
+
+
+def test_sleep_level_1_keeps_the_version_and_level_2_forgets_it(ray_local, model_dirs, no_leftovers, engines):
+    """vLLM's CPU build accepts sleep and wake_up and leaves its workers' weights where they are (its workers
+    ignore both), so what is tested through the real engine is raysync's side: the version kept at level 1,
+    forgotten by raysync's sleep at level 2, and a push to a sleeping engine woken weights first."""
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=9)
+    host = engines(model_dirs[False], ONE_PROCESS)
+    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+        ray.get(trainer.step.remote(1))
+        expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+        sync.push(1)
+        ray.get(host.__ray_call__.remote(sleep_and_wake, 1))
+        assert sync.versions() == [1] and sync.push(1).pairs[0].bytes == 0
+        ray.get(host.__ray_call__.remote(sleep_and_wake, 2))
+        assert sync.versions() == [None]
+        assert sync.push(1).pairs[0].bytes > 0 and sync.versions() == [1]
+        ray.get(host.__ray_call__.remote(sleep_only, 2))  # a push reaches the engine while it sleeps
+        assert ray.get(host.__ray_call__.remote(is_sleeping)) and sync.versions() == [None]
+        assert sync.push(1).pairs[0].bytes > 0
+        assert not ray.get(host.__ray_call__.remote(is_sleeping))  # woken: weights, load, KV cache
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == expected and sync.versions() == [1]
+
+
+def test_a_weight_print_sees_writes_replaced_parameters_and_new_gemm_handles():
+    """Note [an engine's version and its weights], on a plain torch model standing in for vLLM's."""
+    from raysync.engines.vllm_model import WeightPrint
+
+    model = tiny_qwen2(seed=0)
+    weights = WeightPrint(model)
+    assert weights.matches(model)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1)  # small: sampled whole
+    assert not weights.matches(model)
+    weights = WeightPrint(model)
+    embed = model.model.embed_tokens.weight
+    with torch.no_grad():
+        embed.view(-1)[: embed.numel() // 64].zero_()  # the first sampled window of a large tensor
+    assert not weights.matches(model)
+    weights = WeightPrint(model)
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())  # same bytes
+    assert not weights.matches(model)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.cpu_linear = lambda x, weight, bias: x  # as vLLM's CPU backend keeps a packed weight
+    weights = WeightPrint(model)
+    assert weights.matches(model)
+    layer.cpu_linear = lambda x, weight, bias: x  # a reload makes a new handle
+    assert not weights.matches(model)

@@ -25,7 +25,10 @@ checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
 
 After a push the adapter resets the engine's prefix cache (cached KV blocks were computed with the old weights).
 An engine put to sleep (``llm.sleep()``, GPU only) is woken in vLLM's order: weights before the load, the KV
-cache after it.
+cache after it. An engine's version is only what its weights hold: a worker forgets it (None, and the next push
+is applied in full, never skipped) when its weights change outside raysync (a reload, a level-2 sleep): Notes
+[an engine's version and its weights] (in raysync.engines.vllm_model), [sleep, wake and the version]. Put an
+engine to sleep with ``sleep(llm, level)`` from this module, and wake it with ``wake_up(llm)``.
 
 This module never imports vllm itself: the driver can build a WeightSync without vLLM installed.
 
@@ -40,6 +43,7 @@ This module never imports vllm itself: the driver can build a WeightSync without
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,9 +52,16 @@ import torch
 from raysync.core.config import SyncConfig
 from raysync.core.errors import ReloadFailed, SchemaError, WeightsMixed
 from raysync.core.sink import LoadFn
-from raysync.core.version import MIXED, Version
+from raysync.core.version import MIXED, Version, is_version
 from raysync.core.wire import DTYPES, SessionSecret, TensorSpec
-from raysync.engines.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
+from raysync.engines.vllm_model import (
+    PushCheck,
+    Undo,
+    WeightPrint,
+    describe_engine,
+    follow_embedding,
+    tied_heads,
+)
 from raysync.ray import endpoint as ep
 from raysync.ray.placement import Placement
 from raysync.transport.collective import Rendezvous
@@ -69,19 +80,23 @@ _FUNCTIONS: dict[str, Callable] = {
 _TYPES: dict[str, type] = {c.__name__: c for c in (SyncConfig, SessionSecret, Rendezvous, Placement)}
 _SINK = "__raysync_sink__"  # stands for the driver's sink: the worker loads through vLLM instead
 
+logger = logging.getLogger(__name__)
+
 
 # --- the worker's loading path -----------------------------------------------------------------------------------
 _PARTIAL = "_raysync_partial"  # {sync_id: whether the session's SyncConfig selects part of the tensors}
 _RECEIVING = "_raysync_receiving"  # the sync_id of the receive running in this worker
 _CHECKED = "_raysync_checked"  # the last push layout checked against this worker's model, and what was wrong
+_PRINT = "_raysync_print"  # the WeightPrint of the weights the worker's version was applied to
+_FORGOTTEN = "_raysync_forgotten"  # the weights changed outside raysync since the last push that completed
 
 
 def engine_loader(worker: Any) -> LoadFn:
     """The sink of an engine worker: a load function over vLLM's own loading path, which checks each push
     against the engine's model before anything is touched (``check``, Note [checking a push before loading])."""
     partial = worker.__dict__.get(_PARTIAL, {}).get(worker.__dict__.get(_RECEIVING), False)
-    if ep.applied_version(worker) == MIXED:
-        partial = False  # a mix of two versions is repaired only by a push of every tensor
+    if ep.applied_version(worker) == MIXED or worker.__dict__.get(_FORGOTTEN):
+        partial = False  # a mix of two versions, or weights changed outside raysync: repaired by a full push
     check = PushCheck(worker.model_runner, partial, worker.__dict__.setdefault(_CHECKED, {}))
     if worker.device.type == "cpu":
         return StagedReload(worker.model_runner, check)
@@ -165,7 +180,12 @@ class WorkerExtension:
             args = args[rank]
         values = from_plain(args)
         self._raysync_note_session(name, values)
-        return {rank: to_plain(fn(self, *values))}
+        if name in ("receiver_receive", "receiver_version"):
+            check_weights(self)  # what the version says, and the skip, must be true of the weights now
+        result = fn(self, *values)
+        if name == "receiver_receive":
+            take_print(self)
+        return {rank: to_plain(result)}
 
     def _raysync_note_session(self, name: str, values: list) -> None:
         """Whether a session's pushes may be partial is in its SyncConfig (include/exclude), which only the
@@ -182,7 +202,47 @@ class WorkerExtension:
 
     def raysync_version(self) -> Version:
         """What this worker's weights hold: the last version applied completely, MIXED, or None."""
+        check_weights(self)
         return ep.applied_version(self)
+
+    def raysync_forget_version(self, why: str) -> None:
+        """The weights are about to be dropped or changed outside raysync (``why``): the worker's version
+        becomes None now, and the next push is applied in full (Note [an engine's version and its weights])."""
+        forget_version(self, why)
+
+
+# --- what the worker's version says about its weights (Note [an engine's version and its weights]) -----------------
+def take_print(worker: Any) -> None:
+    """After a receive: print the weights that the worker's version (if it names one) describes."""
+    if is_version(ep.applied_version(worker)):
+        worker.__dict__[_PRINT] = WeightPrint(worker.model_runner.get_model())
+        worker.__dict__[_FORGOTTEN] = False
+    else:
+        worker.__dict__.pop(_PRINT, None)
+
+
+def check_weights(worker: Any) -> None:
+    """Forget the worker's version if its weights no longer match the print taken when it was applied."""
+    weights = worker.__dict__.get(_PRINT)
+    if weights is not None and not weights.matches(worker.model_runner.get_model()):
+        forget_version(worker, "its weights changed outside raysync")
+
+
+def forget_version(worker: Any, why: str) -> None:
+    """Every session's receiver, and the worker, hold no version now; MIXED stays MIXED (also no version)."""
+    old = ep.applied_version(worker)
+    worker.__dict__.pop(_PRINT, None)
+    worker.__dict__[_FORGOTTEN] = True
+    if old == MIXED:
+        return
+    # raysync.ray.endpoint has no public way to say "these weights are no version": its state, set here
+    worker.__dict__[ep._APPLIED] = None
+    for side in ep._sessions(worker).values():
+        receiver = getattr(side, "receiver", None)
+        if receiver is not None and receiver.version != MIXED:
+            receiver.version = None
+    if old is not None:
+        logger.warning("vLLM worker %s no longer holds version %s: %s", worker.rank, old, why)
 
 
 def weight_version(llm: Any) -> Version:
@@ -193,6 +253,29 @@ def weight_version(llm: Any) -> Version:
     if None in versions:
         return None
     return versions.pop() if len(versions) == 1 else MIXED
+
+
+# --- sleep and wake, where raysync drives them (Note [sleep, wake and the version]) -------------------------------
+# Note [sleep, wake and the version]
+# vLLM's sleep(level=1) offloads the weights and wake_up puts the same bytes back: the version stays.
+# sleep(level=2) discards them: after wake_up the engine holds whatever the memory holds. ``sleep`` below makes
+# every worker forget its version before vLLM drops the weights (a failure in between leaves None, never a
+# stale version); a level-2 sleep called on the LLM directly is caught by the worker's print instead (Note [an
+# engine's version and its weights] in raysync.engines.vllm_model). Waking for a push goes weights first, then
+# the KV cache, after the load: the push's buffers and the KV cache are never resident at once. ``_on_engine``
+# does that for a push that reaches a sleeping engine, and ``wake_up`` for the user. vLLM's CPU build
+# accepts sleep and wake_up but ignores them in its workers (its weights are never dropped there).
+def sleep(llm: Any, level: int = 1) -> None:
+    """``llm.sleep(level)``, with the engine's version forgotten first where the level drops the weights."""
+    if level >= 2:
+        llm.collective_rpc("raysync_forget_version", args=(f"sleep(level={level}) discards the weights",))
+    llm.sleep(level=level)
+
+
+def wake_up(llm: Any) -> None:
+    """Wake the engine in the order a push needs: the weights, then the KV cache."""
+    llm.wake_up(tags=["weights"])
+    llm.wake_up(tags=["kv_cache"])
 
 
 # --- the driver's adapter ----------------------------------------------------------------------------------------
@@ -222,7 +305,7 @@ def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -
 
         args = [[ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()]]
     asleep = name == "receiver_receive" and llm.llm_engine.is_sleeping()
-    if asleep:
+    if asleep:  # Note [sleep, wake and the version]: the weights now, the KV cache after the load
         llm.wake_up(tags=["weights"])
     replies: dict[int, Any] = {}
     for reply in llm.collective_rpc("raysync_call", args=(name, args)):

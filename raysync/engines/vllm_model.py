@@ -8,10 +8,13 @@ them, so it is importable without vllm):
     tied      tied_heads / follow_embedding: an output head that is the embedding is re-processed after a CPU
               reload (Note [tied output heads])
     undo      Undo: what a reload may change, put back if it fails part-way (Note [undoing a failed reload])
+    print     WeightPrint: a cheap fingerprint of the weights a version was applied to, to see whether anything
+              outside raysync changed them since (Note [an engine's version and its weights])
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from types import MethodType
 from typing import Any
@@ -288,3 +291,85 @@ class Undo:
         on_meta = [n for n, t in (*self._model.named_parameters(), *self._model.named_buffers()) if t.is_meta]
         if on_meta:
             raise RuntimeError(f"{len(on_meta)} tensor(s) still on the meta device: {on_meta[:5]}")
+
+
+# Note [an engine's version and its weights]
+# A worker's version says which push its weights hold, but vLLM can drop or change the weights without raysync:
+# sleep(level=2) discards them (they come back as whatever the memory holds), collective_rpc("reload_weights")
+# loads a checkpoint, a user's own collective_rpc writes into a parameter. So when a push leaves a version, the
+# worker records a WeightPrint of the weights, and before it says or uses its version (versions(), the skip
+# decision of the next push) it checks the print: a print that no longer matches makes the version None, and
+# the next push is applied (a full push), never skipped. The print is cheap enough for every such call:
+#   * every parameter's identity: name, data_ptr, shape, dtype (a parameter replaced or re-allocated);
+#   * SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes spread over each parameter, kept as bytes and compared
+#     exactly (a parameter of at most SAMPLE_WINDOWS * SAMPLE_BYTES bytes, a norm or a bias, whole);
+#   * on the CPU backend, the identity of each layer's GEMM handle (``cpu_linear``): there the linear weights
+#     live packed inside it (the Parameter left behind is empty), and every load or reload makes a new one.
+# It is a sample, not a digest of every byte: a change that misses every sampled window of every parameter
+# (a few elements written in place on GPU) goes unseen; a reload of a checkpoint, a sleep that dropped the
+# weights, or any reload on the CPU backend does not. Where raysync drives the change itself (sleep level 2
+# through raysync.engines.vllm.sleep), the worker forgets its version explicitly instead.
+SAMPLE_WINDOWS = 16
+SAMPLE_BYTES = 64
+_GEMM_HANDLES = ("cpu_linear",)  # module attributes that hold weights of their own (the CPU backend's)
+
+
+class WeightPrint:
+    """The fingerprint of ``model``'s weights (Note [an engine's version and its weights])."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._identity = _identity(model)
+        self._sample = _sample(model)
+        self._handles = [(name, _ref(h)) for name, h in _handles(model)]
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` still holds the weights this print was taken of."""
+        if _identity(model) != self._identity:
+            return False
+        handles = _handles(model)
+        if [n for n, _ in handles] != [n for n, _ in self._handles]:
+            return False
+        if any(ref() is not h for (_, ref), (_, h) in zip(self._handles, handles, strict=True)):
+            return False
+        return torch.equal(_sample(model), self._sample)
+
+
+def _identity(model: torch.nn.Module) -> list[tuple]:
+    return [(n, p.data_ptr(), tuple(p.shape), p.dtype, p.device) for n, p in model.named_parameters()]
+
+
+@torch.no_grad()
+def _sample(model: torch.nn.Module) -> torch.Tensor:
+    """The sampled bytes of every parameter, in one tensor on the CPU (one copy per device)."""
+    windows: dict[torch.device, list[torch.Tensor]] = {}
+    for _, p in model.named_parameters():
+        if p.numel() == 0 or p.is_meta:
+            continue
+        flat = (p.detach() if p.is_contiguous() else p.detach().contiguous()).reshape(-1).view(torch.uint8)
+        if flat.numel() <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+            windows.setdefault(flat.device, []).append(flat)
+            continue
+        step = (flat.numel() - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
+        windows.setdefault(flat.device, []).extend(
+            flat[k * step : k * step + SAMPLE_BYTES] for k in range(SAMPLE_WINDOWS)
+        )
+    parts = [torch.cat(ws).cpu() for ws in windows.values()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _handles(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [
+        (f"{name}.{attr}", module.__dict__[attr])
+        for name, module in model.named_modules()
+        for attr in _GEMM_HANDLES
+        if attr in module.__dict__
+    ]
+
+
+def _ref(handle: Any) -> Any:
+    """A weak reference where the handle takes one (a print must not keep old packed weights alive); a
+    builtin such as torch.nn.functional.linear takes none and holds no weights: held as it is."""
+    try:
+        return weakref.ref(handle)
+    except TypeError:
+        return lambda: handle
