@@ -11,16 +11,61 @@ pytest.importorskip("transformers")
 
 from actors import Engine, Trainer, breakable_source, engine_load  # noqa: E402
 
-from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
+from raysync import PushIncomplete, PushReport, RemoteError, SyncConfig, SyncError, WeightSync  # noqa: E402
 from raysync.core.version import MIXED  # noqa: E402
 from raysync.ray.coordinator import ActorGone, SyncClosed  # noqa: E402
 from raysync.ray.endpoint import applied_version  # noqa: E402
 from raysync.ray.placement import PlanError  # noqa: E402
+from raysync.ray.results import EndpointResult, RemoteFailure  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
 ACTOR = {"num_cpus": 0.25}
+REPORT = PushReport(version=3, transport="shm", bytes=1024, buckets=2, tensors=5, seconds=0.5)
 
 
+# --- what the actors answer the driver ----------------------------------------------------------------------------
+def test_an_endpoint_result_holds_a_report_or_a_failure_never_both_nor_neither():
+    failure = RemoteFailure("receive", "ValueError: bad", "Traceback ...")
+    assert EndpointResult(report=REPORT).ok and not EndpointResult(failure=failure).ok
+    for both_or_neither in ({"report": REPORT, "failure": failure}, {}):
+        with pytest.raises(ValueError, match="exactly one of them"):
+            EndpointResult(**both_or_neither)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        EndpointResult(report=REPORT, version=3),
+        EndpointResult(
+            failure=RemoteFailure("unpack bucket 1", "ValueError: bad", "Traceback ..."), version=MIXED
+        ),
+        EndpointResult(failure=RemoteFailure("session", "RuntimeError: no session", "")),
+    ],
+)
+def test_a_receive_result_comes_back_from_plain_values_as_it_was(result):
+    """What a receiver answers crosses vLLM's channel as plain values (Note [receive results as plain values])."""
+    plain = result.to_plain()
+    assert all(isinstance(v, (bool, int, str, dict, type(None))) for v in plain.values())
+    assert plain["ok"] is result.ok and (not result.ok or plain["report"]["skipped"] is False)
+    assert EndpointResult.from_plain(plain) == result
+
+
+def test_a_remote_failure_names_the_stage_and_the_cause_where_they_happened():
+    try:
+        raise ValueError("bad weights")
+    except ValueError as e:
+        own = RemoteFailure.of("receive", e)
+    assert (own.stage, own.error) == ("receive", "ValueError: bad weights")
+    assert "raise ValueError" in own.traceback
+    heard = RemoteFailure.of(
+        "push", RemoteError("receiver", "unpack bucket 2", "ValueError: bad", "Traceback (r)")
+    )
+    assert heard == RemoteFailure("unpack bucket 2", "ValueError: bad", "Traceback (r)")  # the peer's cause
+    stopped = RemoteFailure.of("push", PushIncomplete(3, "stream bucket 1", "the peer left", ["w"]))
+    assert stopped.stage == "stream bucket 1" and stopped.error.startswith("PushIncomplete: ")
+
+
+# --- WeightSync on Ray --------------------------------------------------------------------------------------------
 def test_trainer_to_two_engines_bit_exact(ray_local, no_leftovers):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]

@@ -2,29 +2,29 @@
 
 Each function takes the actor instance first (for a vLLM engine: the worker, see raysync.engines.vllm). The sessions of one WeightSync live in a dict on the actor
 (``_raysync_sessions[sync_id]``), so an actor restarted by Ray simply has none, and says so.
-Results are plain dicts: a failure carries its stage, message and traceback back to the driver.
+What they answer the driver is in raysync.ray.results: a failure carries its stage, message and traceback back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raysync.core.config import SyncConfig
-from raysync.core.errors import PushIncomplete, RemoteError
 from raysync.core.receiver import WeightReceiver
 from raysync.core.sender import WeightSender
 from raysync.core.source import select
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
 from raysync.ray.placement import Placement, probe
-from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
+from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
+from raysync.transport.collective import CollectiveReceiver, CollectiveSender
+from raysync.transport.process_group import Rendezvous
 from raysync.transport.sharded import ShardedReceiver, shares
 
 _STATE = "_raysync_sessions"
@@ -64,21 +64,8 @@ def _sessions(actor: Any) -> dict:
     return actor.__dict__.setdefault(_STATE, {})
 
 
-def _failure(stage: str, error: BaseException) -> dict:
-    if isinstance(error, RemoteError):
-        return {
-            "ok": False,
-            "stage": error.stage,
-            "error": error.message,
-            "traceback": error.remote_traceback,
-        }
-    stage = error.stage if isinstance(error, PushIncomplete) else stage
-    return {
-        "ok": False,
-        "stage": stage,
-        "error": f"{type(error).__name__}: {error}",
-        "traceback": "".join(traceback.format_exception(error)),
-    }
+def _failed(stage: str, error: BaseException, version: Version = None) -> EndpointResult:
+    return EndpointResult(failure=RemoteFailure.of(stage, error), version=version)
 
 
 def where(actor: Any, node: tuple[str, str] | None = None) -> Placement:
@@ -125,7 +112,7 @@ def sender_connect(
     secret: SessionSecret,
     endpoint: str | None,
     source: SourceFn,
-) -> tuple[str, int]:
+) -> SessionOpened:
     """(Re)open the session for one receiver; returns the endpoint it must connect to, and the bytes a push
     of the current source moves (for the driver's progress bar)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
@@ -134,7 +121,7 @@ def sender_connect(
         old.close()
     sender = WeightSender(secret, config, endpoint=endpoint)
     side.senders[receiver] = sender
-    return sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config))
+    return SessionOpened(sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config)))
 
 
 def collective_open(
@@ -146,7 +133,7 @@ def collective_open(
     secret: SessionSecret,
     source: SourceFn,
     share: tuple[int, int] | None = None,
-) -> tuple[Rendezvous, int]:
+) -> GroupOpened:
     """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order). ``share=(k, S)``:
     this sender broadcasts share k of S of the tensors (raysync.transport.sharded)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
@@ -156,21 +143,21 @@ def collective_open(
         config = dataclasses.replace(config, include=shares(source(actor), share[1], config)[share[0]])
     side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers))
     side.group_receivers = list(receivers)
-    return side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config))
+    return GroupOpened(side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config)))
 
 
 def collective_join(actor: Any, sync_id: str) -> None:
     _sessions(actor)[sync_id].group.join()  # returns when every rank has joined
 
 
-def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, dict]:
+def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, EndpointResult]:
     """Push ``version`` to every receiver of this sender at once: one thread per ring session, one for the
     broadcast group."""
     side = _sessions(actor).get(sync_id)
     in_group = [j for j in receivers if side is not None and j in side.group_receivers]
     if side is None or any(j not in side.senders and j not in in_group for j in receivers):
         lost = RuntimeError("this actor has no session for the receiver (restarted by Ray?)")
-        return {j: _failure("session", lost) for j in receivers}
+        return {j: _failed("session", lost) for j in receivers}
     try:
         named = list(side.source(actor))  # once, shared by all sessions (read-only)
     except Exception as e:
@@ -178,13 +165,13 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
             side.senders[j] for j in receivers if j in side.senders
         ]
         _abort_sessions(targets + ([side.group] if in_group else []), e)
-        return {j: _failure("source", e) for j in receivers}
+        return {j: _failed("source", e) for j in receivers}
 
-    def one(target: Any) -> dict:
+    def one(target: Any) -> EndpointResult:
         try:
-            return {"ok": True, "report": asdict(target.push(named, version))}
+            return EndpointResult(report=target.push(named, version))
         except Exception as e:
-            return _failure("push", e)
+            return _failed("push", e)
 
     jobs = {(j,): side.senders[j] for j in receivers if j in side.senders}
     if in_group:
@@ -247,20 +234,26 @@ def collective_connect(
     receiver.join()
 
 
-def receiver_receive(actor: Any, sync_id: str) -> dict:
+def receiver_receive(actor: Any, sync_id: str) -> dict[str, Any]:
+    """Receive one push; answers an EndpointResult as plain values (Note [receive results as plain values] in
+    raysync.ray.results)."""
+    return _receive(actor, sync_id).to_plain()
+
+
+def _receive(actor: Any, sync_id: str) -> EndpointResult:
     side = _sessions(actor).get(sync_id)
     if side is None:
-        return _failure("session", RuntimeError("this actor has no session (restarted by Ray?)"))
+        return _failed("session", RuntimeError("this actor has no session (restarted by Ray?)"))
     try:
         target = side.sink(actor)
         kind = {"load_fn": target} if callable(target) else {"into": target}
         report = side.receiver.receive(**kind)
         actor.__dict__[_APPLIED] = side.receiver.version
-        return {"ok": True, "report": asdict(report), "version": side.receiver.version}
+        return EndpointResult(report=report, version=side.receiver.version)
     except Exception as e:
         if side.receiver.version == MIXED:  # Note [versions never lie]: the engine's weights are no version
             actor.__dict__[_APPLIED] = MIXED
-        return {**_failure("receive", e), "version": side.receiver.version}
+        return _failed("receive", e, side.receiver.version)
 
 
 def applied_version(actor: Any) -> Version:

@@ -1,0 +1,145 @@
+"""One push round, across every pair of a WeightSync at once:
+
+    start    every sender's sender_push and every receiver endpoint's receiver_receive, all at once
+    collect  every answer, bounded by push_timeout_s, with a byte progress bar for long pushes
+    read     each EndpointResult: a PairReport per pair that went through, an EndpointFailure per endpoint
+             that did not, whose pairs are marked broken (reconnected, with the full weights, next push)
+    report   a SyncReport, or one SyncError naming every failed endpoint and the receivers left "mixed"
+
+A call of a push is not made again when Ray restarts its actor (a restarted actor has no session): the next push
+repairs its pairs (PairConnections.repair).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from raysync.core.errors import EndpointFailure, PeerTimeout, SyncError
+from raysync.core.version import MIXED
+from raysync.ray import endpoint as ep
+from raysync.ray.actors import Key, SyncActors, first_line
+from raysync.ray.connections import PairConnections
+from raysync.ray.report import PairReport, SyncReport
+from raysync.ray.results import EndpointResult, RemoteFailure
+
+
+class PushRound:
+    def __init__(
+        self,
+        actors: SyncActors,
+        connections: PairConnections,
+        version: int,
+        *,
+        timeout_s: float,
+        progress: bool,
+    ):
+        self.actors, self.connections, self.version = actors, connections, version
+        self._timeout_s, self._progress = timeout_s, progress
+        self._sent: dict[int, dict[int, EndpointResult]] = {}  # sender i -> its result for each receiver j
+        self._received: dict[int, EndpointResult] = {}  # receiver j -> its result
+        self._failures: list[EndpointFailure] = []
+
+    def run(self) -> SyncReport:
+        """Raises SyncError when any endpoint failed, PeerTimeout when the round outlasts push_timeout_s."""
+        started = time.perf_counter()
+        self._collect(self._start())
+        pairs = self._read_senders()
+        self._read_receivers()
+        if self._failures:
+            mixed = sorted(j for j, r in self._received.items() if r.version == MIXED)
+            raise SyncError(self.version, self._failures, mixed)
+        by_receiver = tuple(sorted(pairs, key=lambda p: p.receiver))
+        return SyncReport(self.version, time.perf_counter() - started, by_receiver)
+
+    def _start(self) -> dict[Any, Key]:
+        """Every call of the round, made: ObjectRef -> who answers it."""
+        sync_id, receivers_of = self.connections.sync_id, self._receivers_of_senders()
+        calls = self.actors.on_senders(
+            ep.sender_push, {i: (sync_id, self.version, js) for i, js in receivers_of.items()}
+        )
+        calls |= self.actors.on_receivers(
+            ep.receiver_receive, {j: (sync_id,) for js in receivers_of.values() for j in js}
+        )
+        return {make(): key for key, make in calls.items()}
+
+    def _receivers_of_senders(self) -> dict[int, list[int]]:
+        receivers_of: dict[int, list[int]] = {}
+        for p in self.connections.plan:
+            receivers_of.setdefault(p.sender, []).append(p.receiver)
+        return receivers_of
+
+    def _collect(self, refs: dict[Any, Key]) -> None:
+        import ray
+
+        pending = list(refs)
+        deadline = time.monotonic() + self._timeout_s
+        bar = tqdm(
+            total=sum(self.connections.push_bytes.values()),
+            unit="B",
+            unit_scale=True,
+            delay=1.0,
+            desc=f"push v{self.version}",
+            disable=not self._progress,
+            leave=False,
+        )
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._time_out([refs[ref] for ref in pending])
+                done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+                for ref in done:
+                    try:
+                        answer = ray.get(ref)
+                    except ray.exceptions.RayError as e:  # the actor died, or Ray could not run the call
+                        self._lost(refs[ref], e)
+                    else:
+                        self._take(refs[ref], answer, bar)
+        finally:
+            bar.close()
+
+    def _take(self, key: Key, answer: Any, bar: tqdm) -> None:
+        role, index = key
+        if role == "sender":  # a sender answers when all of its pairs are done
+            self._sent[index] = answer
+            bar.update(sum(b for (i, _), b in self.connections.push_bytes.items() if i == index))
+        else:  # Note [receive results as plain values] in raysync.ray.results
+            for j, plain in self.actors.by_receiver(index, answer).items():
+                self._received[j] = EndpointResult.from_plain(plain)
+
+    def _lost(self, key: Key, error: Exception) -> None:
+        """Ray gave no answer for ``key``: every pair of that endpoint is repaired before the next push."""
+        name = self.actors.label(key)
+        self._failures.append(EndpointFailure(name, f"push v{self.version}", first_line(error), str(error)))
+        self.connections.mark_broken(self.connections.pairs_of(key))
+
+    def _time_out(self, keys: list[Key]) -> None:
+        for key in keys:  # whatever they were doing, their sessions are suspect now
+            self.connections.mark_broken(self.connections.pairs_of(key))
+        names = ", ".join(self.actors.label(key) for key in keys)
+        raise PeerTimeout(names, f"push v{self.version}", self._timeout_s)
+
+    def _read_senders(self) -> list[PairReport]:
+        pairs = []
+        for i, by_receiver in self._sent.items():
+            for j, r in by_receiver.items():
+                if r.failure is not None:
+                    at = self.actors.sender_at[i].label()
+                    self._failed(f"sender #{i} ({at}) (pushing to receiver #{j})", r.failure)
+                    self.connections.mark_broken({(i, j)})
+                elif r.report is not None:
+                    transport = self.connections.transport_of((i, j))
+                    pairs.append(PairReport(i, j, transport, r.report.bytes, r.report.seconds))
+        return pairs
+
+    def _read_receivers(self) -> None:
+        for j, r in self._received.items():
+            if r.failure is not None:
+                self._failed(f"receiver #{j} ({self.actors.receiver_at[j].label()})", r.failure)
+                self.connections.mark_broken(self.connections.pairs_to(j))
+
+    def _failed(self, endpoint: str, failure: RemoteFailure) -> None:
+        self._failures.append(EndpointFailure(endpoint, failure.stage, failure.error, failure.traceback))
