@@ -17,7 +17,7 @@ from raysync.core.config import SyncConfig
 from raysync.core.wire import SessionSecret
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
-from raysync.ray.placement import PairPlan, Placement, assign, choose, format_plan
+from raysync.ray.placement import PairPlan, Placement, assign, check_groups, choose, format_plan
 from raysync.ray.results import GroupOpened, SessionOpened
 from raysync.transport import registry
 
@@ -68,6 +68,7 @@ class PairConnections:
         if self._shard:
             pairs = [(i, j) for i in range(len(senders)) for j in range(len(receivers))]
         self.plan[:] = [self._choose(i, j) for i, j in pairs]
+        check_groups(self.plan, senders, receivers)  # before any group is made: NCCL's error comes too late
         self._connect({(p.sender, p.receiver) for p in self.plan})
 
     def transport_of(self, pair: Pair) -> str:
@@ -99,6 +100,7 @@ class PairConnections:
             if (p.sender, p.receiver) in broken:
                 self.plan[k] = self._choose(p.sender, p.receiver)
                 logger.info("re-planned pair #%d -> #%d: %s", p.sender, p.receiver, self.plan[k].transport)
+        check_groups(self.plan, self.actors.sender_at, self.actors.receiver_at)
         self._connect(broken)
         self.broken -= broken
 
