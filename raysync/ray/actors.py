@@ -26,9 +26,18 @@ Calls = dict[Key, Callable[[], Any]]  # calling one makes the Ray call and retur
 
 
 class SyncActors:
-    def __init__(self, senders: Sequence[Any], receivers: Sequence[Any]):
+    def __init__(
+        self,
+        senders: Sequence[Any],
+        receivers: Sequence[Any],
+        source: Callable | None = None,
+        sink: Callable | None = None,
+    ):
+        """``source`` / ``sink``: how an actor's tensors are found, so that each endpoint reports where they are
+        (endpoint.where), not only which GPUs its process sees."""
         if not senders or not receivers:
             raise ValueError("WeightSync needs at least one sender and one receiver")
+        self._source, self._sink = source, sink
         self.senders = list(senders)
         self.receivers = [ep.as_endpoint(r) for r in receivers]  # each serves one or more receivers (slots)
         self.sender_at: list[Placement] = []  # updated in place: a Plan prints from these lists
@@ -38,8 +47,8 @@ class SyncActors:
     # --- where they run ------------------------------------------------------------------------------------------
     def locate(self, timeout_s: float) -> None:
         """Every endpoint reports its placement from inside its process; receivers are numbered from them."""
-        calls = self.on_senders(ep.where, {i: () for i in range(len(self.senders))})
-        calls |= {("receiver", e): lambda r=r: r.call(ep.where) for e, r in enumerate(self.receivers)}
+        calls = self.on_senders(ep.where, {i: (None, self._source) for i in range(len(self.senders))})
+        calls |= {("receiver", e): lambda r=r: self._where(r) for e, r in enumerate(self.receivers)}
         placements = self.get(calls, "placement", timeout_s)
         self.sender_at[:] = placements[: len(self.senders)]
         for e, by_slot in enumerate(placements[len(self.senders) :]):
@@ -50,9 +59,9 @@ class SyncActors:
     def relocate(self, pairs: set[tuple[int, int]], timeout_s: float) -> None:
         """Probe again the endpoints of ``pairs``: Ray may have restarted them, maybe elsewhere (``ask`` waits for
         the restart)."""
-        calls = self.on_senders(ep.where, {i: () for i, _ in sorted(pairs)})
+        calls = self.on_senders(ep.where, {i: (None, self._source) for i, _ in sorted(pairs)})
         calls |= {
-            ("receiver", e): lambda r=self.receivers[e]: r.call(ep.where)
+            ("receiver", e): lambda r=self.receivers[e]: self._where(r)
             for e in {self.slots[j][0] for _, j in pairs}
         }
         placements = self.get(calls, "placement of the endpoints of the last failed push", timeout_s)
@@ -62,6 +71,13 @@ class SyncActors:
             else:
                 for j, p in self.by_receiver(index, at).items():
                     self.receiver_at[j] = p
+
+    def _where(self, endpoint: Any) -> Any:
+        """A plain actor reports where its sink's tensors are; an engine adapter (its own plain-value channel)
+        reports its workers' GPUs."""
+        if isinstance(endpoint, ep.ActorEndpoint):
+            return endpoint.call(ep.where, (None, self._sink))
+        return endpoint.call(ep.where)
 
     # --- calls ---------------------------------------------------------------------------------------------------
     def on_senders(self, fn: Callable, args: dict[int, tuple]) -> Calls:

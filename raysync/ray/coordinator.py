@@ -80,7 +80,7 @@ class WeightSync:
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
         ``shard_sources``: every sender broadcasts a disjoint share of the tensors to every receiver over its
         own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks)."""
-        self._actors = SyncActors(senders, receivers)
+        self._actors = SyncActors(senders, receivers, source, sink)
         self.senders, self.receivers = self._actors.senders, self._actors.receivers
         self.config = config or SyncConfig()
         self._sync_id = secrets.token_hex(8)

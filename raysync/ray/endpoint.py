@@ -8,7 +8,7 @@ What they answer the driver is in raysync.ray.results: a failure carries its sta
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,8 +68,27 @@ def _failed(stage: str, error: BaseException, version: Version = None) -> Endpoi
     return EndpointResult(failure=RemoteFailure.of(stage, error), version=version)
 
 
-def where(actor: Any, node: tuple[str, str] | None = None) -> Placement:
-    return probe(node)
+def where(actor: Any, node: tuple[str, str] | None = None, tensors: Callable | None = None) -> Placement:
+    """Where this endpoint runs. ``tensors``: its source or sink function; when the tensors it gives live in host
+    memory, the endpoint is a CPU one whatever GPUs its process sees (Ray leaves every GPU visible to an actor
+    that asked for none), so no pair plans CUDA IPC for CPU tensors."""
+    at = probe(node)
+    if tensors is not None and at.device == "cuda" and _on_host(tensors(actor)):
+        at = dataclasses.replace(
+            at, device="cpu", gpu_uuids=(), current_gpu=None, ipc_ok=False, peer_access=()
+        )
+    return at
+
+
+def _on_host(tensors: Any) -> bool:
+    """Whether a source's named tensors, or a sink's destinations, are in host memory (a load function: unknown,
+    taken as not)."""
+    if isinstance(tensors, Mapping):
+        tensors = tensors.items()
+    elif callable(tensors):
+        return False
+    first = next(iter(tensors), None)
+    return first is not None and first[1].device.type == "cpu"
 
 
 # --- how the driver reaches an endpoint ---------------------------------------------------------------------------
