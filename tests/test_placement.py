@@ -126,3 +126,5 @@ def test_a_group_with_two_ranks_on_one_gpu_is_refused_at_planning():
     check_groups([choose(0, 0, trainer, engine, ALL)], [trainer], [engine])  # cuda_ipc: no group
     cpu = [at("n1"), at("n1")]
     check_groups([choose(0, 0, cpu[0], cpu[1], ALL, "collective")], cpu[:1], cpu[1:])  # gloo
+    cpu_sender = [choose(0, j, at("n0"), r, ALL) for j, r in enumerate([engine, at("n1", "GPU-a")])]
+    check_groups(cpu_sender, [at("n0")], [engine, at("n1", "GPU-a")])  # host tensors: the group runs gloo

@@ -24,7 +24,7 @@ from raysync.core.wire import SessionSecret
 from raysync.ray.placement import Placement, probe
 from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
-from raysync.transport.process_group import Rendezvous
+from raysync.transport.process_group import Rendezvous, default_backend
 from raysync.transport.sharded import ShardedReceiver, shares
 
 _STATE = "_raysync_sessions"
@@ -160,7 +160,9 @@ def collective_open(
         side.group.close()
     if share is not None:
         config = dataclasses.replace(config, include=shares(source(actor), share[1], config)[share[0]])
-    side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers))
+    # NCCL for GPU tensors, gloo for host ones (placement.check_groups reads the sender's placement the same way)
+    backend = "gloo" if _on_host(source(actor)) else default_backend()
+    side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers), backend=backend)
     side.group_receivers = list(receivers)
     return GroupOpened(side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config)))
 

@@ -152,6 +152,8 @@ def check_groups(
         if p.transport == "collective":
             groups.setdefault(p.sender, []).append(p.receiver)
     for i, js in groups.items():
+        if senders[i].device != "cuda":
+            continue  # the sender's tensors are in host memory: its group runs gloo (endpoint.collective_open)
         seen: dict[str, str] = {}
         for name, at in [(f"sender #{i}", senders[i])] + [(f"receiver #{j}", receivers[j]) for j in js]:
             if at.device != "cuda" or not at.current_gpu:
