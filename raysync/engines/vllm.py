@@ -235,12 +235,7 @@ def forget_version(worker: Any, why: str) -> None:
     worker.__dict__[_FORGOTTEN] = True
     if old == MIXED:
         return
-    # raysync.ray.endpoint has no public way to say "these weights are no version": its state, set here
-    worker.__dict__[ep._APPLIED] = None
-    for side in ep._sessions(worker).values():
-        receiver = getattr(side, "receiver", None)
-        if receiver is not None and receiver.version != MIXED:
-            receiver.version = None
+    ep.forget_version(worker)
     if old is not None:
         logger.warning("vLLM worker %s no longer holds version %s: %s", worker.rank, old, why)
 

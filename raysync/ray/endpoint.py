@@ -297,3 +297,15 @@ def close(actor: Any, sync_id: str) -> None:
             side.group.close()
     elif isinstance(side, _ReceiverSide):
         side.receiver.close()
+
+
+def forget_version(actor: Any) -> None:
+    """The weights of this endpoint were changed outside raysync (a reload, a write, a level-2 sleep): they hold
+    no version now, for the actor and for every session's receiver (Note [versions never lie]); MIXED stays
+    MIXED, which is no version either. The next push of any version is applied in full, never skipped."""
+    if actor.__dict__.get(_APPLIED) != MIXED:
+        actor.__dict__[_APPLIED] = None
+    for side in _sessions(actor).values():
+        receiver = getattr(side, "receiver", None)
+        if receiver is not None and receiver.version != MIXED:
+            receiver.version = None
