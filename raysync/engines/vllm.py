@@ -34,8 +34,9 @@ This module never imports vllm itself: the driver can build a WeightSync without
 
 # Note [what crosses vLLM's channel]
 # collective_rpc arguments and results travel through vLLM's own serialization between its processes, which
-# carries plain values (dicts, lists, str, bytes, numbers). Configs, secrets, rendezvous points and placements
-# become dicts tagged with a type name from an allowlist and are rebuilt on the other side; no callable
+# carries plain values (dicts, lists, str, bytes, numbers). Configs, secrets, rendezvous points, placements and
+# the receivers' answers (EndpointResult, with its PushReport or RemoteFailure) become dicts tagged with a type
+# name from an allowlist and are rebuilt on the other side; no callable
 # crosses: the driver's sink is replaced by the worker's own loader, and only allowlisted endpoint functions
 # can be named.
 """
@@ -51,6 +52,7 @@ import torch
 
 from raysync.core.config import SyncConfig
 from raysync.core.errors import ReloadFailed, SchemaError, WeightsMixed
+from raysync.core.report import PushReport
 from raysync.core.sink import LoadFn
 from raysync.core.version import MIXED, Version, is_version
 from raysync.core.wire import DTYPES, SessionSecret, TensorSpec
@@ -64,6 +66,7 @@ from raysync.engines.vllm_model import (
 )
 from raysync.ray import endpoint as ep
 from raysync.ray.placement import Placement
+from raysync.ray.results import EndpointResult, RemoteFailure
 from raysync.transport.collective import Rendezvous
 
 _FUNCTIONS: dict[str, Callable] = {
@@ -77,7 +80,10 @@ _FUNCTIONS: dict[str, Callable] = {
         ep.close,
     )
 }
-_TYPES: dict[str, type] = {c.__name__: c for c in (SyncConfig, SessionSecret, Rendezvous, Placement)}
+_TYPES: dict[str, type] = {
+    c.__name__: c
+    for c in (SyncConfig, SessionSecret, Rendezvous, Placement, EndpointResult, PushReport, RemoteFailure)
+}
 _SINK = "__raysync_sink__"  # stands for the driver's sink: the worker loads through vLLM instead
 
 logger = logging.getLogger(__name__)
@@ -308,7 +314,7 @@ def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -
     if name == "receiver_receive":
         if asleep:
             llm.wake_up(tags=["kv_cache"])
-        if any(r["ok"] and not r["report"]["skipped"] for r in replies.values()):
+        if any(r.ok and not r.report.skipped for r in replies.values()):
             llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
     return replies
 

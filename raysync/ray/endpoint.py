@@ -255,10 +255,10 @@ def collective_connect(
     receiver.join()
 
 
-def receiver_receive(actor: Any, sync_id: str) -> dict[str, Any]:
-    """Receive one push; answers an EndpointResult as plain values (Note [receive results as plain values] in
-    raysync.ray.results)."""
-    return _receive(actor, sync_id).to_plain()
+def receiver_receive(actor: Any, sync_id: str) -> EndpointResult:
+    """Receive one push (inside a vLLM worker the answer crosses vLLM's channel as plain values, rebuilt on the
+    driver's side: Note [what crosses vLLM's channel] in raysync.engines.vllm)."""
+    return _receive(actor, sync_id)
 
 
 def _receive(actor: Any, sync_id: str) -> EndpointResult:

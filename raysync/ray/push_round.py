@@ -106,9 +106,9 @@ class PushRound:
         if role == "sender":  # a sender answers when all of its pairs are done
             self._sent[index] = answer
             bar.update(sum(b for (i, _), b in self.connections.push_bytes.items() if i == index))
-        else:  # Note [receive results as plain values] in raysync.ray.results
-            for j, plain in self.actors.by_receiver(index, answer).items():
-                self._received[j] = EndpointResult.from_plain(plain)
+        else:
+            for j, result in self.actors.by_receiver(index, answer).items():
+                self._received[j] = result
 
     def _lost(self, key: Key, error: Exception) -> None:
         """Ray gave no answer for ``key``: every pair of that endpoint is repaired before the next push."""

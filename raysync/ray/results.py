@@ -4,23 +4,18 @@ of answer. Ray pickles them between its own processes; nothing here crosses a ra
     sender_connect   -> SessionOpened    the address its receiver connects to, the bytes a push moves
     collective_open  -> GroupOpened      the rendezvous of its broadcast group, the bytes a push moves
     sender_push      -> {receiver j: EndpointResult}
-    receiver_receive -> EndpointResult, as plain values (EndpointResult.to_plain; see below)
+    receiver_receive -> EndpointResult
 
 An EndpointResult holds a PushReport, or the RemoteFailure that stopped that endpoint (stage, message, remote
-traceback), never both; a receiver's also says which version its weights hold after the round.
-
-# Note [receive results as plain values]
-# receiver_receive also runs inside vLLM engine workers, whose channel carries plain values only and whose
-# adapter reads the answer's "ok" and "report"/"skipped" keys (Note [what crosses vLLM's channel] in
-# raysync.engines.vllm). So a receiver answers ``EndpointResult.to_plain()``, and the driver reads it back with
-# ``EndpointResult.from_plain`` as soon as it arrives; past that point the driver only sees the dataclass.
+traceback), never both; a receiver's also says which version its weights hold after the round. Inside vLLM
+engine workers they cross vLLM's channel as plain values and are rebuilt on the other side (an allowlist of
+these types: Note [what crosses vLLM's channel] in raysync.engines.vllm).
 """
 
 from __future__ import annotations
 
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from raysync.core.errors import PushIncomplete, RemoteError
 from raysync.core.report import PushReport
@@ -85,22 +80,3 @@ class EndpointResult:
     @property
     def ok(self) -> bool:
         return self.failure is None
-
-    def to_plain(self) -> dict[str, Any]:
-        """Plain values for a channel that carries no classes (Note [receive results as plain values])."""
-        return {
-            "ok": self.ok,
-            "report": asdict(self.report) if self.report is not None else None,
-            "failure": asdict(self.failure) if self.failure is not None else None,
-            "version": self.version,
-        }
-
-    @classmethod
-    def from_plain(cls, plain: dict[str, Any]) -> EndpointResult:
-        """The inverse of ``to_plain``."""
-        report, failure = plain["report"], plain["failure"]
-        return cls(
-            report=PushReport(**report) if report is not None else None,
-            failure=RemoteFailure(**failure) if failure is not None else None,
-            version=plain["version"],
-        )
