@@ -237,7 +237,7 @@ class ReceiverStream:
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
                 stage = f"wait for {named}/{count}"
-                parts = list(zip([buckets[k] for k in batch], self._plane.receive(batch, pid), strict=True))
+                parts = list(zip([buckets[k] for k in batch], self._plane.read(batch, pid), strict=True))
                 stage = f"unpack {named}/{count}"
                 if batch[0] == 0 and not staging:
                     self._touching(sink)

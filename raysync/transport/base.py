@@ -95,9 +95,7 @@ class PlaneReader(Protocol):
 
     def batches(self, buckets: int) -> Iterable[list[int]]: ...  # bucket indices unpacked together
 
-    def receive(
-        self, batch: list[int], push_id: int
-    ) -> list[torch.Tensor]: ...  # the batch's bytes, once there
+    def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]: ...  # the batch's bytes, once there
 
     def release(self, batch: list[int], push_id: int) -> None: ...  # done reading them
 

@@ -40,7 +40,6 @@ from raysync.core.control import ReceiverChannel, SenderChannel
 from raysync.core.errors import RaysyncError, SchemaError
 from raysync.core.fanout import Fanout
 from raysync.core.plan import Bucket, plan_buckets
-from raysync.core.report import PushReport
 from raysync.core.session import PushSender
 from raysync.core.session_receiver import PushReceiver
 from raysync.core.source import SourceTensor
@@ -86,6 +85,10 @@ class BroadcastPlane:
         self._sizes = [b.nbytes for b in buckets]
 
     def claim(self, k: int) -> torch.Tensor:
+        if (
+            self.transport.pg is None
+        ):  # the first claim of a push (packed ahead): the receivers hear it at once
+            raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
         slot = k % self.slots
         self.transport.wait(self._works[slot], f"broadcast bucket {k - self.slots}", block=False)
         self._works[slot] = []
@@ -156,7 +159,7 @@ class BroadcastReader:
         buffer = self.buffers[k % self.slots]
         self._works[k] = self.transport.broadcast([buffer[:size]]) if size else []
 
-    def receive(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
+    def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
         (k,) = batch
         last = k == len(self._buckets) - 1
         self.transport.wait(self._works.pop(k), f"broadcast bucket {k}/{len(self._buckets)}", block=last)
@@ -249,11 +252,6 @@ class CollectiveSender(PushSender):
         """The torch process group (for benchmarks' floors); None before join and after an abort."""
         return self._group.pg
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
-        if self._group.pg is None:
-            raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
-        return super().push(named_tensors, version)
-
     def close(self) -> None:
         try:
             super().close()
@@ -290,11 +288,6 @@ class CollectiveReceiver(PushReceiver):
         """Returns when every rank of the group has joined (all must call it at the same time)."""
         self._group.join(timeout_s)
         self._given_plane = BroadcastReader(self._group, _buffers(self.config, self._group.device))
-
-    def receiving(self, **kwargs):  # noqa: ANN003, ANN201 -- PushReceiver.receiving's
-        if self._group.pg is None:  # the sender knows too: it pushes nothing, so do not wait for it
-            raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
-        return super().receiving(**kwargs)
 
     @property
     def device(self) -> torch.device | None:

@@ -184,7 +184,7 @@ class CudaIpcDirectReceiver:
     def batches(self, buckets: int) -> Iterable[list[int]]:
         return [list(range(buckets))] if buckets else []  # every storage at once: one CopyList per push
 
-    def receive(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
+    def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
         if batch[0] == 0:  # on this GPU's stream: the sender's tensors are ready
             torch.cuda.current_stream(self.device).wait_event(self._ready)
         return self.buffers[batch[0] : batch[-1] + 1]  # batches are runs of consecutive buckets

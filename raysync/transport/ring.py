@@ -2,7 +2,7 @@
 
     sender    claim(k): wait for BucketFreed of bucket k - S, then before_pack(k % S) -> pack -> packed(k)
               -> publish(k): BucketReady(k, k % S)
-    receiver  receive(k): wait for BucketReady(k, k % S), then before_unpack -> unpack -> release(k):
+    receiver  read(k): wait for BucketReady(k, k % S), then before_unpack -> unpack -> release(k):
               after_unpack + BucketFreed(k, k % S)
 
 S is the ring's number of buffers. A ring may have N readers (fan-out, shm only so far): bucket k is packed
@@ -148,7 +148,7 @@ class RingReader:
         self._buckets = buckets
         return ([k] for k in range(buckets))  # each bucket as it arrives: the sender packs the next meanwhile
 
-    def receive(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
+    def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
         return [self._receive(k, push_id) for k in batch]
 
     def _receive(self, k: int, push_id: int) -> torch.Tensor:
