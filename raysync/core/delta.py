@@ -1,0 +1,371 @@
+"""Delta pushes (issue 24): one bucket's tensors encoded as the elements whose bits changed since the version the
+receiver holds, and decoded by a scatter into the receiver's tensors, in place. Pure functions of tensors; the
+session plugs them into its pack and unpack stages (Note [delta pushes]).
+
+    encode(pairs, out, base_version=v)  ->  BucketCode   (pairs: (reference of version v, new values) per chunk)
+    decode(buffer, destinations, held_version=v)  ->  BucketCode   (the destinations hold version v)
+
+# Note [delta pushes]
+# The encoding. A bucket buffer holds a header, a table of one row per chunk and the chunks' payloads:
+#
+#     0        32            32 + 32 k     (each payload at a multiple of 16)
+#     +--------+-------------+-------------+----------------------+----------+---
+#     | header | table       | payload 0   | payload 1            | (none)   | ...
+#     +--------+-------------+-------------+----------------------+----------+---
+#     header: int64 [MAGIC, base_version (-1: none), k chunks, bytes used (to the last payload's end)]
+#     row:    int64 [mode, numel, itemsize, entries]
+#     FULL payload: the new bytes, as a full push sends them
+#     SAME payload: nothing (no element changed)
+#     GAPS payload: int16 [entries] (gap - 1 - 32768), padded to 16 bytes, then the entries' new values
+#
+# An entry is an element index i_j and its new bits; gaps are i_j - i_{j-1} (i_{-1} = -1), each stored in 16
+# bits. A gap can never be longer than 65536 because every element at index 65535 mod 65536 is an entry,
+# changed or not (an unchanged one rewrites its own bits): 4 bytes per 65536 elements, no escape code, and the
+# decoder has one case. Indices are a running sum of gaps >= 1, so they increase strictly: duplicates cannot
+# be written down, and an index past the destination is refused (with every other check, for the whole
+# bucket) before anything is written. Comparisons are on the bits (int16 / int32 views), never on values:
+# NaN payloads, -0.0 and sign flips travel like any other change. Why gaps and not a bitmask with the values:
+# at the densities RL steps make (0.5-9%) gaps are smaller (4 bytes per change for bf16 against n/8 + 2 bytes
+# per change: equal at 6.25%) and faster to encode and decode on the CPU (benchmarks/bench_delta.py measures
+# both in the same run). The density rule, per chunk: FULL when the GAPS payload would not be smaller than the
+# full bytes, or the changed fraction is above ``max_density`` (the caller's break-even from the benchmark,
+# where encode + decode stops being faster than moving the full bytes on its transport).
+#
+# How it plugs into the push (next step; the session, sources and sinks are not touched yet):
+# * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
+#   layout, laid out as the buckets are (chunk views of it pair with the source's chunks). On the trainer's GPU
+#   when there is room for it (one more copy of the model in the wire dtype: 15 GB for a 7B model in bf16),
+#   else in registered (pinned) host memory; the plan says which. A host reference is read once per push over
+#   PCIe, as a full push over shm reads the model once, so the gain over shm needs the GPU one; over other
+#   nodes (the collective) both gain. A cast (fp32 master -> bf16) goes into a scratch bucket on the trainer's
+#   device first: encode compares the wire dtype's bits, which is what receivers hold.
+# * pack (sender, per bucket k): claim the buffer as today, then encode(pairs, buffer, base_version=ref_version)
+#   instead of the Packer's copies; the buffer must hold ``capacity`` bytes (the bucket plus 32 + 32 per chunk
+#   and padding: ring buffers in delta mode are made that much larger). Then the sender applies what it sent to
+#   its own reference with the same decode the receivers run, so the reference equals what every delta receiver
+#   holds, by construction. The reference's version is None from the first bucket of a push until the last one
+#   is applied to it; a push that fails between leaves None, and the next push is full for every receiver
+#   (a FULL chunk rewrites the reference too).
+# * plane: the bytes of a bucket are ``BucketCode.nbytes``, not the bucket's: the collective broadcasts only
+#   those (their count travels ahead, e.g. in BucketReady), the rings need nothing new.
+# * unpack (receiver): decode(buffer, destination chunk views, held_version=its version), before any write;
+#   the PushStart carries the base version and the receiver refuses a delta at accept (check_base) when it
+#   holds another version: None, MIXED, a failed push, sleep level 2, a restart. The sender then sends that
+#   receiver a full push in the same round: per pair on a ring; on a broadcast group, a full push for the
+#   whole group when any member needs one. Only into= sinks (destination tensors written in place) take
+#   deltas; a load function (vLLM's load_weights, which may fuse names) receives whole tensors, so a delta for
+#   it needs a receiver-side copy to decode into, or a name map to the engine's own parameters: not done.
+# * verify: digests of the result, not of the delta: the sender's from its reference after the apply, the
+#   receiver's from its destinations, as for a full push.
+# * report: per push, bytes sent as delta (SAME and GAPS payloads, headers, tables), bytes sent as full
+#   (FULL payloads), the bytes a full push would have sent, changed elements / elements (the density), and
+#   where the reference lives; all of them are BucketCode's fields, summed over buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from raysync.core.errors import LayoutError
+from raysync.core.version import Version, is_version
+
+MAGIC = int.from_bytes(b"rsdelta1", "little")
+HEADER_BYTES = 32
+ROW_BYTES = 32
+PAYLOAD_ALIGN = 16
+GAP_SPAN = 1 << 16  # the longest gap a 16-bit field holds (stored as gap - 1)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bits, never values
+
+
+class Mode(IntEnum):
+    FULL = 0
+    SAME = 1
+    GAPS = 2
+
+
+_MODES = {int(m) for m in Mode}
+
+
+class BadDelta(LayoutError):
+    """A delta bucket that cannot be applied as it is: refused before any byte of its bucket is written."""
+
+
+class BaseMismatch(BadDelta):
+    """A delta computed from one version offered to a receiver that holds another (or none, or a mix)."""
+
+
+@dataclass(frozen=True)
+class ChunkCode:
+    """How one chunk (a tensor or a slice of one) travels."""
+
+    mode: Mode
+    numel: int
+    itemsize: int
+    entries: int  # GAPS: indices with their values (changed, plus one per 65536 elements); else 0
+    changed: int | None  # elements whose bits changed (None on the receiver: the delta does not say)
+
+    @property
+    def full_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def payload_bytes(self) -> int:
+        if self.mode == Mode.FULL:
+            return self.full_bytes
+        if self.mode == Mode.SAME:
+            return 0
+        return gaps_bytes(self.entries, self.itemsize)
+
+
+@dataclass(frozen=True)
+class BucketCode:
+    """What encode wrote into a bucket buffer, or what decode found there: the report's fields."""
+
+    base_version: int | None
+    chunks: tuple[ChunkCode, ...]
+    nbytes: int  # bytes of the buffer used: header, table, payloads (what the plane moves)
+
+    @property
+    def full_bytes(self) -> int:  # what a full push moves for the same chunks
+        return sum(c.full_bytes for c in self.chunks)
+
+    @property
+    def sent_as_full(self) -> int:
+        return sum(c.payload_bytes for c in self.chunks if c.mode == Mode.FULL)
+
+    @property
+    def sent_as_delta(self) -> int:  # everything else: SAME and GAPS payloads, header, table, padding
+        return self.nbytes - self.sent_as_full
+
+    @property
+    def numel(self) -> int:
+        return sum(c.numel for c in self.chunks)
+
+    @property
+    def changed(self) -> int | None:
+        counts = [c.changed for c in self.chunks if c.changed is not None]
+        return sum(counts) if len(counts) == len(self.chunks) else None
+
+
+def gaps_bytes(entries: int, itemsize: int) -> int:
+    return _align(2 * entries) + entries * itemsize
+
+
+def capacity(chunks: Sequence[tuple[int, int]]) -> int:
+    """The most bytes encode can use for chunks of (numel, itemsize): a bucket buffer of this size never
+    overflows (every payload is at most its full bytes, by the density rule)."""
+    return _align(HEADER_BYTES + ROW_BYTES * len(chunks)) + sum(_align(n * s) for n, s in chunks)
+
+
+# --- the receiver's rule --------------------------------------------------------------------------------------
+def delta_applies(held: Version, base: Version) -> bool:
+    """True when a delta computed from ``base`` may be applied to destinations holding ``held``: both name
+    exactly one version (Note [versions never lie]: never None, never MIXED) and it is the same one."""
+    return is_version(held) and is_version(base) and held == base
+
+
+def check_base(held: Version, base: Version, sender: str = "the sender") -> None:
+    """Raise BaseMismatch unless ``delta_applies(held, base)``."""
+    if not delta_applies(held, base):
+        raise BaseMismatch(
+            f"{sender} sent a delta from version {base!r} to a receiver that holds version {held!r}: a delta "
+            f"applies only on top of exactly the version it was computed from; this receiver needs a full push"
+        )
+
+
+# --- encode -----------------------------------------------------------------------------------------------------
+def encode(
+    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    out: torch.Tensor,
+    *,
+    base_version: int | None,
+    max_density: float = 1.0,
+) -> BucketCode:
+    """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
+    bytes). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype and size; a
+    reference of None, or ``base_version`` None, sends that chunk FULL. The references are not modified (apply
+    the returned code to them with ``decode`` to advance them). One host sync per device of the chunks."""
+    _check_buffer(out, "out")
+    views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
+    for (old, new), (o, n) in zip(pairs, views, strict=True):
+        if o is not None and (old.dtype != new.dtype or o.numel() != n.numel() or o.device != n.device):
+            raise LayoutError(
+                f"reference {old.dtype}[{o.numel()}] on {o.device} and new values {new.dtype}[{n.numel()}] on "
+                f"{n.device}: a chunk's reference must have its dtype, size and device"
+            )
+    if base_version is not None and not is_version(base_version):
+        raise LayoutError(f"base_version={base_version!r}: an int version, or None for a full bucket")
+    masks = [o != n if o is not None and base_version is not None else None for o, n in views]
+    counts = _host_counts(masks)
+    codes = tuple(
+        _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
+    )
+    used = _layout_end(codes)
+    if used > out.numel():
+        raise LayoutError(
+            f"bucket buffer of {out.numel()} bytes, {used} needed: size delta buffers with "
+            f"raysync.core.delta.capacity (the bucket's bytes, plus header, table and padding)"
+        )
+    header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
+    rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
+    _write_words(out, header + [w for row in rows for w in row])
+    offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
+    for code, (_, new), mask in zip(codes, views, masks, strict=True):
+        _write_payload(code, new, mask, out[offset : offset + code.payload_bytes])
+        offset = _align(offset + code.payload_bytes)
+    return BucketCode(base_version, codes, used)
+
+
+def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_density: float) -> ChunkCode:
+    """The density rule: GAPS when it is smaller than the full bytes and dense enough to pay, else FULL."""
+    if counts is None:
+        return ChunkCode(Mode.FULL, numel, itemsize, 0, None)
+    changed, forced = counts
+    if changed == 0:
+        return ChunkCode(Mode.SAME, numel, itemsize, 0, 0)
+    entries = changed + forced
+    if changed > max_density * numel or gaps_bytes(entries, itemsize) >= numel * itemsize:
+        return ChunkCode(Mode.FULL, numel, itemsize, 0, changed)
+    return ChunkCode(Mode.GAPS, numel, itemsize, entries, changed)
+
+
+def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
+    """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
+    stats = [
+        None if m is None else torch.stack([m.sum(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).sum()]) for m in masks
+    ]
+    return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
+
+
+def _write_payload(
+    code: ChunkCode, new: torch.Tensor, mask: torch.Tensor | None, region: torch.Tensor
+) -> None:
+    if code.mode == Mode.FULL:
+        region.copy_(new.view(torch.uint8))
+    elif code.mode == Mode.GAPS:
+        assert mask is not None
+        mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
+        index = mask.nonzero().view(-1)
+        assert index.numel() == code.entries, "the mask changed between count and encode"
+        gaps = torch.diff(index, prepend=index.new_full((1,), -1)) - (1 + 32768)
+        split = _align(2 * code.entries)
+        region[: 2 * code.entries].view(torch.int16).copy_(gaps.to(torch.int16))
+        region[split:].view(new.dtype).copy_(new[index])
+
+
+# --- decode -----------------------------------------------------------------------------------------------------
+def decode(
+    buffer: torch.Tensor, destinations: Sequence[torch.Tensor], *, held_version: Version
+) -> BucketCode:
+    """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
+    order), in place. Everything is checked before the first write: the header, each row against its
+    destination, every payload within the bytes used, every index within its destination, and the base
+    version against ``held_version`` (BadDelta, BaseMismatch). One host sync per bucket, two with GAPS chunks."""
+    _check_buffer(buffer, "buffer")
+    dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
+    code = _read_table(buffer, dests)
+    if any(c.mode != Mode.FULL for c in code.chunks):
+        if code.base_version is None:
+            raise BadDelta("a delta bucket without a base version: only FULL chunks can come without one")
+        check_base(held_version, code.base_version)
+    offset, work = _align(HEADER_BYTES + ROW_BYTES * len(dests)), []
+    for i, (c, dest) in enumerate(zip(code.chunks, dests, strict=True)):
+        region = buffer[offset : offset + c.payload_bytes]
+        offset = _align(offset + c.payload_bytes)
+        if c.mode == Mode.GAPS:
+            gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device, torch.int64)
+            index = torch.cumsum(gaps + (1 + 32768), 0) - 1  # gaps >= 1: strictly increasing
+            values = region[_align(2 * c.entries) :].view(dest.dtype).to(dest.device)
+            work.append((i, dest, index, values))
+        elif c.mode == Mode.FULL:
+            work.append((i, dest, None, region))
+    gapped = [(i, dest.numel(), index[-1]) for i, dest, index, _ in work if index is not None]
+    lasts = _to_host([last for _, _, last in gapped])
+    for (i, numel, _), last in zip(gapped, lasts, strict=True):
+        if last >= numel:
+            raise BadDelta(f"chunk {i}: a delta writes element {last} of a destination of {numel} elements")
+    for _, dest, index, values in work:  # nothing was written before this loop
+        if index is None:
+            dest.view(torch.uint8).copy_(values)
+        else:
+            dest.index_copy_(0, index, values)
+    return code
+
+
+def _read_table(buffer: torch.Tensor, dests: list[torch.Tensor]) -> BucketCode:
+    k, end = len(dests), HEADER_BYTES + ROW_BYTES * len(dests)
+    if buffer.numel() < end:
+        raise BadDelta(
+            f"a buffer of {buffer.numel()} bytes cannot hold the table of {k} chunks ({end} bytes)"
+        )
+    words = buffer[:end].view(torch.int64).tolist()
+    magic, base, count, used = words[:4]
+    if magic != MAGIC or count != k:
+        raise BadDelta(f"not a delta bucket of {k} chunks (magic {magic:#x}, {count} chunks)")
+    if not 0 <= used <= buffer.numel():
+        raise BadDelta(f"a delta bucket of {used} bytes in a buffer of {buffer.numel()}")
+    chunks = []
+    for i, dest in enumerate(dests):
+        mode, numel, itemsize, entries = words[4 + 4 * i : 8 + 4 * i]
+        if mode not in _MODES or (numel, itemsize) != (dest.numel(), dest.element_size()):
+            raise BadDelta(
+                f"chunk {i}: mode {mode}, {numel} elements of {itemsize} bytes; the destination has "
+                f"{dest.numel()} of {dest.element_size()}"
+            )
+        if mode == Mode.GAPS and not 1 <= entries <= numel or mode != Mode.GAPS and entries != 0:
+            raise BadDelta(f"chunk {i}: {entries} entries for a {Mode(mode).name} chunk of {numel} elements")
+        chunks.append(ChunkCode(Mode(mode), numel, itemsize, entries, None))
+    code = BucketCode(None if base == -1 else base, tuple(chunks), used)
+    if _layout_end(code.chunks) != used:
+        raise BadDelta(f"the table says {_layout_end(code.chunks)} bytes, the header {used}")
+    return code
+
+
+# --- shared ---------------------------------------------------------------------------------------------------
+def _align(n: int) -> int:
+    return (n + PAYLOAD_ALIGN - 1) // PAYLOAD_ALIGN * PAYLOAD_ALIGN
+
+
+def _layout_end(chunks: Sequence[ChunkCode]) -> int:
+    """The exact end of the last payload (each payload starts at a multiple of 16; nothing pads the last), so a
+    count of entries off by any amount in the last chunk changes it."""
+    start = end = _align(HEADER_BYTES + ROW_BYTES * len(chunks))
+    for c in chunks:
+        start = _align(end)
+        end = start + c.payload_bytes
+    return end
+
+
+def _bits(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, flat, sharing its storage."""
+    if not t.is_contiguous() or t.element_size() not in _BITS or t.is_complex():
+        raise LayoutError(
+            f"{what}: {t.dtype} {tuple(t.shape)} is not a contiguous tensor of 1, 2, 4 or 8-byte elements"
+        )
+    return t.reshape(-1).view(_BITS[t.element_size()])
+
+
+def _check_buffer(buffer: torch.Tensor, what: str) -> None:
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise LayoutError(f"{what}: a 1-d contiguous uint8 tensor, not {buffer.dtype} {tuple(buffer.shape)}")
+    if buffer.storage_offset() % PAYLOAD_ALIGN:
+        raise LayoutError(
+            f"{what} starts at byte {buffer.storage_offset()} of its storage, not at a multiple of 16"
+        )
+
+
+def _write_words(out: torch.Tensor, words: list[int]) -> None:
+    out[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+
+
+def _to_host(tensors: Sequence[torch.Tensor | None]) -> list:
+    """Tensors of one shape as Python values (``tolist``), one host sync per device; None stays None."""
+    found: dict[int, object] = {}
+    for device in {t.device for t in tensors if t is not None}:
+        indices = [i for i, t in enumerate(tensors) if t is not None and t.device == device]
+        found.update(zip(indices, torch.stack([tensors[i] for i in indices]).tolist(), strict=True))
+    return [found.get(i) for i in range(len(tensors))]
