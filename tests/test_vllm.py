@@ -170,8 +170,10 @@ class MisfitPolicy(Policy):
             return [(n, t) for n, t in named if n != K_PROJ]
         return named
 
-    def keep(self) -> None:
-        self.kept = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+    def keep(self, seed: int | None = None) -> None:
+        """Keep the current weights, or those of ``tiny_qwen2(seed)`` (an engine's starting checkpoint)."""
+        model = self.model if seed is None else tiny_qwen2(seed)
+        self.kept = {n: t.detach().clone() for n, t in model.state_dict().items()}
 
     def greedy_mixed(
         self, prompts: list[list[int]], tokens: int, patterns: tuple[str, ...]
@@ -245,6 +247,30 @@ def test_a_partial_push_writes_whole_parameters_only(ray_local, model_dirs, no_l
     assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
         trainer.greedy_mixed.remote(PROMPTS, TOKENS, norms)
     )
+
+
+def test_a_partial_push_to_a_fresh_engine_names_no_version_until_every_weight_was_pushed(
+    ray_local, model_dirs, no_leftovers, engines
+):
+    """Note [a version over every weight]: the parameters a partial push leaves out of a fresh engine hold its
+    starting checkpoint, not the pushed version; the version counts once pushes have covered every parameter."""
+    trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=10)
+    host = engines(model_dirs[False], ONE_PROCESS)
+    ray.get(trainer.keep.remote(1))  # the engine's checkpoint (model_dirs: seed 1)
+    ray.get(trainer.step.remote(1))
+    norms = ("*layernorm.weight", "model.norm.weight")
+    with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
+        for _ in range(2):  # the same version again: applied again, not skipped (no version to compare)
+            assert sync.push(1).pairs[0].bytes > 0
+            assert sync.versions() == [None] and ray.get(host.weight_version.remote()) is None
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(
+            trainer.greedy_mixed.remote(PROMPTS, TOKENS, norms)  # the checkpoint with the pushed norms
+        )
+    with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, exclude=norms)) as sync:
+        assert sync.push(1).pairs[0].bytes > 0  # the rest: every parameter now holds version 1
+        assert sync.versions() == [1] and ray.get(host.weight_version.remote()) == 1
+        assert sync.push(1).pairs[0].bytes == 0  # the version it holds: skipped
+    assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
 
 
 # --- a reload that fails inside vLLM ------------------------------------------------------------------------------
@@ -419,7 +445,7 @@ def test_sleep_level_1_keeps_the_version_and_level_2_forgets_it(ray_local, model
 
 def test_a_weight_print_sees_writes_replaced_parameters_and_new_gemm_handles():
     """Note [an engine's version and its weights], on a plain torch model standing in for vLLM's."""
-    from raysync.engines.vllm_model import WeightPrint
+    from raysync.engines.vllm_version import WeightPrint
 
     model = tiny_qwen2(seed=0)
     weights = WeightPrint(model)

@@ -26,9 +26,11 @@ checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
 After a push the adapter resets the engine's prefix cache (cached KV blocks were computed with the old weights).
 An engine put to sleep (``llm.sleep()``, GPU only) is woken in vLLM's order: weights before the load, the KV
 cache after it. An engine's version is only what its weights hold: a worker forgets it (None, and the next push
-is applied in full, never skipped) when its weights change outside raysync (a reload, a level-2 sleep): Notes
-[an engine's version and its weights] (in raysync.engines.vllm_model), [sleep, wake and the version]. Put an
-engine to sleep with ``sleep(llm, level)`` from this module, and wake it with ``wake_up(llm)``.
+is applied in full, never skipped) when its weights change outside raysync (a reload, a level-2 sleep), and a
+partial push names no version until pushes have written every parameter of the engine (a fresh engine's other
+weights are its checkpoint's): Notes [an engine's version and its weights], [a version over every weight] (in
+raysync.engines.vllm_version), [sleep, wake and the version]. Put an engine to sleep with ``sleep(llm, level)``
+from this module, and wake it with ``wake_up(llm)``.
 
 This module never imports vllm itself: the driver can build a WeightSync without vLLM installed.
 
@@ -54,16 +56,10 @@ from raysync.core.config import SyncConfig
 from raysync.core.errors import ReloadFailed, SchemaError, WeightsMixed
 from raysync.core.report import PushReport
 from raysync.core.sink import LoadFn
-from raysync.core.version import MIXED, Version, is_version
+from raysync.core.version import MIXED, Version
 from raysync.core.wire import DTYPES, SessionSecret, TensorSpec
-from raysync.engines.vllm_model import (
-    PushCheck,
-    Undo,
-    WeightPrint,
-    describe_engine,
-    follow_embedding,
-    tied_heads,
-)
+from raysync.engines import vllm_version as versions
+from raysync.engines.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
 from raysync.ray import endpoint as ep
 from raysync.ray.placement import Placement
 from raysync.ray.results import EndpointResult, RemoteFailure
@@ -92,18 +88,17 @@ logger = logging.getLogger(__name__)
 # --- the worker's loading path -----------------------------------------------------------------------------------
 _PARTIAL = "_raysync_partial"  # {sync_id: whether the session's SyncConfig selects part of the tensors}
 _RECEIVING = "_raysync_receiving"  # the sync_id of the receive running in this worker
-_CHECKED = "_raysync_checked"  # the last push layout checked against this worker's model, and what was wrong
-_PRINT = "_raysync_print"  # the WeightPrint of the weights the worker's version was applied to
-_FORGOTTEN = "_raysync_forgotten"  # the weights changed outside raysync since the last push that completed
+_CHECKED = "_raysync_checked"  # the last push layout checked against this worker's model, and its Verdict
 
 
 def engine_loader(worker: Any) -> LoadFn:
     """The sink of an engine worker: a load function over vLLM's own loading path, which checks each push
     against the engine's model before anything is touched (``check``, Note [checking a push before loading])."""
     partial = worker.__dict__.get(_PARTIAL, {}).get(worker.__dict__.get(_RECEIVING), False)
-    if ep.applied_version(worker) == MIXED or worker.__dict__.get(_FORGOTTEN):
+    if ep.applied_version(worker) == MIXED or versions.forgotten(worker):
         partial = False  # a mix of two versions, or weights changed outside raysync: repaired by a full push
-    check = PushCheck(worker.model_runner, partial, worker.__dict__.setdefault(_CHECKED, {}))
+    cache = worker.__dict__.setdefault(_CHECKED, {})
+    check = PushCheck(worker.model_runner, partial, cache, versions.writing(worker))
     if worker.device.type == "cpu":
         return StagedReload(worker.model_runner, check)
     return DirectLoad(worker.model_runner.get_model(), check)
@@ -187,10 +182,16 @@ class WorkerExtension:
         values = from_plain(args)
         self._raysync_note_session(name, values)
         if name in ("receiver_receive", "receiver_version"):
-            check_weights(self)  # what the version says, and the skip, must be true of the weights now
+            versions.check_weights(
+                self
+            )  # what the version says, and the skip, must be true of the weights now
+        if name == "receiver_receive":
+            versions.begin_receive(self)
         result = fn(self, *values)
         if name == "receiver_receive":
-            take_print(self)
+            verdict = self.__dict__.get(_CHECKED, {}).get("verdict")
+            result = versions.note_receive(self, result, verdict.parameters if verdict else None)
+            versions.take_print(self)
         return {rank: to_plain(result)}
 
     def _raysync_note_session(self, name: str, values: list) -> None:
@@ -208,52 +209,23 @@ class WorkerExtension:
 
     def raysync_version(self) -> Version:
         """What this worker's weights hold: the last version applied completely, MIXED, or None."""
-        check_weights(self)
+        versions.check_weights(self)
         return ep.applied_version(self)
 
     def raysync_forget_version(self, why: str) -> None:
         """The weights are about to be dropped or changed outside raysync (``why``): the worker's version
         becomes None now, and the next push is applied in full (Note [an engine's version and its weights])."""
-        forget_version(self, why)
-
-
-# --- what the worker's version says about its weights (Note [an engine's version and its weights]) -----------------
-def take_print(worker: Any) -> None:
-    """After a receive: print the weights that the worker's version (if it names one) describes."""
-    if is_version(ep.applied_version(worker)):
-        worker.__dict__[_PRINT] = WeightPrint(worker.model_runner.get_model())
-        worker.__dict__[_FORGOTTEN] = False
-    else:
-        worker.__dict__.pop(_PRINT, None)
-
-
-def check_weights(worker: Any) -> None:
-    """Forget the worker's version if its weights no longer match the print taken when it was applied."""
-    weights = worker.__dict__.get(_PRINT)
-    if weights is not None and not weights.matches(worker.model_runner.get_model()):
-        forget_version(worker, "its weights changed outside raysync")
-
-
-def forget_version(worker: Any, why: str) -> None:
-    """Every session's receiver, and the worker, hold no version now; MIXED stays MIXED (also no version)."""
-    old = ep.applied_version(worker)
-    worker.__dict__.pop(_PRINT, None)
-    worker.__dict__[_FORGOTTEN] = True
-    if old == MIXED:
-        return
-    ep.forget_version(worker)
-    if old is not None:
-        logger.warning("vLLM worker %s no longer holds version %s: %s", worker.rank, old, why)
+        versions.forget_version(self, why)
 
 
 def weight_version(llm: Any) -> Version:
     """The engine's weight version (inside the process that holds ``llm``): None until every worker has applied
     a push; MIXED while any worker is MIXED or the workers hold different versions (the engine's tensor-parallel
     shards then come from several versions: Note [versions never lie] in raysync.core.version)."""
-    versions = set(llm.collective_rpc("raysync_version"))
-    if None in versions:
+    held = set(llm.collective_rpc("raysync_version"))
+    if None in held:
         return None
-    return versions.pop() if len(versions) == 1 else MIXED
+    return held.pop() if len(held) == 1 else MIXED
 
 
 # --- sleep and wake, where raysync drives them (Note [sleep, wake and the version]) -------------------------------
@@ -262,7 +234,7 @@ def weight_version(llm: Any) -> Version:
 # sleep(level=2) discards them: after wake_up the engine holds whatever the memory holds. ``sleep`` below makes
 # every worker forget its version before vLLM drops the weights (a failure in between leaves None, never a
 # stale version); a level-2 sleep called on the LLM directly is caught by the worker's print instead (Note [an
-# engine's version and its weights] in raysync.engines.vllm_model). Waking for a push goes weights first, then
+# engine's version and its weights] in raysync.engines.vllm_version). Waking for a push goes weights first, then
 # the KV cache, after the load: the push's buffers and the KV cache are never resident at once. ``_on_engine``
 # does that for a push that reaches a sleeping engine, and ``wake_up`` for the user. vLLM's CPU build
 # accepts sleep and wake_up but ignores them in its workers (its weights are never dropped there).

@@ -3,18 +3,16 @@
 Used inside vLLM workers by raysync.engines.vllm's loaders (imports vllm's internals inside the functions that need
 them, so it is importable without vllm):
 
-    check     PushCheck / refusals: a push runs through vLLM's own loader on a meta twin of the model first
+    check     PushCheck / check_push: a push runs through vLLM's own loader on a meta twin of the model first
               (Note [checking a push before loading]); a mismatch refuses it before a byte moves
     tied      tied_heads / follow_embedding: an output head that is the embedding is re-processed after a CPU
               reload (Note [tied output heads])
     undo      Undo: what a reload may change, put back if it fails part-way (Note [undoing a failed reload])
-    print     WeightPrint: a cheap fingerprint of the weights a version was applied to, to see whether anything
-              outside raysync changed them since (Note [an engine's version and its weights])
 """
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from collections.abc import Sequence
 from types import MethodType
 from typing import Any
@@ -41,31 +39,46 @@ from raysync.core.errors import LayoutError
 # tie_word_embeddings) is refused: the engine has no separate tensor for it.
 class PushCheck:
     """Checks a push's tensors against the engine's model (Note [checking a push before loading]); the verdict
-    for a layout is kept in ``cache`` (one per worker), so a push of the same layout costs a dict lookup."""
+    for a layout is kept in ``cache`` (one per worker), so a push of the same layout costs a dict lookup. The
+    engine parameters each checked push writes completely are added to ``written`` (Note [a version over
+    every weight], in raysync.engines.vllm_version)."""
 
-    def __init__(self, model_runner: Any, partial: bool, cache: dict):
+    def __init__(self, model_runner: Any, partial: bool, cache: dict, written: set[str] | None = None):
         self._runner, self._partial, self._cache = model_runner, partial, cache
+        self._written = written if written is not None else set()
 
     def __call__(self, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         key = (tuple(entries), self._partial)
         if self._cache.get("key") != key:
-            problems = refusals(self._runner.get_model(), list(entries), self._partial)
-            self._cache.update(key=key, problems=problems)
-        problems = self._cache["problems"]
-        if problems:
+            verdict = check_push(self._runner.get_model(), list(entries), self._partial)
+            self._cache.update(key=key, verdict=verdict)
+        verdict: Verdict = self._cache["verdict"]
+        if verdict.problems:
             raise LayoutError(
-                f"the push does not fit the engine's model {describe_engine(self._runner)}: {'; '.join(problems)}. "
-                f"Nothing was loaded: the engine keeps its weights. Give the trainer the engine's model (same "
-                f"architecture and config), cast with SyncConfig.cast_dtype, or leave tensors out with "
-                f"SyncConfig.include/exclude (a partial push)"
+                f"the push does not fit the engine's model {describe_engine(self._runner)}: "
+                f"{'; '.join(verdict.problems)}. Nothing was loaded: the engine keeps its weights. Give the "
+                f"trainer the engine's model (same architecture and config), cast with SyncConfig.cast_dtype, or "
+                f"leave tensors out with SyncConfig.include/exclude (a partial push)"
             )
+        self._written |= verdict.written
 
 
-def refusals(
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What vLLM's loader makes of a push: ``problems`` (one line per kind; empty when it would load), the engine
+    parameters it writes completely (``written``) out of all of them (``parameters``), by their engine names."""
+
+    problems: tuple[str, ...]
+    written: frozenset[str]
+    parameters: frozenset[str]
+
+
+def check_push(
     model: torch.nn.Module, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], partial: bool
-) -> list[str]:
-    """What vLLM's loader finds wrong with a push of ``entries`` (name, dtype, shape), one line per kind of
-    problem; empty when it would load. Runs on a meta twin of ``model``: nothing of the model is touched."""
+) -> Verdict:
+    """Runs a push of ``entries`` (name, dtype, shape) through vLLM's loader on a meta twin of ``model``: nothing
+    of the model is touched. A loader that needs real data cannot be checked ahead: a full push is then taken at
+    its word (every parameter written), a partial one as writing none."""
     twin = meta_twin(model)
     params = dict(twin.named_parameters())  # a tied parameter once, under its first name
     tied = {alias: first for alias, first in tied_names(model).items() if alias not in params}
@@ -100,15 +113,20 @@ def refusals(
         _listed("tensor(s) it does not take", refused),
         _listed("tensor(s) of a dtype it cannot take", dtypes),
     ]
+    complete = {p for p, t in params.items() if written.get(p, 0) >= t.numel()}
     if checkable:
         short = [
             f"{p} ({min(written.get(p, 0), t.numel())} of {t.numel()} elements)"
             for p, t in params.items()
-            if written.get(p, 0) < t.numel() and (written.get(p, 0) or not partial)
+            if p not in complete and (written.get(p, 0) or not partial)
         ]
         what = "touches but does not write completely" if partial else "does not write"
         problems.append(_listed(f"of its parameter(s) that the push {what}", short))
-    return [p for p in problems if p]
+    elif not partial:
+        complete = set(params)
+    else:
+        complete = set()
+    return Verdict(tuple(p for p in problems if p), frozenset(complete), frozenset(params))
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -291,85 +309,3 @@ class Undo:
         on_meta = [n for n, t in (*self._model.named_parameters(), *self._model.named_buffers()) if t.is_meta]
         if on_meta:
             raise RuntimeError(f"{len(on_meta)} tensor(s) still on the meta device: {on_meta[:5]}")
-
-
-# Note [an engine's version and its weights]
-# A worker's version says which push its weights hold, but vLLM can drop or change the weights without raysync:
-# sleep(level=2) discards them (they come back as whatever the memory holds), collective_rpc("reload_weights")
-# loads a checkpoint, a user's own collective_rpc writes into a parameter. So when a push leaves a version, the
-# worker records a WeightPrint of the weights, and before it says or uses its version (versions(), the skip
-# decision of the next push) it checks the print: a print that no longer matches makes the version None, and
-# the next push is applied (a full push), never skipped. The print is cheap enough for every such call:
-#   * every parameter's identity: name, data_ptr, shape, dtype (a parameter replaced or re-allocated);
-#   * SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes spread over each parameter, kept as bytes and compared
-#     exactly (a parameter of at most SAMPLE_WINDOWS * SAMPLE_BYTES bytes, a norm or a bias, whole);
-#   * on the CPU backend, the identity of each layer's GEMM handle (``cpu_linear``): there the linear weights
-#     live packed inside it (the Parameter left behind is empty), and every load or reload makes a new one.
-# It is a sample, not a digest of every byte: a change that misses every sampled window of every parameter
-# (a few elements written in place on GPU) goes unseen; a reload of a checkpoint, a sleep that dropped the
-# weights, or any reload on the CPU backend does not. Where raysync drives the change itself (sleep level 2
-# through raysync.engines.vllm.sleep), the worker forgets its version explicitly instead.
-SAMPLE_WINDOWS = 16
-SAMPLE_BYTES = 64
-_GEMM_HANDLES = ("cpu_linear",)  # module attributes that hold weights of their own (the CPU backend's)
-
-
-class WeightPrint:
-    """The fingerprint of ``model``'s weights (Note [an engine's version and its weights])."""
-
-    def __init__(self, model: torch.nn.Module):
-        self._identity = _identity(model)
-        self._sample = _sample(model)
-        self._handles = [(name, _ref(h)) for name, h in _handles(model)]
-
-    def matches(self, model: torch.nn.Module) -> bool:
-        """Whether ``model`` still holds the weights this print was taken of."""
-        if _identity(model) != self._identity:
-            return False
-        handles = _handles(model)
-        if [n for n, _ in handles] != [n for n, _ in self._handles]:
-            return False
-        if any(ref() is not h for (_, ref), (_, h) in zip(self._handles, handles, strict=True)):
-            return False
-        return torch.equal(_sample(model), self._sample)
-
-
-def _identity(model: torch.nn.Module) -> list[tuple]:
-    return [(n, p.data_ptr(), tuple(p.shape), p.dtype, p.device) for n, p in model.named_parameters()]
-
-
-@torch.no_grad()
-def _sample(model: torch.nn.Module) -> torch.Tensor:
-    """The sampled bytes of every parameter, in one tensor on the CPU (one copy per device)."""
-    windows: dict[torch.device, list[torch.Tensor]] = {}
-    for _, p in model.named_parameters():
-        if p.numel() == 0 or p.is_meta:
-            continue
-        flat = (p.detach() if p.is_contiguous() else p.detach().contiguous()).reshape(-1).view(torch.uint8)
-        if flat.numel() <= SAMPLE_WINDOWS * SAMPLE_BYTES:
-            windows.setdefault(flat.device, []).append(flat)
-            continue
-        step = (flat.numel() - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
-        windows.setdefault(flat.device, []).extend(
-            flat[k * step : k * step + SAMPLE_BYTES] for k in range(SAMPLE_WINDOWS)
-        )
-    parts = [torch.cat(ws).cpu() for ws in windows.values()]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def _handles(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    return [
-        (f"{name}.{attr}", module.__dict__[attr])
-        for name, module in model.named_modules()
-        for attr in _GEMM_HANDLES
-        if attr in module.__dict__
-    ]
-
-
-def _ref(handle: Any) -> Any:
-    """A weak reference where the handle takes one (a print must not keep old packed weights alive); a
-    builtin such as torch.nn.functional.linear takes none and holds no weights: held as it is."""
-    try:
-        return weakref.ref(handle)
-    except TypeError:
-        return lambda: handle
