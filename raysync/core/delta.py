@@ -236,7 +236,10 @@ def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_densi
 def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
     """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
     stats = [
-        None if m is None else torch.stack([m.sum(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).sum()]) for m in masks
+        None
+        if m is None
+        else torch.stack([m.count_nonzero(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).count_nonzero()])
+        for m in masks
     ]
     return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
 
@@ -251,9 +254,9 @@ def _write_payload(
         mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
         index = mask.nonzero().view(-1)
         assert index.numel() == code.entries, "the mask changed between count and encode"
-        gaps = torch.diff(index, prepend=index.new_full((1,), -1)) - (1 + 32768)
+        gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
         split = _align(2 * code.entries)
-        region[: 2 * code.entries].view(torch.int16).copy_(gaps.to(torch.int16))
+        region[: 2 * code.entries].view(torch.int16).copy_(gaps)
         region[split:].view(new.dtype).copy_(new[index])
 
 
@@ -278,7 +281,7 @@ def decode(
         offset = _align(offset + c.payload_bytes)
         if c.mode == Mode.GAPS:
             gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device, torch.int64)
-            index = torch.cumsum(gaps + (1 + 32768), 0) - 1  # gaps >= 1: strictly increasing
+            index = gaps.add_(1 + 32768).cumsum_(0).sub_(1)  # gaps >= 1: strictly increasing
             values = region[_align(2 * c.entries) :].view(dest.dtype).to(dest.device)
             work.append((i, dest, index, values))
         elif c.mode == Mode.FULL:

@@ -1,0 +1,183 @@
+"""Benchmark: delta encoding (raysync.core.delta) of one bucket, at several densities of changed elements, next to
+a floor measured in the same run on the same bytes: one copy of the bucket's full bytes (what a full push does
+with them at least once).
+
+    python benchmarks/bench_delta.py                          # CPU: one layer of Qwen2.5-0.5B as the bucket
+    python benchmarks/bench_delta.py --device cuda --layout qwen2.5-7b --json out.json
+
+The bucket is every tensor of decoder layer 0 of --layout (--layers for more), in bf16, with the magnitudes
+of a real checkpoint (matrices ~N(0, 0.02), norm weights ~1). A change flips the lowest bit of an element (one
+bf16 step, as an RL update does), at uniformly random positions: --densities says what fraction. Rows:
+
+* encode: ``delta.encode`` (the compare, the counts, the gaps and values written into a bucket buffer);
+* decode: ``delta.decode`` into the engine's tensors (the checks, then the scatter), as a receiver runs it
+  and as the sender runs it on its reference;
+* bitmask encode / decode: the other encoding considered (a bit per element, then the changed values), made
+  here only to compare (into fresh tensors, not a bucket buffer, so slightly flattered): its size is
+  numel / 8 + changed * itemsize;
+* floor: a copy of the bucket's full bytes into a buffer.
+
+GB/s are of the full bytes (what a full push would move), so the rows compare directly. Times are medians
+over --repeats after a warm-up, on --threads CPU threads (1 by default, as Ray runs its actors; on a busy
+machine more threads than free cores make every row slower and noisier). Prints a table per density, then JSON (also written to --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from common import emit
+
+from raysync.core import delta
+from raysync.tools.models import LAYOUTS
+
+_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up, the device synchronized around each run."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bucket(layout: str, layers: int, device: torch.device, seed: int) -> list[torch.Tensor]:
+    """Layer 0 .. layers - 1 of ``layout`` as bf16 tensors with a checkpoint's magnitudes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for name, shape in LAYOUTS[layout].named_shapes():
+        if not any(name.startswith(f"model.layers.{i}.") for i in range(layers)):
+            continue
+        t = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+        if name.endswith("norm.weight"):
+            t += 1.0
+        out.append(t.to(torch.bfloat16).reshape(-1))
+    return out
+
+
+def changed(old: torch.Tensor, density: float, seed: int) -> torch.Tensor:
+    """``old`` with the lowest bit of a ``density`` fraction of its elements flipped (one bf16 step)."""
+    gen = torch.Generator(device=old.device).manual_seed(seed)
+    mask = torch.rand(old.numel(), device=old.device, generator=gen) < density
+    new = old.clone()
+    new.view(torch.int16).bitwise_xor_(mask.to(torch.int16))
+    return new
+
+
+# --- the bitmask encoding, only to compare ----------------------------------------------------------------------------
+def bitmask_encode(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = old.view(torch.int16) != new.view(torch.int16)
+    pad = -mask.numel() % 8
+    padded = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
+    bits = (padded.view(-1, 8).view(torch.uint8) * _WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return bits, new.view(torch.int16)[mask.nonzero().view(-1)]
+
+
+def bitmask_decode(bits: torch.Tensor, values: torch.Tensor, dest: torch.Tensor) -> None:
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    mask = ((bits[:, None] >> shifts) & 1).view(-1)[: dest.numel()].bool()
+    dest.view(torch.int16).masked_scatter_(mask, values)
+
+
+def run_density(olds: list[torch.Tensor], density: float, device: torch.device, repeats: int) -> dict:
+    news = [changed(o, density, seed=i) for i, o in enumerate(olds)]
+    pairs = list(zip(olds, news, strict=True))
+    out = torch.empty(delta.capacity([(n.numel(), 2) for n in news]), dtype=torch.uint8, device=device)
+    engine = [o.clone() for o in olds]
+    code = delta.encode(pairs, out, base_version=1)
+    delta.decode(out, engine, held_version=1)
+    assert all(
+        torch.equal(e.view(torch.int16), n.view(torch.int16)) for e, n in zip(engine, news, strict=True)
+    )
+    masks = [bitmask_encode(o, n) for o, n in pairs]
+    for (bits, values), old, new in zip(masks, olds, news, strict=True):  # the comparison is bit-exact too
+        dest = old.clone()
+        bitmask_decode(bits, values, dest)
+        assert torch.equal(dest.view(torch.int16), new.view(torch.int16))
+    seconds = {
+        "encode": timed(lambda: delta.encode(pairs, out, base_version=1), device, repeats),
+        "decode": timed(lambda: delta.decode(out, engine, held_version=1), device, repeats),
+        "bitmask encode": timed(lambda: [bitmask_encode(o, n) for o, n in pairs], device, repeats),
+        "bitmask decode": timed(
+            lambda: [bitmask_decode(b, v, d) for (b, v), d in zip(masks, engine, strict=True)],
+            device,
+            repeats,
+        ),
+    }
+    flat_new = torch.cat(news).view(torch.uint8)
+    copy = torch.empty_like(flat_new)
+    seconds["floor: copy of the full bytes"] = timed(lambda: copy.copy_(flat_new), device, repeats)
+    bitmask_bytes = sum(b.numel() + 2 * v.numel() for b, v in masks)
+    return {
+        "density": density,
+        "changed": code.changed,
+        "modes": {m.name: sum(c.mode == m for c in code.chunks) for m in delta.Mode},
+        "gaps_bytes": code.nbytes,
+        "bitmask_bytes": bitmask_bytes,
+        "seconds": seconds,
+    }
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", default="qwen2.5-7b" if cuda else "qwen2.5-0.5b", choices=sorted(LAYOUTS))
+    p.add_argument("--layers", type=int, default=1, help="decoder layers in the bucket")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.036, 0.09, 0.3])
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (Ray gives its actors one)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    olds = bucket(args.layout, args.layers, device, seed=0)
+    full = sum(2 * o.numel() for o in olds)
+    result = {
+        "layout": args.layout, "layers": args.layers, "chunks": len(olds), "full_bytes": full,
+        "device": str(device), "hardware": hardware(device),
+        "runs": [run_density(olds, d, device, args.repeats) for d in args.densities],
+    }  # fmt: skip
+    print(f"bucket: {args.layers} layer(s) of {args.layout}, {len(olds)} bf16 tensors, {full / 1e6:.1f} MB; "
+          f"on {result['hardware']}")  # fmt: skip
+    print(f"{'density':>8}  {'':30}  {'ms':>8}  {'GB/s':>6}  {'x floor':>7}  {'bytes / full':>12}")
+    for r in result["runs"]:
+        floor = r["seconds"]["floor: copy of the full bytes"]
+        size = {"encode": r["gaps_bytes"], "bitmask encode": r["bitmask_bytes"]}
+        for name, s in r["seconds"].items():
+            ratio = f"{size[name] / full:12.3%}" if name in size else ""
+            print(
+                f"{r['density']:8.1%}  {name:30}  {s * 1e3:8.2f}  {full / s / 1e9:6.2f}  {s / floor:7.1f}  {ratio}"
+            )
+        modes = ", ".join(f"{n} {c}" for n, c in r["modes"].items() if c)
+        both = (r["seconds"]["encode"] + r["seconds"]["decode"]) / floor
+        print(
+            f"{'':8}  chunks: {modes}; changed {r['changed']} of {full // 2}; encode + decode {both:.1f} x floor"
+        )
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
