@@ -23,7 +23,7 @@ from raysync.core.control import ReceiverChannel
 from raysync.core.errors import LayoutError, RaysyncError, RemoteError, SchemaError, SessionClosed
 from raysync.core.plan import Bucket, plan_buckets, total_bytes
 from raysync.core.sink import LoadFn, Sink, Sinks
-from raysync.core.source import Packer, SourceTensor, select
+from raysync.core.source import Packer, Source, SourcePacker, SourceTensor, select
 from raysync.core.wire import Abort, BucketReady, Close, DirectSources, Layout, PushStart
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class SenderLayout:
         self.layout: Layout | None = None
         self.nbytes = 0  # of the layout's tensors
         self.buckets: list[Bucket] = []
-        self.packer: Packer | None = None
+        self.packer: Packer | SourcePacker | None = None
+        self.lazy: Source | None = None  # the lazy source self.packer packs from
         self.placed = 0  # counts the placements: what every push replays, made once per set of tensors
         self.is_placed = False  # for the current tensors (select clears it when they change)
         self._sources: list[SourceTensor] = []
@@ -84,7 +85,28 @@ class SenderLayout:
             channel.send(message, "layout: the trainer's storages")
         buffers = plane.buffers
         self.packer = Packer(self.buckets, sources, buffers, cfg.cuda_graphs) if buffers else None
-        self.placed, self.is_placed = self.placed + 1, True
+        self.placed, self.is_placed, self.lazy = self.placed + 1, True, None
+
+    def agree_source(self, source: Source, plane: object, channel: object) -> None:
+        """The same agreement for a lazy source: its Layout from its metadata (``source.specs``), sent when it
+        changed; its packer made once per layout and source. A plain push after it selects and places anew."""
+        cfg = self.config
+        if plane.reads_in_place:
+            raise LayoutError(
+                f"the {plane.name} plane reads whole tensors in place; a lazy source ({type(source).__name__}) "
+                f"has none: use a ring (SyncConfig(direct=False))"
+            )
+        specs = tuple(source.specs(cfg))
+        if self.layout is None or self.layout.tensors != specs:
+            layout_id = self.layout.layout_id + 1 if self.layout else 1
+            layout = Layout(layout_id, cfg.bucket_bytes, cfg.align_bytes, specs)
+            self.layout, self.nbytes = layout, total_bytes(specs)
+            self.buckets = plan_buckets(specs, cfg.bucket_bytes, cfg.align_bytes)
+            channel.send(layout, "layout")
+            self.lazy = None
+        if self.lazy is not source:
+            self.packer, self.lazy = source.packer(cfg, self.buckets, plane.buffers), source
+        self.is_placed, self._key = False, None
 
 
 class ReceiverLayout:

@@ -43,7 +43,7 @@ from raysync.core.control import SenderChannel
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport
-from raysync.core.source import SourceTensor
+from raysync.core.source import Source, SourceTensor
 from raysync.core.wire import Accept, Attached, Close, PushDigest, PushDone, PushStart
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
@@ -84,8 +84,11 @@ class PushSender(OnPlane):
         return self._stream.packs if self._stream is not None else 0
 
     # --- the push ----------------------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushReport:
-        """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Source, version: int) -> PushReport:
+        """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it. A lazy
+        ``Source`` (raysync.core.source) is packed bucket by bucket by its own packer (``_push_source``)."""
+        if isinstance(named_tensors, Source):
+            return self._push_source(named_tensors, version)
         start = time.perf_counter()
         try:
             named = list(named_tensors)  # a generator runs the trainer's code: it may raise
@@ -124,6 +127,47 @@ class PushSender(OnPlane):
             "finish": time.perf_counter() - streamed,
         }
         return self._report(version, len(sources), accept.skip, time.perf_counter() - start)
+
+    def _push_source(self, source: Source, version: int) -> PushReport:
+        """The same stages for a lazy source: the layout from its metadata, each bucket packed by its packer
+        when claimed (a sharded source gathers it then), and the packer told how the push ended, whatever
+        happened (a sharded source's other ranks learn it through it)."""
+        start = time.perf_counter()
+        try:
+            self._ensure_session()
+            self._agreed.agree_source(source, self._plane, self._channel)
+            packer = self._agreed.packer
+            packer.start(version)
+        except Exception as e:  # the receiver is waiting for a push: tell it
+            self.abort(e, "source")
+            raise
+        stream = self._stream
+        try:
+            stream.reset()
+            ahead = stream.pack_ahead(self.abort)
+            self._push_id += 1
+            selected = time.perf_counter()
+            accept = self._accept(version)
+            accepted = streamed = time.perf_counter()
+            if not accept.skip:
+                stream.run(self._push_id, version, ahead)
+                streamed = time.perf_counter()
+                self._channel.expect(PushDone, self._push_id, "finish")
+        except BaseException:
+            try:
+                packer.finish("failed")
+            except Exception as e:  # this push's own error is the one to raise
+                logger.warning("the source's other ranks may not have heard that this push failed: %s", e)
+            raise
+        packer.finish("skipped" if accept.skip else "done")
+        self.last_stages_s = {
+            "select": selected - start,
+            "accept": accepted - selected,
+            "stream": streamed - accepted,
+            "finish": time.perf_counter() - streamed,
+        }
+        tensors = len(self._agreed.layout.tensors)
+        return self._report(version, tensors, accept.skip, time.perf_counter() - start)
 
     def abort(self, error: BaseException, stage: str = "source") -> None:
         """This push failed here before it started (e.g. the trainer's source raised): tell the receiver, which

@@ -3,6 +3,15 @@
 Casting and contiguity are applied while packing, in the one copy into the ring: a contiguous tensor that
 keeps its dtype is read in place (no clone, no ``.contiguous()``), and a cast (fp32 master weights -> bf16)
 happens inside that same copy, so no second copy of the model ever exists.
+
+Two kinds of source reach a push (PushSender.push):
+
+- the plain one, an iterable of ``(name, tensor)`` pairs holding whole tensors: ``select`` picks them and fixes
+  their wire dtypes, ``Packer`` copies them into the ring (copies made once, replayed each push);
+- a ``Source`` object, lazy: its layout comes from metadata (``specs``: names, global shapes, wire dtypes, no
+  tensor materialized), and its bytes bucket by bucket from its own ``SourcePacker``. A sharded trainer's
+  tensors (FSDP2 / DTensor: raysync.sources.DTensorSource) are such a source: the ranks gather each bucket as
+  it is packed, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -33,28 +43,84 @@ def matches(name: str, patterns: Sequence[str]) -> bool:
 
 def select(named_tensors: Iterable[tuple[str, torch.Tensor]], config: SyncConfig) -> list[SourceTensor]:
     """Filter by ``include`` / ``exclude`` and fix each tensor's wire dtype (``cast_dtype`` unless ``keep_dtype``)."""
-    cast = DTYPES[config.cast_dtype] if config.cast_dtype else None
     out: list[SourceTensor] = []
     for name, tensor in named_tensors:
         if not isinstance(tensor, torch.Tensor):
             raise LayoutError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if config.include and not matches(name, config.include) or matches(name, config.exclude):
+        if not selected(name, config):
             continue
+        if type(tensor) not in _WHOLE and _is_dtensor(tensor):
+            raise LayoutError(
+                f"tensor {name!r} is a DTensor (placements {tuple(tensor.placements)} on "
+                f"{tensor.device_mesh}): a plain source sends whole tensors. Hand every rank of the mesh a "
+                f"raysync.sources.DTensorSource(model.named_parameters(), config) instead: it gathers the shards "
+                f"bucket by bucket, with every rank taking part"
+            )
         tensor = tensor.detach()
         if tensor.layout != torch.strided:
             raise LayoutError(
                 f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors travel"
             )
-        dtype = tensor.dtype
-        if (
-            cast is not None
-            and dtype.is_floating_point
-            and dtype != cast
-            and not matches(name, config.keep_dtype)
-        ):
-            dtype = cast
-        out.append(SourceTensor(TensorSpec(name, dtype_name(dtype), tuple(tensor.shape)), tensor))
+        spec = TensorSpec(name, dtype_name(wire_dtype(name, tensor.dtype, config)), tuple(tensor.shape))
+        out.append(SourceTensor(spec, tensor))
     return out
+
+
+def selected(name: str, config: SyncConfig) -> bool:
+    """Whether ``include`` / ``exclude`` let ``name`` travel."""
+    return not (config.include and not matches(name, config.include) or matches(name, config.exclude))
+
+
+def wire_dtype(name: str, dtype: torch.dtype, config: SyncConfig) -> torch.dtype:
+    """The dtype ``name`` travels in: ``cast_dtype`` for floating-point tensors, unless ``keep_dtype``."""
+    cast = DTYPES[config.cast_dtype] if config.cast_dtype else None
+    if (
+        cast is not None
+        and dtype.is_floating_point
+        and dtype != cast
+        and not matches(name, config.keep_dtype)
+    ):
+        return cast
+    return dtype
+
+
+_WHOLE = (torch.Tensor, torch.nn.Parameter)  # plain tensors: never a DTensor, no check needed
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+# --- lazy sources ----------------------------------------------------------------------------------------------
+class SourcePacker(Protocol):
+    """What a lazy source packs with, for one layout and one set of ring buffers (made once, used every push).
+    The session calls ``start(version)``, then ``pack(k)`` for k = 0, 1, ... into ``buffers[k % len(buffers)]``
+    (claimed for bucket k), then ``finish(outcome)`` once, whatever happened: ``"done"``, ``"skipped"`` (the
+    receivers had the version) or ``"failed"``. ``pack`` returns False when the walk was ended elsewhere (a
+    sharded source's other ranks); a sending rank raises instead."""
+
+    def start(self, version: int) -> None: ...
+
+    def pack(self, k: int) -> bool: ...
+
+    def finish(self, outcome: str) -> str: ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A lazy source: the layout from metadata (``specs``: names, global shapes, wire dtypes after ``include`` /
+    ``exclude`` / ``cast_dtype``; nothing materialized), the bytes bucket by bucket (``packer``). ``buffers`` is
+    None on a rank that takes part without sending (a sharded source's other ranks)."""
+
+    def specs(self, config: SyncConfig) -> list[TensorSpec]: ...
+
+    def packer(
+        self, config: SyncConfig, buckets: Sequence[Bucket], buffers: Sequence[torch.Tensor] | None
+    ) -> SourcePacker: ...
 
 
 def pack_bucket(bucket: Bucket, sources: Sequence[SourceTensor], buffer: torch.Tensor) -> None:
