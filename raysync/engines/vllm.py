@@ -46,6 +46,7 @@ This module never imports vllm itself: the driver can build a WeightSync without
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -269,7 +270,8 @@ class VllmEngine:
 
 
 def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -> dict[int, Any]:
-    """Runs in the engine's actor: forward to every worker, around it wake and reset what a push needs."""
+    """Runs in the engine's actor: forward to every worker, around it wake and reset what a push needs. An
+    ``AsyncLLM`` goes through raysync.engines.vllm_async (on its event loop, generation paused)."""
     llm = getattr(actor, attr, None)
     if llm is None or not hasattr(llm, "collective_rpc"):
         raise TypeError(f"{type(actor).__name__}.{attr} is not a vLLM LLM; pass VllmEngine(actor, attr=...)")
@@ -277,18 +279,25 @@ def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -
         import ray
 
         args = [[ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()]]
+    if inspect.iscoroutinefunction(llm.collective_rpc):
+        from raysync.engines.vllm_async import on_async_engine
+
+        return on_async_engine(llm, actor, name, args, _replies)
     asleep = name == "receiver_receive" and llm.llm_engine.is_sleeping()
     if asleep:  # Note [sleep, wake and the version]: the weights now, the KV cache after the load
         llm.wake_up(tags=["weights"])
-    replies: dict[int, Any] = {}
-    for reply in llm.collective_rpc("raysync_call", args=(name, args)):
-        replies.update({int(rank): from_plain(result) for rank, result in reply.items()})
+    replies = _replies(llm.collective_rpc("raysync_call", args=(name, args)))
     if name == "receiver_receive":
         if asleep:
             llm.wake_up(tags=["kv_cache"])
         if any(r.ok and not r.report.skipped for r in replies.values()):
             llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
     return replies
+
+
+def _replies(by_worker: list[dict[str, Any]]) -> dict[int, Any]:
+    """The workers' answers to raysync_call, {rank: result}."""
+    return {int(rank): from_plain(result) for reply in by_worker for rank, result in reply.items()}
 
 
 # --- plain values across vLLM's channel (Note [what crosses vLLM's channel]) -------------------------------------

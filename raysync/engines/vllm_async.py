@@ -1,0 +1,232 @@
+"""vLLM's ``AsyncLLM`` inside a Ray actor as a WeightSync receiver, the way RL frameworks run it.
+
+Engine side, an async Ray actor that makes the engine in its ``__init__`` (an async actor runs it in its event
+loop, where AsyncLLM starts its output handler) and generates through ``generate`` from this module:
+
+    @ray.remote
+    class Rollout:
+        def __init__(self, model):
+            args = AsyncEngineArgs(model, worker_extension_cls="raysync.engines.vllm.WorkerExtension")
+            self.llm = AsyncLLM.from_engine_args(args)
+
+        async def rollout(self, prompt, params):
+            done = await generate(self.llm, prompt, params)  # done.output: vLLM's RequestOutput
+            return done.output, done.version  # the version of the weights that produced every token
+
+Driver side, the same adapter as for ``LLM``: ``WeightSync([trainer], [VllmEngine(rollout)], config)``. Each
+call of the driver reaches the actor through Ray's ``__ray_call__``, which an async actor runs outside its event
+loop; the call is handed to that loop (the one AsyncLLM's output handler runs on) and goes to the workers
+through ``AsyncLLM.collective_rpc``. A push runs as Note [a push into a generating engine] says.
+
+This module never imports vllm itself.
+
+# Note [a push into a generating engine]
+# The weights change only while no request runs, and no request sees two versions:
+#   1. close: requests made through ``generate`` from now on wait (``wait_s``) until the push is done;
+#   2. drain: the push waits for the requests already running through ``generate`` to finish (bounded by the
+#      session's SyncConfig.timeout_s: a PeerTimeout at stage "pause");
+#   3. pause: vLLM's own ``pause_generation(mode="wait")`` (vLLM >= 0.12 has it; checked, skipped where it is
+#      missing) also drains the requests made on the AsyncLLM directly, and holds new ones in vLLM's queue,
+#      so the weights change between two engine steps with nothing running ("keep" would freeze requests
+#      half-way and finish them on the new weights: a mix, so raysync does not use it);
+#   4. the push goes to the workers (collective_rpc), then the prefix cache is reset (its blocks were computed
+#      with the old weights), then the engine's version is read back from the workers;
+#   5. resume, open: vLLM's queue and ``generate``'s waiters run on the new weights.
+# A request made through ``generate`` takes the version read at its admission, and after it finished the
+# version is read again from the workers (one read serves every request that finished while it was waiting,
+# Note [an engine's version and its weights] checked by each worker): if the two differ, the weights changed
+# outside raysync while it ran, and the request says None. A request made on the AsyncLLM directly is never
+# mixed by a push either (step 3), but only ``generate`` can say its version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from raysync.core.errors import PeerTimeout
+from raysync.core.version import MIXED, Version
+
+logger = logging.getLogger(__name__)
+
+_GATE = "_raysync_gate"
+_DRAIN_S = 60.0  # the drain's limit until a session says its SyncConfig.timeout_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """A finished request: vLLM's final ``RequestOutput`` and the version of the weights that made all of it
+    (None: no version, or the weights changed outside raysync while it ran)."""
+
+    output: Any
+    version: Version
+
+
+async def generate(
+    llm: Any, prompt: Any, sampling_params: Any, request_id: str | None = None, *, wait_s: float = 600.0
+) -> Generated:
+    """``llm.generate`` to its end, never across a push (Note [a push into a generating engine]). Waits at most
+    ``wait_s`` for a push that is running (PeerTimeout at stage "generate")."""
+    gate = gate_of(llm)
+    version = await gate.admit(wait_s)
+    try:
+        final = None
+        async for output in llm.generate(prompt, sampling_params, request_id or uuid.uuid4().hex):
+            final = output
+        held = await gate.read()
+    finally:
+        gate.leave()
+    return Generated(final, version if held == version else None)
+
+
+async def weight_version(llm: Any) -> Version:
+    """The engine's version, read from its workers now (raysync.engines.vllm.weight_version for AsyncLLM)."""
+    return held_version(await llm.collective_rpc("raysync_version"))
+
+
+def held_version(by_worker: list[Version]) -> Version:
+    """One version for the engine from its workers' (as raysync.engines.vllm.weight_version says it)."""
+    held = set(by_worker)
+    if None in held:
+        return None
+    return held.pop() if len(held) == 1 else MIXED
+
+
+def gate_of(llm: Any) -> Gate:
+    gate = llm.__dict__.get(_GATE)
+    if gate is None:
+        gate = llm.__dict__[_GATE] = Gate(llm)
+    return gate
+
+
+class Gate:
+    """Who may run on an AsyncLLM now: requests made through ``generate``, or one push (Note [a push into a
+    generating engine]). Lives on the engine's event loop; only coroutines touch it."""
+
+    def __init__(self, llm: Any):
+        self._llm = llm
+        self.version: Version = None  # as last read from the workers
+        self._known = False  # whether it was ever read
+        self.drain_s = _DRAIN_S
+        self._running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._next: asyncio.Future | None = None  # the read that starts after the one running
+        self._reading = False
+
+    async def admit(self, wait_s: float) -> Version:
+        while not self._open.is_set() or not self._known:
+            if not self._known:
+                await self.read()
+                continue
+            await _bounded(self._open.wait(), wait_s, "a push into the engine", "generate: wait for the push")
+        self._running += 1
+        self._idle.clear()
+        return self.version
+
+    def leave(self) -> None:
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()
+
+    async def read(self) -> Version:
+        """The engine's version from a read that starts after this call (one read serves every caller that
+        came while the one before ran)."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            if not self._reading:
+                asyncio.ensure_future(self._reads())
+        return await asyncio.shield(self._next)
+
+    async def _reads(self) -> None:
+        self._reading = True
+        try:
+            while self._next is not None:
+                future, self._next = self._next, None
+                try:
+                    self.version, self._known = await weight_version(self._llm), True
+                    future.set_result(self.version)
+                except Exception as e:
+                    future.set_exception(e)
+        finally:
+            self._reading = False
+
+    async def push(self, receive: Callable[[], Awaitable[Any]], engine: str) -> Any:
+        """Run ``receive`` with no request running (steps 1-5 of Note [a push into a generating engine])."""
+        if not self._open.is_set():
+            raise RuntimeError(f"{engine} is already receiving a push: one push at a time")
+        self._open.clear()
+        paused = False
+        try:
+            await _bounded(self._idle.wait(), self.drain_s, engine, "pause: requests running to finish")
+            if callable(getattr(self._llm, "pause_generation", None)):
+                await _bounded(
+                    self._llm.pause_generation(mode="wait", clear_cache=False),
+                    self.drain_s,
+                    engine,
+                    "pause: vLLM's requests to finish",
+                )
+                paused = True
+            return await receive()
+        finally:
+            try:
+                await self.read()  # what the workers hold now, pushed or not
+            except Exception as e:  # the next request reads again before it is admitted
+                self._known = False
+                logger.warning("%s: its version could not be read after a push: %s", engine, e)
+            if paused:
+                await self._llm.resume_generation()
+            self._open.set()
+
+
+async def _bounded(waiting: Awaitable[Any], timeout_s: float, peer: str, stage: str) -> Any:
+    try:
+        return await asyncio.wait_for(waiting, timeout_s)
+    except asyncio.TimeoutError:
+        raise PeerTimeout(peer, stage, timeout_s) from None
+
+
+# --- the driver's calls, in the actor (raysync.engines.vllm._on_engine hands them here) ---------------------------
+def on_async_engine(llm: Any, actor: Any, name: str, args: Any, replies: Callable[[list], dict]) -> dict:
+    """Run the driver's call ``name`` on the engine's event loop, from the thread Ray runs ``__ray_call__`` on.
+    ``replies`` turns the workers' answers into {rank: result}."""
+    handler = getattr(llm, "output_handler", None)
+    if handler is None:
+        raise TypeError(
+            f"{type(actor).__name__}'s AsyncLLM has no event loop yet: make it in the actor's __init__ (an async "
+            f"actor runs __init__ in its event loop) or generate once before WeightSync starts"
+        )
+    loop = handler.get_loop()
+    engine = f"vLLM AsyncLLM in actor {type(actor).__name__}"
+    return asyncio.run_coroutine_threadsafe(_call(llm, name, args, replies, engine), loop).result()
+
+
+async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict], engine: str) -> dict:
+    gate = gate_of(llm)
+    if name in ("receiver_connect", "collective_connect"):
+        config = args[1] if isinstance(args, list) else next(iter(args.values()))[1]
+        gate.drain_s = float(config["timeout_s"])  # the session's SyncConfig, as plain values
+    if name != "receiver_receive":
+        return replies(await llm.collective_rpc("raysync_call", args=(name, args)))
+
+    async def receive() -> dict:
+        asleep = await llm.is_sleeping()
+        if (
+            asleep
+        ):  # Note [sleep, wake and the version] in raysync.engines.vllm: the weights, then the KV cache
+            await llm.wake_up(tags=["weights"])
+        answers = replies(await llm.collective_rpc("raysync_call", args=(name, args)))
+        if asleep:
+            await llm.wake_up(tags=["kv_cache"])
+        if any(r.ok and not r.report.skipped for r in answers.values()):
+            if not await llm.reset_prefix_cache():  # blocks cached under the old weights must not be reused
+                raise RuntimeError(f"{engine} took the push but refused to reset its prefix cache")
+        return answers
+
+    return await gate.push(receive, engine)
