@@ -36,17 +36,18 @@ def test_ray_quickstart_runs_under_ray_job_submit(private_tmp):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in _env(private_tmp, RAY_AUTH_MODE="disabled").items() if k != "RAY_ADDRESS"}
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    # the `ray` CLI of this interpreter's Ray, wherever pip put its script (a venv's bin/, or a --target dir)
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     # --block: the head's processes are this command's children, and stop with it (`ray stop` would stop
     # every Ray on the machine, other tests' included)
-    start = [ray_cli, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
+    start = [*ray_cli, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
              f"--dashboard-port={port}", "--port=0", "--disable-usage-stats"]  # fmt: skip
     head = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
         said: list[str] = []
         assert _started(head, said).wait(120) and head.poll() is None, "".join(said)
-        submit = [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}", "--working-dir", ".", "--",
+        submit = [*ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}", "--working-dir", ".", "--",
                   sys.executable, "examples/ray_quickstart.py"]  # fmt: skip
         run = _submit_when_the_agent_is_up(submit, env)
         assert run.returncode == 0, run.stdout + run.stderr
