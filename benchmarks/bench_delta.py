@@ -19,7 +19,8 @@ bf16 step, as an RL update does), at uniformly random positions: --densities say
 
 GB/s are of the full bytes (what a full push would move), so the rows compare directly. Times are medians
 over --repeats after a warm-up, on --threads CPU threads (1 by default, as Ray runs its actors; on a busy
-machine more threads than free cores make every row slower and noisier). Prints a table per density, then JSON (also written to --json).
+machine more threads than free cores make every row slower and noisier). Prints a table per density, then
+JSON (also written to --json).
 """
 
 from __future__ import annotations

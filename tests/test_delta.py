@@ -129,6 +129,7 @@ def test_several_chunks_of_mixed_dtypes_in_one_bucket():
     assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.FULL, Mode.SAME]
     assert code.sent_as_full == 33 * 4 and code.sent_as_delta == code.nbytes - 33 * 4
     assert code.changed == int(random_mask(5000, 0.02, 3).sum()) + 33 + 0
+    assert code.density == code.changed / (5000 + 33) and code.full_bytes == 5000 * 2 + 33 * 4
 
 
 def test_decode_writes_in_place_into_slices_of_a_larger_tensor():
@@ -136,7 +137,7 @@ def test_decode_writes_in_place_into_slices_of_a_larger_tensor():
     whole_old = random_tensor(torch.bfloat16, (10, 4099), gen)
     whole_new = changed_copy(whole_old, random_mask(whole_old.numel(), 0.04, 5)).reshape(10, 4099)
     flat_old, flat_new = whole_old.view(-1), whole_new.view(-1)
-    cuts = [(8, 12000), (12000, 12001), (20000, 40990)]  # element ranges; byte offsets multiples of 16
+    cuts = [(7, 12000), (12000, 12001), (20001, 40990)]  # element ranges, at odd offsets too
     code, out = push([(flat_old[a:b], flat_new[a:b]) for a, b in cuts])
     engine = whole_old.clone()
     delta.decode(out, [engine.view(-1)[a:b] for a, b in cuts], held_version=7)
@@ -168,8 +169,8 @@ def test_any_bucket_round_trips_bit_exactly_within_its_size_bound(chunks, seed, 
     gen = torch.Generator().manual_seed(seed)
     pairs, counts = [], []
     for dtype, numel, lead, (kind, density) in chunks:
-        storage = random_tensor(dtype, (lead * 8 + numel + 3,), gen)  # a slice of a larger tensor, odd sizes
-        old = storage[lead * 8 : lead * 8 + numel]
+        storage = random_tensor(dtype, (lead + numel + 3,), gen)  # a slice of a larger tensor, odd sizes
+        old = storage[lead : lead + numel]
         mask = (
             torch.zeros(numel, dtype=torch.bool) if kind != "density" else random_mask(numel, density, seed)
         )

@@ -25,11 +25,12 @@ session plugs them into its pack and unpack stages (Note [delta pushes]).
 # be written down, and an index past the destination is refused (with every other check, for the whole
 # bucket) before anything is written. Comparisons are on the bits (int16 / int32 views), never on values:
 # NaN payloads, -0.0 and sign flips travel like any other change. Why gaps and not a bitmask with the values:
-# at the densities RL steps make (0.5-9%) gaps are smaller (4 bytes per change for bf16 against n/8 + 2 bytes
-# per change: equal at 6.25%) and faster to encode and decode on the CPU (benchmarks/bench_delta.py measures
-# both in the same run). The density rule, per chunk: FULL when the GAPS payload would not be smaller than the
-# full bytes, or the changed fraction is above ``max_density`` (the caller's break-even from the benchmark,
-# where encode + decode stops being faster than moving the full bytes on its transport).
+# gaps cost 2 bytes per change, a bitmask 1 bit per element, so gaps are smaller below 6.25% changed
+# (issue 24 saw 3.6% by an RL run's eighth step, 9% at its first) and larger above; and gaps were faster to
+# encode and to decode than the bitmask at every density benchmarks/bench_delta.py measured (it runs both side
+# by side). The density rule, per chunk: FULL when the GAPS payload would not be smaller than the full bytes, or the changed
+# fraction is above ``max_density`` (the caller's break-even from the benchmark: where encode + decode stops
+# being faster than moving the full bytes over its transport).
 #
 # How it plugs into the push (next step; the session, sources and sinks are not touched yet):
 # * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
@@ -59,7 +60,7 @@ session plugs them into its pack and unpack stages (Note [delta pushes]).
 #   receiver's from its destinations, as for a full push.
 # * report: per push, bytes sent as delta (SAME and GAPS payloads, headers, tables), bytes sent as full
 #   (FULL payloads), the bytes a full push would have sent, changed elements / elements (the density), and
-#   where the reference lives; all of them are BucketCode's fields, summed over buckets.
+#   where the reference lives (the plan's); the rest are BucketCode's fields, summed over buckets.
 """
 
 from __future__ import annotations
@@ -150,6 +151,11 @@ class BucketCode:
         counts = [c.changed for c in self.chunks if c.changed is not None]
         return sum(counts) if len(counts) == len(self.chunks) else None
 
+    @property
+    def density(self) -> float | None:  # changed elements / elements
+        changed = self.changed
+        return None if changed is None else changed / max(self.numel, 1)
+
 
 def gaps_bytes(entries: int, itemsize: int) -> int:
     return _align(2 * entries) + entries * itemsize
@@ -188,7 +194,8 @@ def encode(
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype and size; a
     reference of None, or ``base_version`` None, sends that chunk FULL. The references are not modified (apply
-    the returned code to them with ``decode`` to advance them). One host sync per device of the chunks."""
+    the returned code to them with ``decode`` to advance them). Host syncs: one per device for the counts, and
+    one per GAPS chunk on a GPU (``nonzero``; ``nonzero_static`` could drop it where torch has it for CUDA)."""
     _check_buffer(out, "out")
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     for (old, new), (o, n) in zip(pairs, views, strict=True):
