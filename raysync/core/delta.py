@@ -1,8 +1,8 @@
-"""Delta pushes (issue 24): one bucket's tensors encoded as the elements whose bits changed since the version the
-receiver holds, and decoded by a scatter into the receiver's tensors, in place. Pure functions of tensors; the
-session plugs them into its pack and unpack stages (Note [delta pushes]).
+"""Delta pushes (issue 24): one bucket's tensors encoded as the elements whose bits changed since the version
+the receiver holds, and decoded by a scatter into the receiver's tensors, in place. Pure functions of tensors;
+the session plugs them into its pack and unpack stages (Note [delta pushes]).
 
-    encode(pairs, out, base_version=v)  ->  BucketCode   (pairs: (reference of version v, new values) per chunk)
+    encode(pairs, out, base_version=v)  ->  BucketCode   (pairs: (reference as of v, new values) per chunk)
     decode(buffer, destinations, held_version=v)  ->  BucketCode   (the destinations hold version v)
 
 # Note [delta pushes]
@@ -28,9 +28,9 @@ session plugs them into its pack and unpack stages (Note [delta pushes]).
 # gaps cost 2 bytes per change, a bitmask 1 bit per element, so gaps are smaller below 6.25% changed
 # (issue 24 saw 3.6% by an RL run's eighth step, 9% at its first) and larger above; and gaps were faster to
 # encode and to decode than the bitmask at every density benchmarks/bench_delta.py measured (it runs both side
-# by side). The density rule, per chunk: FULL when the GAPS payload would not be smaller than the full bytes, or the changed
-# fraction is above ``max_density`` (the caller's break-even from the benchmark: where encode + decode stops
-# being faster than moving the full bytes over its transport).
+# by side). The density rule, per chunk: FULL when the GAPS payload would not be smaller than the full
+# bytes, or the changed fraction is above ``max_density`` (the caller's break-even from the benchmark: where
+# encode + decode stops being faster than moving the full bytes over its transport).
 #
 # How it plugs into the push (next step; the session, sources and sinks are not touched yet):
 # * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
@@ -40,13 +40,13 @@ session plugs them into its pack and unpack stages (Note [delta pushes]).
 #   PCIe, as a full push over shm reads the model once, so the gain over shm needs the GPU one; over other
 #   nodes (the collective) both gain. A cast (fp32 master -> bf16) goes into a scratch bucket on the trainer's
 #   device first: encode compares the wire dtype's bits, which is what receivers hold.
-# * pack (sender, per bucket k): claim the buffer as today, then encode(pairs, buffer, base_version=ref_version)
-#   instead of the Packer's copies; the buffer must hold ``capacity`` bytes (the bucket plus 32 + 32 per chunk
-#   and padding: ring buffers in delta mode are made that much larger). Then the sender applies what it sent to
-#   its own reference with the same decode the receivers run, so the reference equals what every delta receiver
-#   holds, by construction. The reference's version is None from the first bucket of a push until the last one
-#   is applied to it; a push that fails between leaves None, and the next push is full for every receiver
-#   (a FULL chunk rewrites the reference too).
+# * pack (sender, per bucket k): claim the buffer as today, then encode(pairs, buffer, base_version=the
+#   reference's version) instead of the Packer's copies; the buffer must hold ``capacity`` bytes (the bucket
+#   plus 32 + 32 per chunk and padding: ring buffers in delta mode are made that much larger). Then the sender
+#   applies what it sent to its own reference with the same decode the receivers run, so the reference equals
+#   what every delta receiver holds, by construction. The reference's version is None from the first bucket of
+#   a push until the last one is applied to it; a push that fails between leaves None, and the next push is
+#   full for every receiver (a FULL chunk rewrites the reference too).
 # * plane: the bytes of a bucket are ``BucketCode.nbytes``, not the bucket's: the collective broadcasts only
 #   those (their count travels ahead, e.g. in BucketReady), the rings need nothing new.
 # * unpack (receiver): decode(buffer, destination chunk views, held_version=its version), before any write;
@@ -274,7 +274,8 @@ def decode(
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
     destination, every payload within the bytes used, every index within its destination, and the base
-    version against ``held_version`` (BadDelta, BaseMismatch). One host sync per bucket, two with GAPS chunks."""
+    version against ``held_version`` (BadDelta, BaseMismatch). One host sync per bucket, two with GAPS
+    chunks."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
     code = _read_table(buffer, dests)
