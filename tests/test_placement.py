@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import types
 
-from raysync.ray.placement import Placement, PlanError, assign, check_groups, choose, format_plan, probe
+import pytest
+import torch
+
+from raysync.core.config import MiB, SyncConfig
+from raysync.ray.connections import assign, format_plan, plan_pairs
+from raysync.ray.placement import (
+    Placement,
+    PlanError,
+    SourceReport,
+    check_groups,
+    choose,
+    probe,
+    report_source,
+)
 
 
 def at(node: str, gpu: str | None = None, *, host: str = "h1", ipc: bool = True, visible=("GPU-a", "GPU-b")):
@@ -84,7 +98,7 @@ def test_assign_colocated_disaggregated_and_mixed():
 
 def test_plan_table():
     table = format_plan([choose(0, 0, at("n1"), at("n1"), ["shm"])], [at("n1")], [at("n1")])
-    assert table.splitlines()[0].split() == ["sender", "receiver", "transport", "why"]
+    assert table.splitlines()[0].split() == ["sender", "receiver", "transport", "mode", "why"]
     assert "shm" in table.splitlines()[2]
 
 
@@ -128,3 +142,154 @@ def test_a_group_with_two_ranks_on_one_gpu_is_refused_at_planning():
     check_groups([choose(0, 0, cpu[0], cpu[1], ALL, "collective")], cpu[:1], cpu[1:])  # gloo
     cpu_sender = [choose(0, j, at("n0"), r, ALL) for j, r in enumerate([engine, at("n1", "GPU-a")])]
     check_groups(cpu_sender, [at("n0")], [engine, at("n1", "GPU-a")])  # host tensors: the group runs gloo
+
+
+# --- the plan picks the mode and the ring (issue 19, item 1) -------------------------------------------------------
+GiB = 1 << 30
+IN_PLACE = SourceReport(push_bytes=15 * GiB, not_in_place="", stable=True)  # a 7B model on its GPU, bf16
+CAST = SourceReport(
+    15 * GiB, "'lm_head.weight' is torch.float32, sent as torch.bfloat16 (a cast needs the ring)", True
+)
+
+
+def gpu(gpu_id: str = "GPU-a", *, free: int | None = 100 * GiB, **kw) -> Placement:
+    return dataclasses.replace(at("n1", gpu_id, **kw), gpu_free_bytes=free, host_free_bytes=200 * GiB)
+
+
+def plan(s, r, *, source=IN_PLACE, override=None, rings=None, **config):
+    return choose(0, 0, s, r, ALL, override, config=SyncConfig(**config), source=source, rings=rings)
+
+
+@pytest.mark.parametrize(
+    "s, r, source, transport, mode, why",
+    [
+        (gpu(), gpu(), IN_PLACE, "cuda_ipc", "direct", "read in place"),  # same device
+        (gpu(), gpu("GPU-b"), IN_PLACE, "cuda_ipc", "direct", "read in place"),  # peer access
+        (gpu(), gpu(), CAST, "cuda_ipc", "ring 2 x 2048 MiB", "'lm_head.weight' is torch.float32"),  # cast
+        (gpu(), gpu("GPU-b"), CAST, "cuda_ipc", "ring 2 x 1024 MiB", "a cast needs the ring"),
+        (gpu(), gpu(), dataclasses.replace(IN_PLACE, stable=False), "cuda_ipc", "ring 2 x 2048 MiB", "new tensors"),
+        (gpu(), gpu(), None, "cuda_ipc", "ring 2 x 2048 MiB", "not reported"),
+        (gpu(ipc=False), gpu(), IN_PLACE, "shm", "ring 2 x 512 MiB", "no CUDA IPC"),  # no IPC
+        (at("n1"), at("n1"), IN_PLACE, "shm", "ring 2 x 8 MiB", "shm, CPU endpoints"),  # host tensors
+        (gpu(), at("n2", "GPU-a", host="h2"), IN_PLACE, "collective", "ring 2 x 512 MiB",
+         "other nodes"),
+    ],
+)  # fmt: skip
+def test_the_plan_picks_direct_wherever_it_is_correct_and_the_ring_otherwise(
+    s, r, source, transport, mode, why
+):
+    p = plan(s, r, source=source)
+    assert (p.transport, p.mode) == (transport, mode) and why in p.reason + p.how, p
+    cfg = p.config(SyncConfig())  # what the pair's endpoints run: plain values, nothing left to a plan
+    assert not any(cfg.is_auto(f) for f in ("transport", "bucket_bytes", "num_buffers", "direct"))
+    assert (cfg.transport, cfg.direct) == (transport, mode == "direct")
+    assert mode == "direct" or (cfg.num_buffers, cfg.bucket_bytes) == (p.num_buffers, p.bucket_bytes)
+
+
+def test_the_ring_fits_the_push_and_the_memory_free_where_it_lives():
+    small = SourceReport(push_bytes=100 * MiB + 5, not_in_place="", stable=True)
+    p = plan(gpu(), gpu(), source=dataclasses.replace(small, stable=False))
+    assert (p.num_buffers, p.bucket_bytes) == (1, 101 * MiB) and "the push in one bucket" in p.how
+    p = plan(gpu(free=4 * GiB), gpu(free=4 * GiB), source=CAST)  # a ring of at most 1/4 of 4 GiB
+    assert (p.num_buffers, p.bucket_bytes) == (
+        2,
+        512 * MiB,
+    ) and "1/4 of the 4096 MiB free on GPU GPU-a" in p.how
+    p = plan(gpu(free=4 * GiB), gpu(free=4 * GiB), source=CAST, rings={"GPU GPU-a": 2})  # two rings share it
+    assert p.num_buffers * p.bucket_bytes * 4 <= 2 * GiB and p.bucket_bytes == 256 * MiB
+    p = plan(gpu(free=4 * GiB), gpu(free=4 * GiB), source=CAST, bucket_bytes=1 * GiB)  # set: kept as set
+    assert (p.num_buffers, p.bucket_bytes) == (2, 1 * GiB)
+    p = plan(gpu(free=None), gpu(free=None), source=CAST, num_buffers=3)  # memory not reported
+    assert (p.num_buffers, p.bucket_bytes) == (3, 2048 * MiB)
+
+
+@pytest.mark.parametrize(
+    "s, r, source, config, match",
+    [
+        (at("n1"), at("n1"), IN_PLACE, {"direct": True}, r"direct=True .* runs shm"),
+        (gpu(ipc=False), gpu(), IN_PLACE, {"direct": True}, r"direct=True .* runs shm"),
+        (gpu(), gpu(), CAST, {"direct": True}, r"direct=True, but .* 'lm_head.weight' is torch.float32"),
+        (at("n1"), at("n1"), IN_PLACE, {"transport": "cuda_ipc"}, r"override 'cuda_ipc' \(SyncConfig.transport\)"),
+        (at("n1"), at("n2", host="h2"), IN_PLACE, {"transport": "shm"}, "override 'shm'"),
+        (gpu(free=GiB), gpu(free=GiB), CAST, {"bucket_bytes": GiB}, r"2 x 1024 MiB .* does not fit the 1024 MiB"),
+    ],
+)  # fmt: skip
+def test_a_forced_mode_that_cannot_work_is_refused_by_the_plan(s, r, source, config, match):
+    with pytest.raises(PlanError, match=match):
+        plan(s, r, source=source, **config)
+
+
+def test_what_the_user_sets_is_forced_where_it_can_work():
+    assert plan(gpu(), gpu(), direct=False).mode == "ring 2 x 2048 MiB"
+    p = plan(gpu(), gpu(), source=dataclasses.replace(IN_PLACE, stable=False), direct=True)
+    assert p.direct and "re-exported every push" in p.how  # correct, if slower: the user's call
+    p = plan(gpu(), gpu(), transport="shm")
+    assert (p.transport, p.reason, p.mode) == ("shm", "override (SyncConfig.transport)", "ring 2 x 512 MiB")
+    assert plan(gpu(), gpu(), override="shm", transport="collective").transport == "shm"  # per pair first
+
+
+def test_rings_that_share_a_memory_are_sized_together():
+    trainer, engines = gpu(free=8 * GiB), [gpu(free=8 * GiB) for _ in range(3)]
+    plans = plan_pairs([(0, j) for j in range(3)], [trainer], engines, ALL, SyncConfig(), {0: CAST})
+    assert all(p.num_buffers * p.bucket_bytes * 3 * 4 <= 8 * GiB for p in plans)  # 3 rings on GPU-a
+    direct = plan_pairs([(0, j) for j in range(3)], [trainer], engines, ALL, SyncConfig(), {0: IN_PLACE})
+    assert all(p.direct for p in direct)
+
+
+def test_report_source_says_what_the_plan_needs_from_the_senders_tensors():
+    """Run in this process as it runs inside a sender; host tensors are never read in place (CPU or GPU machine)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    actor = types.SimpleNamespace(model=model)
+    params = lambda a: a.model.named_parameters()  # noqa: E731
+    plain = report_source(actor, params, SyncConfig())
+    assert plain.push_bytes == sum(p.numel() * 4 for p in model.parameters()) and plain.stable
+    assert plain.not_in_place in ("the sender has no GPU", "'0.weight' is not on a GPU")
+    cast = report_source(actor, params, SyncConfig(cast_dtype="bfloat16", keep_dtype=("1.*",)))
+    assert cast.push_bytes == (64 * 64 + 64) * 2 + 2 * 64 * 4
+    fresh = report_source(actor, lambda a: ((n, p.clone()) for n, p in params(a)), SyncConfig())
+    assert not fresh.stable  # new tensors at every call
+    assert report_source(actor, params, SyncConfig(exclude=("1.*",))).push_bytes == (64 * 64 + 64) * 4
+
+
+@pytest.mark.gpu
+def test_report_source_on_a_gpu_names_what_direct_mode_cannot_read():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)).cuda()
+    actor = types.SimpleNamespace(model=model)
+    params = lambda a: a.model.named_parameters()  # noqa: E731
+    assert report_source(actor, params, SyncConfig()) == SourceReport((64 * 64 + 64 + 128) * 4, "", True)
+    cast = report_source(actor, params, SyncConfig(cast_dtype="bfloat16"))
+    assert cast.not_in_place == "'0.weight' is torch.float32, sent as torch.bfloat16 (a cast needs the ring)"
+    strided = report_source(actor, lambda a: [("t", a.model[0].weight.t())], SyncConfig())
+    assert strided.not_in_place == "'t' is not contiguous"
+
+
+# --- through WeightSync on Ray: the default plan, and a forced mode refused before any session opens ---------------
+def _sessions(actor) -> dict:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda a: dict(a.__dict__.get("_raysync_sessions", {}))))
+
+
+def test_weightsync_default_config_plans_each_pair_and_pushes_bit_exact(ray_local, no_leftovers):
+    import ray
+    from actors import Engine, Trainer
+
+    from raysync import WeightSync
+
+    trainer = ray.remote(num_cpus=0.25)(Trainer).remote()
+    engine = ray.remote(num_cpus=0.25)(Engine).remote()
+    with pytest.raises(PlanError, match=r"direct=True .* runs shm"):
+        WeightSync([trainer], [engine], SyncConfig(direct=True, progress=False))
+    assert _sessions(trainer) == {} and _sessions(engine) == {}  # refused before any session opened
+    with WeightSync([trainer], [engine], SyncConfig(progress=False)) as sync:
+        [p] = sync.plan
+        push = ray.get(
+            trainer.__ray_call__.remote(lambda a: sum(t.numel() * 4 for t in a.model.parameters()))
+        )
+        assert (p.transport, p.direct, p.num_buffers) == ("shm", False, 1)  # the tiny model: one bucket
+        assert p.bucket_bytes == -(-push // MiB) * MiB and "the push in one bucket" in str(sync.plan)
+        expected = ray.get(trainer.step.remote(1))
+        sync.push(1)
+        assert ray.get(engine.digest.remote()) == expected

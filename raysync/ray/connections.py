@@ -1,6 +1,6 @@
-"""The connections of every (sender, receiver) pair of a WeightSync: the plan, made from where the actors run;
-each pair's session over its transport; the pairs a failed push broke, re-probed, re-planned and reconnected
-before the next push (``repair``).
+"""The connections of every (sender, receiver) pair of a WeightSync: the plan, made from where the actors run and
+what their sources give (raysync.ray.placement); each pair's session over its transport, in its mode, with its
+ring; the pairs a failed push broke, re-probed, re-planned and reconnected before the next push (``repair``).
 
 A ring pair (shm, cuda_ipc) is one session: its sender opens it, then its receiver connects. A collective pair
 belongs to its sender's broadcast group, which is made (and lost) as a whole: the sender opens the group, then
@@ -11,19 +11,115 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from raysync.core.config import SyncConfig
 from raysync.core.wire import SessionSecret
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
-from raysync.ray.placement import PairPlan, Placement, assign, check_groups, choose, format_plan
+from raysync.ray.placement import (
+    PairPlan,
+    Placement,
+    SourceReport,
+    check_groups,
+    choose,
+    report_source,
+    ring_places,
+)
 from raysync.ray.results import GroupOpened, SessionOpened
 from raysync.transport import registry
 
 logger = logging.getLogger(__name__)
 
 Pair = tuple[int, int]  # (sender i, receiver j)
+
+
+def plan_pairs(
+    pairs: Sequence[tuple[int, int]],
+    senders: Sequence[Placement],
+    receivers: Sequence[Placement],
+    built: Sequence[str],
+    config: SyncConfig,
+    sources: Mapping[int, SourceReport] | None = None,
+    override: Callable[[int, int], str | None] = lambda i, j: None,
+    shares: int = 0,
+) -> list[PairPlan]:
+    """Every pair's plan, the rings that share a memory sizing themselves together (Note [ring shape]).
+    ``override``: WeightSync's ``transport=`` per pair; ``shares``: sharded sources (every pair collective)."""
+    sources = sources or {}
+    if shares:
+        override = lambda i, j: "collective"  # noqa: E731
+
+    def one(i: int, j: int, rings: Mapping[str, int] | None = None) -> PairPlan:
+        return choose(
+            i,
+            j,
+            senders[i],
+            receivers[j],
+            built,
+            override(i, j),
+            config=config,
+            source=sources.get(i),
+            rings=rings,
+        )
+
+    first = [one(i, j) for i, j in pairs]
+    rings: dict[str, int] = {}
+    for p in first:
+        if not p.direct:
+            for place, _ in ring_places(p.transport, senders[p.sender], receivers[p.receiver]):
+                rings[place] = rings.get(place, 0) + 1
+    plans = [one(i, j, rings) for i, j in pairs]
+    if shares:
+        plans = [
+            dataclasses.replace(p, reason=f"sharded sources: share {p.sender} of {shares}") for p in plans
+        ]
+    return plans
+
+
+def group_config(plans: Sequence[PairPlan], i: int, config: SyncConfig) -> SyncConfig:
+    """Sender i's broadcast group runs one ring shape on every rank: the smallest its pairs were planned."""
+    pairs = [p for p in plans if p.sender == i and p.transport == "collective"]
+    smallest = {
+        "bucket_bytes": min(p.bucket_bytes for p in pairs),
+        "num_buffers": min(p.num_buffers for p in pairs),
+    }
+    return dataclasses.replace(pairs[0].config(config), **smallest)
+
+
+def assign(senders: Sequence[Placement], receivers: Sequence[Placement]) -> list[tuple[int, int]]:
+    """Which sender serves each receiver: the one on the same GPU, else on the same node, else sender 0.
+    One sender gives the disaggregated topology; one per GPU the colocated one; mixed placements mix both."""
+    pairs = []
+    for j, r in enumerate(receivers):
+        same_gpu = [
+            i
+            for i, s in enumerate(senders)
+            if s.node_id == r.node_id and s.current_gpu and s.current_gpu == r.current_gpu
+        ]
+        same_node = [i for i, s in enumerate(senders) if s.node_id == r.node_id]
+        pairs.append(((same_gpu or same_node or [0])[0], j))
+    return pairs
+
+
+def format_plan(
+    plans: Sequence[PairPlan], senders: Sequence[Placement], receivers: Sequence[Placement]
+) -> str:
+    rows = [("sender", "receiver", "transport", "mode", "why")]
+    for p in plans:
+        rows.append(
+            (
+                f"#{p.sender} {senders[p.sender].label()}",
+                f"#{p.receiver} {receivers[p.receiver].label()}",
+                p.transport,
+                p.mode,
+                "; ".join(filter(None, (p.reason, p.how))),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 class Plan(list):
@@ -51,7 +147,8 @@ class PairConnections:
         shard_sources: bool,
         setup_timeout_s: float,
     ):
-        if shard_sources and (pairs is not None or transport not in (None, "collective")):
+        forced = None if config.is_auto("transport") else config.transport
+        if shard_sources and (pairs is not None or {str(transport), str(forced)} - {"None", "collective"}):
             raise ValueError("shard_sources pairs every sender with every receiver over the collective")
         self.actors, self.config, self.sync_id = actors, config, sync_id
         self._source, self._sink, self._override = source, sink, transport
@@ -60,6 +157,7 @@ class PairConnections:
         self.plan = Plan([], actors.sender_at, actors.receiver_at)  # placements as they are when printed
         self.push_bytes: dict[Pair, int] = {}  # what a push moves over each pair (for the progress bar)
         self.broken: set[Pair] = set()  # reconnected before the next push
+        self._sources: dict[int, SourceReport] = {}  # what each sender's source gives (for the plan)
 
     def open(self) -> None:
         """Plan every pair from the actors' placements (``SyncActors.locate`` first) and connect them all."""
@@ -67,7 +165,8 @@ class PairConnections:
         pairs = self._wanted_pairs or assign(senders, receivers)
         if self._shard:
             pairs = [(i, j) for i in range(len(senders)) for j in range(len(receivers))]
-        self.plan[:] = [self._choose(i, j) for i, j in pairs]
+        self._report_sources({i for i, _ in pairs})
+        self.plan[:] = self._choose(pairs)
         check_groups(self.plan, senders, receivers)  # before any group is made: NCCL's error comes too late
         self._connect({(p.sender, p.receiver) for p in self.plan})
 
@@ -96,24 +195,38 @@ class PairConnections:
             return
         broken = set(self.broken)  # kept until repaired: a repair that fails is tried again next push
         self.actors.relocate(broken, self._timeout_s)
-        for k, p in enumerate(self.plan):
+        self._report_sources({i for i, _ in broken})
+        replanned = self._choose([(p.sender, p.receiver) for p in self.plan])  # rings that share memory
+        for k, p in enumerate(replanned):
             if (p.sender, p.receiver) in broken:
-                self.plan[k] = self._choose(p.sender, p.receiver)
-                logger.info("re-planned pair #%d -> #%d: %s", p.sender, p.receiver, self.plan[k].transport)
+                self.plan[k] = p
+                logger.info("re-planned pair #%d -> #%d: %s, %s", p.sender, p.receiver, p.transport, p.mode)
         check_groups(self.plan, self.actors.sender_at, self.actors.receiver_at)
         self._connect(broken)
         self.broken -= broken
 
-    def _choose(self, i: int, j: int) -> PairPlan:
-        if self._shard:
-            return PairPlan(
-                i, j, "collective", "collective", f"sharded sources: share {i} of {len(self.actors.senders)}"
-            )
+    def _report_sources(self, senders: set[int]) -> None:
+        """Each of ``senders`` reports what its source gives under this config (placement.report_source)."""
+        calls = self.actors.on_senders(
+            report_source, {i: (self._source, self.config) for i in sorted(senders)}
+        )
+        reports = self.actors.get(calls, "report the source", self._timeout_s)
+        self._sources.update(zip(sorted(senders), reports, strict=True))
+
+    def _choose(self, pairs: list[Pair]) -> list[PairPlan]:
         o = self._override
-        override = o.get((i, j)) if isinstance(o, dict) else o
         # every built transport: what works for a pair is the endpoints' to say (their placements), not the
         # driver's, which may have no GPU at all
-        return choose(i, j, self.actors.sender_at[i], self.actors.receiver_at[j], registry.names(), override)
+        return plan_pairs(
+            pairs,
+            self.actors.sender_at,
+            self.actors.receiver_at,
+            registry.names(),
+            self.config,
+            self._sources,
+            lambda i, j: o.get((i, j)) if isinstance(o, dict) else o,
+            shares=len(self.actors.senders) if self._shard else 0,
+        )
 
     def _connect(self, pairs: set[Pair]) -> None:
         """(Re)connect ``pairs``: a session per ring pair; a sender's whole broadcast group if any of its
@@ -134,7 +247,7 @@ class PairConnections:
         same_host = s.host == self.actors.receiver_at[p.receiver].host
         endpoint = None if same_host else f"tcp://{s.ip}:*"
         secret = SessionSecret.generate()  # per pair, made here, handed out through Ray
-        cfg = dataclasses.replace(self.config, transport=p.transport)
+        cfg = p.config(self.config)
         opened: SessionOpened
         [opened] = self.actors.get(
             self.actors.on_senders(
@@ -154,7 +267,7 @@ class PairConnections:
         )
 
     def _connect_group(self, i: int, receivers: list[int]) -> None:
-        secret, cfg = SessionSecret.generate(), self.config
+        secret, cfg = SessionSecret.generate(), group_config(self.plan, i, self.config)
         share = (i, len(self.actors.senders)) if self._shard else None
         host = self.actors.sender_at[i].ip
         opened: GroupOpened

@@ -1,26 +1,67 @@
-"""Where each endpoint runs, and which transport each (sender, receiver) pair uses.
+"""Where each endpoint runs, and how each (sender, receiver) pair moves the weights.
 
-Every endpoint reports a Placement from inside its own process (``probe``). ``choose`` turns two of them
-into a transport, by these rules, first match wins:
+Every endpoint reports a Placement from inside its own process (``probe``), every sender what its source gives
+(``report_source``); ``choose`` turns them into a PairPlan, and says why. The transport, first match wins:
 
     same node, same GPU (by UUID)           -> cuda_ipc
     same node, GPUs with peer access        -> cuda_ipc (peer)
     same node otherwise (CPU, NPU, no IPC)  -> shm
     other nodes                             -> collective (NCCL on GPUs, gloo on CPUs)
 
-Where the rules' choice cannot run (a transport missing from the list given to ``choose``), the pair falls
-back to the first one that can (shm needs the two processes on one host), and the plan says so. GPUs are matched by UUID, never by index: each process
-numbers its GPUs after its own CUDA_VISIBLE_DEVICES.
+then, on cuda_ipc, direct mode or the ring (Note [direct or ring]), and the ring's shape (Note [ring shape]).
+What the user sets (SyncConfig's transport, direct, bucket_bytes, num_buffers; WeightSync's ``transport=``) is
+forced instead, and a forced choice that cannot serve a pair is a PlanError before any session opens. Where the
+rules' transport is not built, the pair falls back to the first one that can (shm needs one host), and says so.
+GPUs are matched by UUID, never by index: each process numbers its GPUs after its own CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from raysync.core.config import MiB, SyncConfig
 from raysync.core.errors import PlanError
+
+# Note [direct or ring]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Direct mode (transport.cuda_ipc_direct) makes one copy per tensor and stages nothing, so a cuda_ipc pair runs
+# it wherever it is correct, and the ring otherwise. It is correct when the sender's report (report_source: the
+# tensors a push would send, through the same select() and config) says
+#   - every tensor is on the sender's current GPU, dense, contiguous and in its wire dtype (no cast_dtype
+#     applies to it): the very check the direct plane makes when it exports them (cuda_ipc_direct._not_in_place);
+#   - the source is stable: a second call gives the same tensors (the same data pointers; the first call's
+#     tensors are held meanwhile, so that no address can be reused).
+# Tensors that move anyway stay correct: the session keys the tensors it placed by data pointer, dtype, shape,
+# stride and device (core.agreement.SenderLayout.select); a new pointer re-exports the storages and sends their
+# handles before that push starts, and the receiver maps them again. A source that makes new tensors at every
+# call (a gather, a cast) would pay that export and mapping at every push, holding both sets meanwhile: the
+# ring serves it instead. With no report (raysync doctor's hypothetical pairs) no pair is planned direct.
+#
+# Note [ring shape]
+# ~~~~~~~~~~~~~~~~~
+# A ring left to the plan starts from the shape measured fastest on its path (docs/benchmarks.md):
+#     cuda_ipc, one GPU    2 x 2048 MiB   two processes take turns on one GPU: fewer, larger buckets (sections 1, 2)
+#     cuda_ipc, peer GPUs  2 x 1024 MiB   (section 3)
+#     shm, GPU endpoints   2 x 512 MiB    (section 4)
+#     shm, CPU endpoints   2 x 8 MiB      (section 6)
+#     collective           2 x 512 MiB    NCCL (section 5); gloo not measured
+# and shrinks it: no bucket larger than the push (a small model is one bucket in one buffer), and no ring larger
+# than 1/RING_SHARE of the memory free where it lives, at probe time, split between the rings planned there:
+# the sender's GPU (cuda_ipc), the host (shm), each rank's device (collective). A size the user sets is kept as
+# set; a ring that cannot fit the memory free is a PlanError.
+RING_SHARE = 4
+_SWEET_SPOTS = {  # path -> (bucket bytes, buffers)
+    "cuda_ipc, one GPU": (2048 * MiB, 2),
+    "cuda_ipc, peer GPUs": (1024 * MiB, 2),
+    "shm, GPU endpoints": (512 * MiB, 2),
+    "shm, CPU endpoints": (8 * MiB, 2),
+    "collective": (512 * MiB, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +76,8 @@ class Placement:
     cuda_visible_devices: str | None
     ipc_ok: bool  # CUDA IPC verified by a probe (an export opened by a child process)
     peer_access: tuple[tuple[bool, ...], ...]
+    gpu_free_bytes: int | None = None  # free on current_gpu (torch.cuda.mem_get_info) when probed
+    host_free_bytes: int | None = None  # what a shm ring may take on this host (shm.ring_memory_bytes)
 
     def label(self) -> str:
         where = f"node {self.node_id[:8]} ({self.host}, pid {self.pid})"
@@ -46,6 +89,8 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
     where Ray is not initialized in this process: a vLLM worker started by its engine inside a Ray actor."""
     import torch
 
+    from raysync.transport.shm import ring_memory_bytes
+
     node_id, ip = node or (socket.gethostname(), "127.0.0.1")
     try:
         import ray
@@ -56,10 +101,9 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
     except ImportError:
         pass
     uuids: tuple[str, ...] = ()
-    current = None
+    current = gpu_free = None
     peers: tuple[tuple[bool, ...], ...] = ()
-    device = "cpu"
-    ipc_ok = False
+    device, ipc_ok = "cpu", False
     if torch.cuda.is_available():
         from raysync.transport.cuda_ipc import ipc_works
 
@@ -67,11 +111,13 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
         n = torch.cuda.device_count()
         uuids = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(n))
         current = uuids[torch.cuda.current_device()] if n else None
+        gpu_free = torch.cuda.mem_get_info()[0] if n else None
         peers = tuple(
             tuple(i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)) for i in range(n)
         )
     elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - Ascend, untested here
         device = "npu"
+    host_free = ring_memory_bytes()
     return Placement(
         node_id,
         socket.gethostname(),
@@ -83,7 +129,47 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
         os.environ.get("CUDA_VISIBLE_DEVICES"),
         ipc_ok,
         peers,
+        gpu_free,
+        host_free if host_free < 1 << 62 else None,  # (1 << 62: neither MemAvailable nor a cgroup was read)
     )
+
+
+@dataclass(frozen=True)
+class SourceReport:
+    """What a sender's source gives under the sync's config, reported from inside the sender (report_source)."""
+
+    push_bytes: int  # what a push moves, in wire dtypes
+    not_in_place: str  # why direct mode cannot read the tensors in place, naming one; "" where it can
+    stable: bool  # a second call of the source gave the same tensors (Note [direct or ring])
+
+
+def report_source(
+    actor: Any, source: Callable[[Any], Iterable[tuple[str, Any]]], config: SyncConfig
+) -> SourceReport:
+    """The sender's SourceReport (run inside the sender, like raysync.ray.endpoint's functions)."""
+    import torch
+
+    from raysync.core.source import select
+    from raysync.core.wire import DTYPES
+    from raysync.transport.cuda_ipc_direct import _not_in_place  # the direct plane's own rule
+
+    first = select(source(actor), config)  # held until the second call is compared
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    why = "" if device is not None else "the sender has no GPU"
+    for s in first if device is not None else ():
+        why = _not_in_place(s.tensor, DTYPES[s.spec.dtype], device)
+        if why:
+            why = f"{s.spec.name!r} {why}"
+            break
+    pointers = {s.spec.name: s.tensor.data_ptr() for s in first}
+    seen, stable = 0, True
+    for name, tensor in source(actor):  # lazily: the first tensor that moved ends it
+        if name in pointers:
+            seen += 1
+            if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() != pointers[name]:
+                stable = False
+                break
+    return SourceReport(sum(s.spec.nbytes for s in first), why, stable and seen == len(pointers))
 
 
 @dataclass(frozen=True)
@@ -92,7 +178,26 @@ class PairPlan:
     receiver: int
     wanted: str  # what the rules pick
     transport: str  # what will run (differs when ``wanted`` is not built, or overridden)
-    reason: str
+    reason: str  # why this transport
+    direct: bool = False  # cuda_ipc read in place (no ring)
+    bucket_bytes: int = 0  # the ring's shape; 0 in direct mode
+    num_buffers: int = 0
+    how: str = ""  # why this mode and ring shape
+
+    @property
+    def mode(self) -> str:
+        return "direct" if self.direct else f"ring {self.num_buffers} x {_size(self.bucket_bytes)}"
+
+    def config(self, config: SyncConfig) -> SyncConfig:
+        """What this pair's endpoints run: ``config`` with this plan's choices, in plain values."""
+        ring = {"bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers}
+        return config.resolved(
+            transport=self.transport, direct=self.direct, **(ring if self.num_buffers else {})
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n / MiB:.1f} MiB" if n > MiB else f"{n} B"
 
 
 def _wanted(s: Placement, r: Placement) -> tuple[str, str]:
@@ -118,27 +223,153 @@ def _works(transport: str, s: Placement, r: Placement) -> bool:
 
 
 def choose(
-    i: int, j: int, s: Placement, r: Placement, built: Sequence[str], override: str | None = None
+    i: int,
+    j: int,
+    s: Placement,
+    r: Placement,
+    built: Sequence[str],
+    override: str | None = None,
+    *,
+    config: SyncConfig | None = None,
+    source: SourceReport | None = None,
+    rings: Mapping[str, int] | None = None,
 ) -> PairPlan:
-    """The transport for sender ``i`` -> receiver ``j``; ``built`` lists the transports that exist, best first."""
+    """The plan of sender ``i`` -> receiver ``j``; ``built`` lists the transports that exist, best first.
+    ``override``: WeightSync's ``transport=`` for this pair; ``source``: the sender's report; ``rings``: how
+    many rings each memory holds (``ring_places``), which share it."""
+    config = config or SyncConfig()
+    forced_by = ""  # WeightSync's transport=
+    if override is None and not config.is_auto("transport"):
+        override, forced_by = str(config.transport), " (SyncConfig.transport)"
+    transport, wanted, reason = _transport(s, r, built, override, forced_by)
+    direct, why = _mode(transport, s, r, config, source)
+    if direct:
+        return PairPlan(i, j, wanted, transport, reason, True, how=why)
+    bucket, buffers, shape = _ring_shape(transport, s, r, config, source, rings or {})
+    return PairPlan(
+        i, j, wanted, transport, reason, False, bucket, buffers, "; ".join(filter(None, (why, shape)))
+    )
+
+
+def _transport(
+    s: Placement, r: Placement, built: Sequence[str], override: str | None, forced_by: str
+) -> tuple[str, str, str]:
     if override is not None:
         if override not in built or not _works(override, s, r):
             raise PlanError(
-                f"override {override!r} cannot serve {s.label()} -> {r.label()} (built: {list(built)})"
+                f"override {override!r}{forced_by} cannot serve {s.label()} -> {r.label()} (built: {list(built)})"
             )
-        return PairPlan(i, j, override, override, "override")
+        return override, override, "override" + forced_by
     wanted, reason = _wanted(s, r)
     if wanted in built:
-        return PairPlan(i, j, wanted, wanted, reason)
+        return wanted, wanted, reason
     for fallback in built:
         if _works(fallback, s, r):
-            return PairPlan(
-                i, j, wanted, fallback, f"{reason}; {wanted} not built yet, {fallback} instead (same host)"
-            )
+            return fallback, wanted, f"{reason}; {wanted} not built yet, {fallback} instead (same host)"
     raise PlanError(
         f"no built transport can serve {s.label()} -> {r.label()}: the rules want {wanted} ({reason}), "
         f"built so far: {list(built)}"
     )
+
+
+def _mode(
+    transport: str, s: Placement, r: Placement, config: SyncConfig, source: SourceReport | None
+) -> tuple[bool, str]:
+    """Direct or ring, and why (Note [direct or ring]); a forced direct mode that cannot work is refused."""
+    forced = config.direct
+    pair = f"{s.label()} -> {r.label()}"
+    if transport != "cuda_ipc":
+        if forced:
+            raise PlanError(
+                f"direct=True reads the sender's tensors in place over CUDA IPC, and {pair} runs {transport}: "
+                f"put both on one GPU (or GPUs with peer access), or leave direct=None to let the plan choose"
+            )
+        return False, ""
+    if forced is False:
+        return False, "ring: direct=False"
+    if source is None:
+        return (True, "direct: forced") if forced else (False, "ring: the sender's tensors were not reported")
+    if source.not_in_place:
+        if forced:
+            raise PlanError(
+                f"direct=True, but on {s.label()} {source.not_in_place}, which direct mode cannot read in "
+                f"place: leave direct=None (the plan takes the ring) or send tensors as they are"
+            )
+        return False, f"ring: {source.not_in_place}"
+    if not source.stable:
+        if forced:
+            return True, "direct: forced; the source gives new tensors at every call (re-exported every push)"
+        return False, "ring: the source gives new tensors at every call (direct would re-export every push)"
+    return True, "direct: the sender's tensors are read in place"
+
+
+def _path(transport: str, s: Placement, r: Placement) -> str:
+    if transport == "cuda_ipc":
+        return "cuda_ipc, one GPU" if s.current_gpu == r.current_gpu else "cuda_ipc, peer GPUs"
+    if transport == "shm":
+        return "shm, GPU endpoints" if "cuda" in (s.device, r.device) else "shm, CPU endpoints"
+    return "collective"
+
+
+def ring_places(transport: str, s: Placement, r: Placement) -> list[tuple[str, int | None]]:
+    """Where a pair's ring lives, and the bytes free there (None: not reported)."""
+    if transport == "shm":
+        known = [b for b in (s.host_free_bytes, r.host_free_bytes) if b is not None]
+        return [(f"host {s.host}", min(known, default=None))]
+    ends = [s] if transport == "cuda_ipc" else [s, r]  # the collective: a ring on every rank
+    return [
+        (f"GPU {a.current_gpu}", a.gpu_free_bytes)
+        if a.device == "cuda"
+        else (f"host {a.host}", a.host_free_bytes)
+        for a in ends
+    ]
+
+
+def _ring_shape(
+    transport: str,
+    s: Placement,
+    r: Placement,
+    config: SyncConfig,
+    source: SourceReport | None,
+    rings: Mapping[str, int],
+) -> tuple[int, int, str]:
+    """The ring's bucket size and count, and why (Note [ring shape])."""
+    from raysync.core.wire import MAX_LAYOUT_BUCKETS
+
+    path = _path(transport, s, r)
+    unit = max(config.align_bytes, MiB)
+    auto_bucket, auto_buffers = config.is_auto("bucket_bytes"), config.is_auto("num_buffers")
+    bucket, buffers = _SWEET_SPOTS[path]
+    bucket = bucket if auto_bucket else int(config.bucket_bytes)
+    buffers = buffers if auto_buffers else int(config.num_buffers)
+    notes = [f"{path}" if auto_bucket or auto_buffers else "set by SyncConfig"]
+    smallest = unit
+    if source is not None:
+        smallest = max(unit, _round_up(2 * source.push_bytes // MAX_LAYOUT_BUCKETS, unit))
+        if auto_bucket and source.push_bytes < bucket:
+            bucket, notes = max(unit, _round_up(source.push_bytes, unit)), [*notes, "the push in one bucket"]
+        if auto_buffers:
+            buffers = min(buffers, max(1, math.ceil(source.push_bytes / bucket)))
+    for place, free in ring_places(transport, s, r):
+        if free is None:
+            continue
+        room = free // max(1, rings.get(place, 1))
+        shrunk = False
+        while auto_bucket and bucket > smallest and bucket * buffers * RING_SHARE > room:
+            bucket, shrunk = max(smallest, _round_up(bucket // 2, unit)), True
+        if shrunk:
+            notes.append(f"1/{RING_SHARE} of the {_size(room)} free on {place}")
+        if bucket * buffers > room:
+            raise PlanError(
+                f"a ring of {buffers} x {_size(bucket)} for {s.label()} -> {r.label()} does not fit the "
+                f"{_size(room)} free on {place} (shared by {rings.get(place, 1)} ring(s)): lower "
+                f"SyncConfig.bucket_bytes or num_buffers, or leave them to the plan (None)"
+            )
+    return bucket, buffers, f"ring {buffers} x {_size(bucket)}: " + ", ".join(notes)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
 
 
 def check_groups(
@@ -166,37 +397,3 @@ def check_groups(
                     f"(same GPU: cuda_ipc) or put the actors on different GPUs"
                 )
             seen[key] = name
-
-
-def assign(senders: Sequence[Placement], receivers: Sequence[Placement]) -> list[tuple[int, int]]:
-    """Which sender serves each receiver: the one on the same GPU, else on the same node, else sender 0.
-    One sender gives the disaggregated topology; one per GPU the colocated one; mixed placements mix both."""
-    pairs = []
-    for j, r in enumerate(receivers):
-        same_gpu = [
-            i
-            for i, s in enumerate(senders)
-            if s.node_id == r.node_id and s.current_gpu and s.current_gpu == r.current_gpu
-        ]
-        same_node = [i for i, s in enumerate(senders) if s.node_id == r.node_id]
-        pairs.append(((same_gpu or same_node or [0])[0], j))
-    return pairs
-
-
-def format_plan(
-    plans: Sequence[PairPlan], senders: Sequence[Placement], receivers: Sequence[Placement]
-) -> str:
-    rows = [("sender", "receiver", "transport", "why")]
-    for p in plans:
-        rows.append(
-            (
-                f"#{p.sender} {senders[p.sender].label()}",
-                f"#{p.receiver} {receivers[p.receiver].label()}",
-                p.transport,
-                p.reason,
-            )
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""`raysync doctor`: what this machine (and, with --cluster, every node of the Ray cluster) supports, and which
-transport WeightSync would pick for each pair of devices.
+"""`raysync doctor`: what this machine (and, with --cluster, every node of the Ray cluster) supports, and what
+WeightSync would pick for each pair of devices: the transport, direct mode or the ring, and the ring's shape for
+the memory free here now.
 
     raysync doctor              # a table for this machine
     raysync doctor --json       # the same as JSON, for scripts
@@ -60,18 +61,25 @@ def shm_space() -> dict[str, int] | None:
 
 
 def pair_plans(at: Placement) -> list[dict[str, str]]:
-    """The transport for a sender and a receiver on each pair of this node's devices (both processes seeing
-    every device, as here), and for a receiver on another node."""
+    """What WeightSync would pick for a sender and a receiver on each pair of this node's devices (both
+    processes seeing every device, as here), and for a receiver on another node (its memory unknown). The
+    trainer's tensors are unknown here: a cuda_ipc pair reads them in place where they allow it, else the ring
+    shown (raysync.ray.placement, Note [direct or ring])."""
     built = registry.names()
     ends = [(f"GPU {i}", replace(at, current_gpu=u)) for i, u in enumerate(at.gpu_uuids)] or [("CPU", at)]
     rows = []
     for s_name, s in ends:
-        for r_name, r in ends:
-            p = choose(0, 0, s, replace(r, pid=r.pid + 1), built)
-            rows.append({"sender": s_name, "receiver": r_name, "transport": p.transport, "why": p.reason})
-        far = replace(s, node_id=s.node_id + "-other", host=s.host + "-other", ip="other")
-        p = choose(0, 0, s, far, built)
-        rows.append({"sender": s_name, "receiver": "another node", "transport": p.transport, "why": p.reason})
+        far = replace(
+            s, node_id=s.node_id + "-other", host=s.host + "-other", ip="other", host_free_bytes=None
+        )
+        for r_name, r in [*((n, replace(r, pid=r.pid + 1)) for n, r in ends), ("another node", far)]:
+            p = choose(0, 0, s, r, built)
+            mode, why = p.mode, p.reason
+            if p.transport == "cuda_ipc":
+                mode, why = f"direct or {p.mode}", why + "; direct where the sender's tensors allow it"
+            rows.append(
+                {"sender": s_name, "receiver": r_name, "transport": p.transport, "mode": mode, "why": why}
+            )
     return rows
 
 
@@ -151,8 +159,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"  transports built: {', '.join(r['transports_built'])}")
     lines.append("  WeightSync would pick:")
     w = max(len(p["sender"]) + len(p["receiver"]) for p in r["pairs"]) + 6  # " -> " and a gap
+    m = max(len(p["mode"]) for p in r["pairs"]) + 2
     for p in r["pairs"]:
-        lines.append(f"    {(p['sender'] + ' -> ' + p['receiver']):<{w}}{p['transport']:<11}{p['why']}")
+        pair = p["sender"] + " -> " + p["receiver"]
+        lines.append(f"    {pair:<{w}}{p['transport']:<11}{p['mode']:<{m}}{p['why']}")
     return "\n".join(lines)
 
 
