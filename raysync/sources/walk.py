@@ -41,6 +41,8 @@ OUTCOMES = {"done": 10, "skipped": 11, "failed": FAILED, "followed": 12}
 WAIT_SHARE = 0.7  # of timeout_s: how long a gather waits for every rank
 CENSUS_SHARE = 0.9  # of timeout_s after a gather began: the end of the census of who gave up where
 START = -1  # the stage of the start exchange; bucket k is stage k, the end exchange stage ``count``
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older versions have only the old one
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_timeout(timeout_s: float) -> timedelta:
@@ -118,7 +120,7 @@ class GatherWalk:
         header = Header(MAGIC, status, self._seq, self.version, k, self.count, self._layout, self.world)
         mine = buffer[self.rank * seg : (self.rank + 1) * seg]
         mine[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header.values(), dtype=torch.int64))
-        work = dist.all_gather_into_tensor(buffer[: self.world * seg], mine, group=self._group, async_op=True)
+        work = _all_gather(buffer[: self.world * seg], mine, group=self._group, async_op=True)
         self._pending = (k, work, buffer, seg, time.monotonic())
         self.next = k + 1
 
@@ -164,7 +166,7 @@ class GatherWalk:
         header = Header(MAGIC, status, self._seq, self.version, stage, self.count, self._layout, self.world)
         mine = self._small[self.rank * HEADER_BYTES : (self.rank + 1) * HEADER_BYTES]
         mine.view(torch.int64).copy_(torch.tensor(header.values(), dtype=torch.int64))
-        work = dist.all_gather_into_tensor(self._small, mine, group=self._group, async_op=True)
+        work = _all_gather(self._small, mine, group=self._group, async_op=True)
         return self._finish(work, self._small, HEADER_BYTES, stage, time.monotonic())
 
     def _finish(self, work, buffer: torch.Tensor, seg: int, stage: int, began: float) -> list[Header]:
