@@ -26,9 +26,9 @@ the session plugs them into its pack and unpack stages (Note [delta pushes]).
 # bucket) before anything is written. Comparisons are on the bits (int16 / int32 views), never on values:
 # NaN payloads, -0.0 and sign flips travel like any other change. Why gaps and not a bitmask with the values:
 # gaps cost 2 bytes per change, a bitmask 1 bit per element, so gaps are smaller below 6.25% changed
-# (issue 24 saw 3.6% by an RL run's eighth step, 9% at its first) and larger above; the gaps decoder has one
-# case and unpacks no bits, and decoded faster than the bitmask's at every density benchmarks/bench_delta.py
-# measured on a CPU (it times both side by side; their encodes were close). The density rule, per chunk:
+# (where issue 24 expects RL steps to be) and larger above; the gaps decoder has one case and unpacks no
+# bits, and decoded faster than the bitmask's at every density benchmarks/bench_delta.py measured on a CPU
+# (it times both side by side; their encodes were close). The density rule, per chunk:
 # FULL when the GAPS payload would not be smaller than the full bytes, or the changed fraction is above
 # ``max_density`` (the caller's break-even from the benchmark: where encode + decode stops being faster than
 # moving the full bytes over its transport).
@@ -36,7 +36,7 @@ the session plugs them into its pack and unpack stages (Note [delta pushes]).
 # How it plugs into the push (next step; the session, sources and sinks are not touched yet):
 # * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
 #   layout, laid out as the buckets are (chunk views of it pair with the source's chunks). On the trainer's GPU
-#   when there is room for it (one more copy of the model in the wire dtype: 15 GB for a 7B model in bf16),
+#   when there is room for it (one more copy of the model in the wire dtype: 2 bytes per parameter in bf16),
 #   else in registered (pinned) host memory; the plan says which. A host reference is read once per push over
 #   PCIe, as a full push over shm reads the model once, so the gain over shm needs the GPU one; over other
 #   nodes (the collective) both gain. A cast (fp32 master -> bf16) goes into a scratch bucket on the trainer's
