@@ -1,0 +1,354 @@
+"""Benchmark: a push through WeightSync (Ray actors) next to the raw session and the copy floor, in one run.
+
+    python benchmarks/bench_weightsync.py --device cpu --layout qwen2-tiny qwen2.5-0.5b --out ws_cpu.json
+    python benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --out ws_h200.json   # one GPU
+
+A trainer actor and an engine actor share one GPU (``num_gpus=0.5`` each) or the CPU; the trainer holds a
+layout's tensors (raysync.tools.models, allocated, not downloaded), the engine preallocated destinations. For
+each layout, each config is a row: ``SyncConfig()`` (the plan's choice) and every forced mode (a forced mode
+the plan refuses here is a row that says why). Each row, after one warm-up push:
+
+    WeightSync   ``sync.push(version)`` on the driver, end to end (every pair's answer back on the driver)
+    raw session  WeightSender / WeightReceiver in two processes of their own (no Ray), with the config the plan
+                 gave the pair: what the transport costs without Ray
+    Ray's share  WeightSync minus raw session (medians)
+
+and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
+``--breakdown`` (on by default) splits the default config's WeightSync push into where the driver and the actors
+spend it (Ray's public calls timed in this process; the actors stamp when their source and sink are called).
+The engine's destinations are checked against the trainer's tensors after every row. Prints a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+from common import emit
+
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
+from raysync.core.errors import PlanError
+from raysync.tools.models import allocate
+
+MiB = 1 << 20
+
+
+# --- the actors ----------------------------------------------------------------------------------------------------
+class Holder:
+    """A trainer (its tensors filled) or an engine (destinations); stamps when WeightSync calls its source / sink."""
+
+    def __init__(self, layout: str, device: str, fill: bool, threads: int):
+        torch.set_num_threads(threads)
+        self.tensors = allocate(layout, device=device, fill=fill)
+        self.stamps: dict[str, float] = {}
+
+    def checksum(self) -> float:
+        return checksum(self.tensors)
+
+    def bump(self, value: int) -> None:
+        """New first elements, so that a row whose push moved nothing cannot pass the check after it."""
+        for t in self.tensors.values():
+            t.view(-1)[:1].fill_(value)
+
+    def take_stamps(self) -> dict[str, float]:
+        stamps, self.stamps = self.stamps, {}
+        return stamps
+
+    def floor_s(self, repeats: int) -> float:
+        """One copy of every tensor into a destination on the same device: the least any push can take."""
+        dst = {k: torch.empty_like(v) for k, v in self.tensors.items()}
+        times = []
+        for _ in range(repeats + 1):
+            sync(self.tensors)
+            t0 = time.perf_counter()
+            for k, v in self.tensors.items():
+                dst[k].copy_(v)
+            sync(self.tensors)
+            times.append(time.perf_counter() - t0)
+        del dst
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return statistics.median(times[1:])
+
+
+def source(actor: Holder):
+    actor.stamps["source"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+    return actor.tensors.items()
+
+
+def sink(actor: Holder):
+    actor.stamps["sink"] = time.monotonic()
+    return actor.tensors
+
+
+def sync(tensors: dict[str, torch.Tensor]) -> None:
+    if next(iter(tensors.values())).is_cuda:
+        torch.cuda.synchronize()
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> float:
+    return float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum().item() for t in tensors.values()))
+
+
+# --- the raw session: two processes, no Ray ------------------------------------------------------------------------
+def raw_receiver(
+    q_in, q_out, config: SyncConfig, layout: str, device: str, pushes: int, threads: int
+) -> None:
+    torch.set_num_threads(threads)
+    dest = allocate(layout, device=device, fill=False)
+    endpoint, secret = q_in.get(timeout=300)
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        for _ in range(pushes + 1):
+            receiver.receive(into=dest)
+    q_out.put(checksum(dest))
+
+
+def raw_session(config: SyncConfig, layout: str, device: str, pushes: int, threads: int) -> dict[str, Any]:
+    """Median seconds of a push between a WeightSender here and a WeightReceiver in a spawned process."""
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=raw_receiver, args=(q_in, q_out, config, layout, device, pushes, threads))
+    proc.start()
+    src = allocate(layout, device=device)
+    secret = SessionSecret.generate()
+    try:
+        with WeightSender(secret, config) as sender:
+            q_in.put((sender.endpoint, secret))
+            sender.push(src.items(), 0)  # warm-up: the session's set-up
+            times = []
+            for version in range(1, pushes + 1):
+                t0 = time.perf_counter()
+                sender.push(src.items(), version)
+                times.append(time.perf_counter() - t0)
+        got = q_out.get(timeout=300)
+    finally:
+        proc.join(timeout=60)
+    assert got == checksum(src), "the raw session's receiver holds other bytes than the sender's"
+    return {"median_s": statistics.median(times), "min_s": min(times)}
+
+
+# --- where a WeightSync push spends its time ----------------------------------------------------------------------
+class Stopwatch:
+    """Times Ray's public calls made in this process (the driver) while installed: ``ActorMethod.remote``
+    (a call submitted), ``ray.wait`` and ``ray.get``, each as (start, end) on time.monotonic()."""
+
+    def __init__(self):
+        self.calls: dict[str, list[tuple[float, float]]] = {"remote": [], "wait": [], "get": []}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, attr: str, key: str) -> None:
+        original = getattr(owner, attr)
+        log = self.calls[key]
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                log.append((t0, time.monotonic()))
+
+        self._saved.append((owner, attr, original))
+        setattr(owner, attr, timed)
+
+    def __enter__(self) -> Stopwatch:
+        self._wrap(ray.actor.ActorMethod, "remote", "remote")
+        self._wrap(ray, "wait", "wait")
+        self._wrap(ray, "get", "get")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in reversed(self._saved):
+            setattr(owner, attr, original)
+
+
+def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0: int) -> dict[str, float]:
+    """Medians (ms) of each stage of a push, on one clock (time.monotonic, shared by the host's processes):
+
+    before calls      push() called -> the first call submitted (repair check, the round's calls built)
+    submit calls      the round's actor calls submitted (ActorMethod.remote, on the driver)
+    sender dispatch   its call submitted -> the sender's source called (Ray's dispatch, __ray_call__, lookup)
+    receiver dispatch its call submitted -> the receiver's sink called
+    session           the sender's push session (its PushReport.seconds)
+    answers back      session end -> the last ray.wait return (result object, transfer, the driver woken)
+    ray.wait          time the driver spent in ray.wait, and how many calls
+    ray.get           time the driver spent in ray.get on the answers
+    after answers     the last answer read -> push() returns (reports read, SyncReport built)
+    total             push() on the driver"""
+    rows: list[dict[str, float]] = []
+    for v in range(version0, version0 + pushes):
+        ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
+        with Stopwatch() as watch:
+            t0 = time.monotonic()
+            report = sync.push(v)
+            t_end = time.monotonic()
+        s_stamp, r_stamp = ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
+        remote, waits, gets = watch.calls["remote"], watch.calls["wait"], watch.calls["get"]
+        session_end = s_stamp["source"] + report.slowest.seconds
+        rows.append({
+            "before calls": remote[0][0] - t0,
+            "submit calls": remote[-1][1] - remote[0][0],
+            "sender dispatch": s_stamp["source"] - remote[0][1],
+            "receiver dispatch": r_stamp["sink"] - remote[-1][1],
+            "session": report.slowest.seconds,
+            "answers back": waits[-1][1] - session_end,
+            "ray.wait": sum(b - a for a, b in waits),
+            "ray.wait count": len(waits),
+            "ray.get": sum(b - a for a, b in gets),
+            "after answers": t_end - max(b for _, b in gets + waits),
+            "total": t_end - t0,
+        })  # fmt: skip
+    return {k: statistics.median(r[k] for r in rows) * (1 if k.endswith("count") else 1e3) for k in rows[0]}
+
+
+# --- one layout, every config ---------------------------------------------------------------------------------------
+def configs(device: str) -> dict[str, SyncConfig]:
+    base = SyncConfig(timeout_s=120, progress=False)
+    forced = {
+        "default: SyncConfig()": {},
+        "shm, ring 2 x 512 MiB (the old default)": {
+            "transport": "shm",
+            "bucket_bytes": 512 * MiB,
+            "num_buffers": 2,
+        },
+        "collective": {"transport": "collective"},
+    }
+    if device == "cuda":
+        forced |= {
+            "cuda_ipc ring, shape by the plan": {"transport": "cuda_ipc", "direct": False},
+            "cuda_ipc ring 2 x 512 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 512 * MiB,
+                                          "num_buffers": 2},
+            "cuda_ipc ring 2 x 2048 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 2048 * MiB,
+                                           "num_buffers": 2},
+            "cuda_ipc direct": {"transport": "cuda_ipc", "direct": True},
+            "shm, shape by the plan": {"transport": "shm"},
+        }  # fmt: skip
+    else:
+        forced |= {"cuda_ipc direct": {"transport": "cuda_ipc", "direct": True}}
+    return {name: dataclasses.replace(base, **values) for name, values in forced.items()}
+
+
+def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, layout: str) -> dict[str, Any]:
+    trainer, engine = actors
+    row: dict[str, Any] = {"config": name}
+    ray.get(trainer.bump.remote(len(name) % 50 + 10))
+    try:
+        sync = WeightSync([trainer], [engine], config, source=source, sink=sink)
+    except PlanError as e:
+        return row | {"refused": str(e)}
+    with sync:
+        [pair] = sync.plan
+        row |= {
+            "transport": pair.transport,
+            "mode": pair.mode,
+            "why": "; ".join(filter(None, (pair.reason, pair.how))),
+        }
+        sync.push(0)  # warm-up: sessions, rings, exports
+        times = []
+        for v in range(1, args.pushes + 1):
+            t0 = time.perf_counter()
+            sync.push(v)
+            times.append(time.perf_counter() - t0)
+        want, got = ray.get([trainer.checksum.remote(), engine.checksum.remote()])
+        assert want == got, f"{name}: the engine holds other bytes than the trainer"
+        row |= {"weightsync_median_s": statistics.median(times), "weightsync_min_s": min(times)}
+        if args.breakdown and name.startswith("default"):
+            row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
+        pair_config = pair.config(config)
+    if (
+        pair.transport == "collective"
+    ):  # a broadcast group, not a WeightSender's ring: benchmarks/bench_collective.py
+        return row
+    raw = raw_session(pair_config, layout, args.device, args.pushes, args.threads)
+    row |= {"raw_median_s": raw["median_s"], "raw_min_s": raw["min_s"]}
+    row["ray_share_s"] = row["weightsync_median_s"] - raw["median_s"]
+    return row
+
+
+def run_layout(layout: str, args) -> dict[str, Any]:
+    share = {"num_gpus": 0.5, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
+    holder = ray.remote(**share)(Holder)
+    trainer = holder.remote(layout, args.device, True, args.threads)
+    engine = holder.remote(layout, args.device, False, args.threads)
+    floor = ray.get(trainer.floor_s.remote(10))
+    nbytes = sum(t.nbytes for t in allocate(layout, device="meta").values())
+    rows = [
+        run_config(name, cfg, (trainer, engine), args, layout) for name, cfg in configs(args.device).items()
+    ]
+    for a in (trainer, engine):
+        ray.kill(a)
+    return {"layout": layout, "bytes": nbytes, "floor_one_copy_s": floor, "rows": rows}
+
+
+def print_layout(r: dict[str, Any], hardware: str) -> None:
+    ms: Callable[[float], str] = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    print(f"\n{r['layout']}: {r['bytes'] / 1e9:.3f} GB, {hardware}; floor (one copy per tensor): "
+          f"{ms(r['floor_one_copy_s'])} ms")  # fmt: skip
+    print(
+        f"{'config':<42}{'transport':<11}{'mode':<20}{'WeightSync ms':>14}{'raw ms':>9}{'Ray ms':>8}{'/floor':>8}"
+    )
+    for row in r["rows"]:
+        if "refused" in row:
+            print(f"{row['config']:<42}refused: {row['refused'][:110]}")
+            continue
+        raw = (ms(row["raw_median_s"]), ms(row["ray_share_s"])) if "raw_median_s" in row else ("-", "-")
+        print(f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['weightsync_median_s']):>14}"
+              f"{raw[0]:>9}{raw[1]:>8}"
+              f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}")  # fmt: skip
+    for row in r["rows"]:
+        if "breakdown_ms" in row:
+            print(f"where the default config's WeightSync push goes ({row['config']}), median ms:")
+            for k, v in row["breakdown_ms"].items():
+                print(f"    {k:<20}{v:>9.3f}" if not k.endswith("count") else f"    {k:<20}{v:>9.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    ap.add_argument(
+        "--layout", nargs="+", default=None, help="default: 7B and 1.5B on a GPU, tiny and 0.5B on CPU"
+    )
+    ap.add_argument("--pushes", type=int, default=None, help="timed pushes per row (default: 20 GPU, 10 CPU)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in every process (the raw session's two, the actors)",
+    )
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    gpu = args.device == "cuda"
+    args.layout = args.layout or (["qwen2.5-7b", "qwen2.5-1.5b"] if gpu else ["qwen2-tiny", "qwen2.5-0.5b"])
+    args.pushes = args.pushes or (20 if gpu else 10)
+    torch.set_num_threads(args.threads)  # this process is the raw session's sender
+    hardware = torch.cuda.get_device_name() if gpu else f"CPU, {mp.cpu_count()} cores"
+    here = os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))
+    )  # a checkout works as well as an install
+    ray.init(include_dashboard=False, logging_level="warning", num_gpus=1 if gpu else 0,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})  # fmt: skip
+    try:
+        result = {"hardware": hardware, "torch": torch.__version__, "ray": ray.__version__, "pushes": args.pushes,
+                  "layouts": []}  # fmt: skip
+        for layout in args.layout:
+            result["layouts"].append(run_layout(layout, args))
+            print_layout(result["layouts"][-1], hardware)
+    finally:
+        ray.shutdown()
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
