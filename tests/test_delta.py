@@ -16,7 +16,8 @@ from raysync.core.delta import GAP_SPAN, BadDelta, BaseMismatch, Mode
 from raysync.core.errors import LayoutError
 from raysync.core.version import MIXED
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DTYPES = [BF16, F16, F32]
 
 
 def changed_copy(old: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -88,11 +89,7 @@ def test_round_trip_is_bit_exact_for_every_change_pattern(dtype, numel, pattern)
 def test_bits_are_compared_not_values():
     """-0.0 against 0.0, NaNs with other payloads, a flipped sign: changes, and they arrive bit-exactly."""
     specials = [0.0, float("nan"), 1.0, float("inf"), 2.5, -0.0]
-    for dtype, bits in [
-        (torch.bfloat16, torch.int16),
-        (torch.float16, torch.int16),
-        (torch.float32, torch.int32),
-    ]:
+    for dtype, bits in [(BF16, torch.int16), (F16, torch.int16), (F32, torch.int32)]:
         old = torch.tensor(specials * 20000, dtype=dtype)
         new = old.clone()
         new[0] = -0.0  # 0.0 -> -0.0: equal as values
@@ -116,10 +113,7 @@ def test_no_gap_is_longer_than_the_16_bit_field():
 
 def test_several_chunks_of_mixed_dtypes_in_one_bucket():
     gen = torch.Generator().manual_seed(2)
-    olds = [
-        random_tensor(d, (n,), gen)
-        for d, n in [(torch.bfloat16, 5000), (torch.float32, 33), (torch.float16, 0)]
-    ]
+    olds = [random_tensor(d, (n,), gen) for d, n in [(BF16, 5000), (F32, 33), (F16, 0)]]
     news = [
         changed_copy(olds[0], random_mask(5000, 0.02, 3)),
         changed_copy(olds[1], torch.ones(33, dtype=torch.bool)),
@@ -332,7 +326,7 @@ def test_a_hostile_bucket_is_refused_before_anything_is_written(corruption):
 
 
 def test_a_buffer_shorter_than_its_table_is_refused():
-    olds, engine, out = hostile_bucket()
+    _, engine, out = hostile_bucket()
     with pytest.raises(BadDelta, match="cannot hold the table"):
         delta.decode(out[:48], engine, held_version=7)
 
@@ -341,7 +335,7 @@ def test_any_gap_bytes_write_distinct_elements_or_are_refused():
     """Duplicates cannot be written down: whatever the gap bytes say, the indices increase strictly, so a
     delta writes each of its entries into an element of its own, or is refused whole."""
     for seed in range(12):
-        olds, engine, out = hostile_bucket()
+        _, engine, out = hostile_bucket()
         gaps, entries = gaps_of_chunk_1(out), int(word(out, 11))
         used = int(word(out, 3))  # the last chunk's values end the bytes used
         values = set(out[used - 2 * entries : used].view(torch.int16).tolist())
@@ -370,17 +364,11 @@ def test_encode_refuses_a_buffer_too_small_and_writes_nothing():
 
 @pytest.mark.parametrize(
     "pair, out_offset, match",
-    [
-        (
-            (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.float16)),
-            0,
-            "dtype, size and device",
-        ),
-        ((torch.zeros(8), torch.zeros(9)), 0, "dtype, size and device"),
-        ((torch.zeros(8, 2)[:, 0], torch.zeros(8)), 0, "not a contiguous tensor"),
-        ((torch.zeros(8), torch.zeros(8)), 8, "multiple of 16"),
-    ],
-)
+    [((torch.zeros(8, dtype=BF16), torch.zeros(8, dtype=F16)), 0, "dtype, size and device"),
+     ((torch.zeros(8), torch.zeros(9)), 0, "dtype, size and device"),
+     ((torch.zeros(8, 2)[:, 0], torch.zeros(8)), 0, "not a contiguous tensor"),
+     ((torch.zeros(8), torch.zeros(8)), 8, "multiple of 16")],
+)  # fmt: skip
 def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
     out = torch.zeros(4096, dtype=torch.uint8)[out_offset:]
     with pytest.raises(LayoutError, match=match):
@@ -393,10 +381,7 @@ def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
 @pytest.mark.parametrize("buffer_device", ["cuda", "cpu"])  # a GPU ring, or a host ring (shm) for GPU tensors
 def test_a_gpu_round_trip_is_bit_exact(buffer_device):
     gen = torch.Generator().manual_seed(15)
-    olds = [
-        random_tensor(d, (n,), gen).cuda()
-        for d, n in [(torch.bfloat16, 3 * GAP_SPAN + 1), (torch.float32, 4097)]
-    ]
+    olds = [random_tensor(d, (n,), gen).cuda() for d, n in [(BF16, 3 * GAP_SPAN + 1), (F32, 4097)]]
     news = [changed_copy(o.cpu(), random_mask(o.numel(), 0.036, 16)).cuda() for o in olds]
     out = torch.zeros(
         delta.capacity([(n.numel(), n.element_size()) for n in news]), dtype=torch.uint8, device=buffer_device
