@@ -186,6 +186,20 @@ def test_the_plan_picks_direct_wherever_it_is_correct_and_the_ring_otherwise(
     assert mode == "direct" or (cfg.num_buffers, cfg.bucket_bytes) == (p.num_buffers, p.bucket_bytes)
 
 
+def test_same_node_other_gpus_by_what_the_receiver_sees_and_reaches():
+    """Issue 20's visibility cases: cuda_ipc only where the receiver sees the sender's GPU and reaches it."""
+    own_only = dataclasses.replace(
+        gpu("GPU-b"), gpu_uuids=("GPU-b",), peer_access=((True,),)
+    )  # Ray's default
+    p = plan(gpu(), own_only)
+    assert (p.transport, p.mode) == ("shm", "ring 2 x 512 MiB") and "not visible to the receiver" in p.reason
+    no_peer = dataclasses.replace(gpu("GPU-b"), peer_access=((True, False), (False, True)))
+    assert plan(gpu(), no_peer).reason == "same node, no peer access between the GPUs"
+    for unreachable in (own_only, no_peer, gpu(ipc=False)):
+        with pytest.raises(PlanError, match="override 'cuda_ipc'"):
+            plan(gpu(), unreachable, transport="cuda_ipc")
+
+
 def test_the_ring_fits_the_push_and_the_memory_free_where_it_lives():
     small = SourceReport(push_bytes=100 * MiB + 5, not_in_place="", stable=True)
     p = plan(gpu(), gpu(), source=dataclasses.replace(small, stable=False))

@@ -10,9 +10,8 @@ Every endpoint reports a Placement from inside its own process (``probe``), ever
 
 then, on cuda_ipc, direct mode or the ring (Note [direct or ring]), and the ring's shape (Note [ring shape]).
 What the user sets (SyncConfig's transport, direct, bucket_bytes, num_buffers; WeightSync's ``transport=``) is
-forced instead, and a forced choice that cannot serve a pair is a PlanError before any session opens. Where the
-rules' transport is not built, the pair falls back to the first one that can (shm needs one host), and says so.
-GPUs are matched by UUID, never by index: each process numbers its GPUs after its own CUDA_VISIBLE_DEVICES.
+forced instead: one that cannot serve a pair is a PlanError before any session opens. A transport not built
+falls back to the first one that can (shm needs one host). GPUs are matched by UUID, never by index.
 """
 
 from __future__ import annotations
@@ -203,22 +202,23 @@ def _size(n: int) -> str:
 def _wanted(s: Placement, r: Placement) -> tuple[str, str]:
     if s.node_id != r.node_id:
         return "collective", "other nodes"
-    if s.device == r.device == "cuda" and s.ipc_ok and r.ipc_ok:
-        if s.current_gpu and s.current_gpu == r.current_gpu:
-            return "cuda_ipc", "same GPU"
-        if s.current_gpu in r.gpu_uuids:
-            i, j = r.gpu_uuids.index(s.current_gpu), r.gpu_uuids.index(r.current_gpu)
-            if r.peer_access[j][i]:
-                return "cuda_ipc", "GPUs with peer access"
-    return "shm", "same node" + ("" if s.device == "cpu" else ", no CUDA IPC")
+    if not (s.device == r.device == "cuda" and s.ipc_ok and r.ipc_ok and s.current_gpu):
+        return "shm", "same node" + ("" if s.device == "cpu" else ", no CUDA IPC")
+    if s.current_gpu == r.current_gpu:
+        return "cuda_ipc", "same GPU"
+    if s.current_gpu not in r.gpu_uuids:  # Ray gives each GPU actor only its own GPU (issue 20)
+        return "shm", "same node, the sender's GPU is not visible to the receiver (CUDA_VISIBLE_DEVICES)"
+    if r.peer_access[r.gpu_uuids.index(r.current_gpu)][r.gpu_uuids.index(s.current_gpu)]:
+        return "cuda_ipc", "GPUs with peer access"
+    return "shm", "same node, no peer access between the GPUs"
 
 
 def _works(transport: str, s: Placement, r: Placement) -> bool:
     same_host = s.host == r.host and s.ip == r.ip  # (Ray's simulated nodes of one host share its memory)
     if transport == "shm":
         return same_host
-    if transport == "cuda_ipc":
-        return same_host and s.ipc_ok and r.ipc_ok and s.current_gpu in r.gpu_uuids
+    if transport == "cuda_ipc":  # the GPU the receiver sees and reaches (_wanted's rules), with IPC on both
+        return same_host and _wanted(s, r)[0] == "cuda_ipc"
     return True
 
 
