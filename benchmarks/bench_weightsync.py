@@ -37,6 +37,7 @@ from common import emit
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import PlanError
+from raysync.ray.endpoint import applied_version
 from raysync.tools.models import allocate
 
 MiB = 1 << 20
@@ -171,6 +172,13 @@ class Stopwatch:
             setattr(owner, attr, original)
 
 
+def bare_round_trip(trainer: Any, engine: Any) -> float:
+    """Two calls of a library function that does nothing much (pickled by reference, as the push's are)."""
+    t0 = time.monotonic()
+    ray.get([trainer.__ray_call__.remote(applied_version), engine.__ray_call__.remote(applied_version)])
+    return time.monotonic() - t0
+
+
 def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0: int) -> dict[str, float]:
     """Medians (ms) of each stage of a push, on one clock (time.monotonic, shared by the host's processes):
 
@@ -183,7 +191,9 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
     ray.wait          time the driver spent in ray.wait, and how many calls
     ray.get           time the driver spent in ray.get on the answers
     after answers     the last answer read -> push() returns (reports read, SyncReport built)
-    total             push() on the driver"""
+    total             push() on the driver
+    bare round trip   next to it, two calls that do nothing (endpoint.applied_version) through __ray_call__ on
+                      both actors at once, both answers got: Ray's least for a round of this shape"""
     rows: list[dict[str, float]] = []
     for v in range(version0, version0 + pushes):
         ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
@@ -206,6 +216,7 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
             "ray.get": sum(b - a for a, b in gets),
             "after answers": t_end - max(b for _, b in gets + waits),
             "total": t_end - t0,
+            "bare round trip": bare_round_trip(trainer, engine),
         })  # fmt: skip
     return {k: statistics.median(r[k] for r in rows) * (1 if k.endswith("count") else 1e3) for k in rows[0]}
 
