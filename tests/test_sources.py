@@ -200,3 +200,49 @@ def test_a_lazy_source_is_refused_by_a_plane_that_reads_tensors_in_place(one_ran
 
     with pytest.raises(LayoutError, match="reads whole tensors in place"):
         SenderLayout(CFG).agree_source(source, InPlace(), channel=None)
+
+
+# --- a lazy source: tensors made when their bucket is packed ------------------------------------------------------
+def test_a_lazy_source_makes_each_tensor_once_when_its_bucket_is_packed_and_holds_one_bucket_of_them(
+    in_thread,
+):
+    """The layout comes from a model on the meta device (no memory); each push makes every tensor once, in
+    bucket order, holds at most one bucket's tensors (plus one a slice spans), and lands bit-exact, cast too."""
+    import weakref
+
+    from raysync.sources.lazy import LazySource
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = {f"w{i}": (64, 12) for i in range(12)} | {"big": (700, 16), "b": (5,)}  # big spans 11 buckets
+    tensors = {n: random_tensor(torch.float32, s, gen) for n, s in shapes.items()}
+    with torch.device("meta"):
+        meta = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.empty(s)) for n, s in shapes.items()})
+    alive, most, loads = [0], [0], []
+
+    def load(name: str) -> torch.Tensor:
+        loads.append(name)
+        t = tensors[name].clone()
+        alive[0] += 1
+        most[0] = max(most[0], alive[0])
+        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - 1))
+        return t
+
+    source = LazySource.from_module(meta, load)
+    cfg = dataclasses.replace(CFG, cast_dtype="bfloat16", keep_dtype=("b",))
+    buckets = plan_buckets(source.specs(cfg), cfg.bucket_bytes, cfg.align_bytes)
+    dest = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in source.specs(cfg)}
+    with session_pair(cfg) as (sender, receiver):
+        for version in (1, 2):
+            loads.clear()
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(source, version=version)
+            assert got.result(timeout=60).version == version
+            assert loads == [n for n, _ in meta.named_parameters()]  # each made once, in push order
+            assert alive[0] == 0 and most[0] <= max(len(b.chunks) for b in buckets) + 1
+            for n, t in tensors.items():
+                assert same_bits(dest[n], t if n == "b" else t.to(torch.bfloat16)), n
+    wrong = LazySource([("w0", (3, 3), torch.float32)], lambda name: torch.zeros(2))
+    packer = wrong.packer(CFG, plan_buckets(wrong.specs(CFG), 4096), [torch.zeros(4096, dtype=torch.uint8)])
+    packer.start(1)
+    with pytest.raises(LayoutError, match=r"load\('w0'\) made"):
+        packer.pack(0)
