@@ -34,6 +34,7 @@ from raysync.core.plan import total_bytes
 from raysync.core.report import PushReport
 from raysync.core.session import OnPlane
 from raysync.core.sink import LoadFn, Sink
+from raysync.core.staging import FlipReport, Staging, StagingInfo, StagingMemory
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import (
     Accept,
@@ -49,7 +50,65 @@ from raysync.transport.base import PlaneReader
 logger = logging.getLogger(__name__)
 
 
-class PushReceiver(OnPlane):
+class StagedFlips:
+    """A receiver's staged pushes (raysync.core.staging): what the engine's thread calls between its steps. The
+    receiving thread stages through ``receive(..., flip=False)``."""
+
+    config: SyncConfig
+    version: Version
+    _channel: ReceiverChannel
+    _staging: Staging | None = None  # made at the first staged push
+    _staging_key: tuple | None = None
+
+    @property
+    def staged_version(self) -> int | None:
+        """A staged push waiting for ``flip()`` (``version`` is the live one: Note [flip and versions])."""
+        return self._staging.staged_version if self._staging else None
+
+    @property
+    def staging(self) -> StagingInfo | None:
+        """The staging memory (mode and why, bytes per device); None before the first staged push."""
+        return self._staging.memory.info if self._staging else None
+
+    def flip(self, *, max_version_lag: int | None = None, wait_s: float | None = None) -> FlipReport | None:
+        """At a step boundary of the engine: make the staged version live (groups mode: its next group); None
+        when nothing is ready. ``max_version_lag``: first wait (up to ``wait_s``, default timeout_s) for the
+        flips that bring the live version within that many versions of the newest announced (StaleWeights)."""
+        return self._staging.flip(max_version_lag, wait_s) if self._staging else None
+
+    def discard(self) -> int | None:
+        """Drop the staged version, or acknowledge a failed stage (``flip()`` refuses until then)."""
+        return self._staging.discard() if self._staging else None
+
+    def _landing(self, version: int, area: Staging | None) -> None:
+        """Push ``version`` was accepted: it lands in ``area``, or in the live weights, which drops a staged
+        version (flipped later, it would go back in time: Note [flip and versions])."""
+        if self._staging is not None:
+            self._staging.begin(version) if area else self._staging.discard()
+
+    def _landed(self, version: int, area: Staging | None, error: BaseException | None = None) -> None:
+        if area is not None:
+            area.failed(version, error) if error else area.landed(version)
+        elif error is None:
+            self.version = version
+
+    def _staging_for(self, into: Mapping[str, torch.Tensor] | None, staging_bytes: int | None) -> Staging:
+        """The Staging of these destinations and budget: made once, its memory reused by every push."""
+        if into is None:
+            raise TypeError(
+                "flip=False stages into= destinations; a load function stages itself (its finish)"
+            )
+        key = (tuple((n, t.data_ptr(), t.dtype, t.shape) for n, t in into.items()), staging_bytes)
+        if self._staging is None or self._staging_key != key:
+            if self._staging is not None:
+                self._staging.close()
+            memory = StagingMemory(into, staging_bytes, self.config.cuda_graphs)
+            self._staging = Staging(memory, self, timeout_s=self.config.timeout_s, peer=self._channel.peer)
+            self._staging_key = key
+        return self._staging
+
+
+class PushReceiver(OnPlane, StagedFlips):
     """The receiver's half of a session over ``channel`` (connected to the sender's endpoint). ``plane``: the
     data plane, when the transport made it before the session (a collective group); else the one the sender
     describes is attached at the first receive."""
@@ -75,12 +134,18 @@ class PushReceiver(OnPlane):
         into: Mapping[str, torch.Tensor] | None = None,
         load_fn: LoadFn | None = None,
         wait_s: float | None = None,
+        flip: bool = True,
+        staging_bytes: int | None = None,
     ) -> PushReport:
         """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
         Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
         this is called (again when the push brings a new layout): do not change ``into`` from another thread
-        while it waits."""
-        steps = self.receiving(into=into, load_fn=load_fn, wait_s=wait_s)
+        while it waits. ``flip=False`` (``into`` only): stage the push, leave the live weights and ``version``
+        alone; ``flip()`` applies it at the engine's next step boundary (raysync.core.staging: staging memory
+        for the whole push, or groups of at most ``staging_bytes``)."""
+        steps = self.receiving(
+            into=into, load_fn=load_fn, wait_s=wait_s, flip=flip, staging_bytes=staging_bytes
+        )
         while True:
             try:
                 next(steps)
@@ -94,15 +159,19 @@ class PushReceiver(OnPlane):
         load_fn: LoadFn | None = None,
         wait_s: float | None = None,
         staging: bool = False,
+        flip: bool = True,
+        staging_bytes: int | None = None,
     ) -> Generator[None, None, PushReport]:
         """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.transport.sharded runs
         several sessions' pushes from one thread, taking turns). ``staging``: ``load_fn`` only stages what it
         is given and the caller applies it after the push, so a failure here leaves the destinations as they
-        were (Note [versions never lie])."""
+        were (Note [versions never lie]). ``flip``, ``staging_bytes``: as for ``receive``."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
             )
+        area = None if flip else self._staging_for(into, staging_bytes)
+        into = area.target if area else into
         self._ensure_session()
         ahead = self._agreed.check_ahead(into, load_fn)
         try:
@@ -115,15 +184,17 @@ class PushReceiver(OnPlane):
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
         ahead = None
-        skip = self._agree(start)
+        skip = self._agree(start, area)
         accepted = streamed = time.perf_counter()
         if not skip:
+            self._landing(start.version, area)
             try:
-                streamed = yield from self._stream.run(start, sink, staging)
-            except BaseException:
+                streamed = yield from self._stream.run(start, sink, staging or area is not None)
+            except BaseException as e:
                 sink = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
+                self._landed(start.version, area, e)
                 raise
-            self.version = start.version
+            self._landed(start.version, area)
             self._channel.send(PushDone(start.push_id, start.version), "finish")
         self.last_stages_s = {
             "accept": accepted - started,
@@ -132,11 +203,11 @@ class PushReceiver(OnPlane):
         }
         return self._report(start.version, skip, time.perf_counter() - started)
 
-    def _agree(self, start: PushStart) -> bool:
-        """Answer accept (skip: this version is here already; never while MIXED, the next push repairs the
-        weights). A plane that moves every receiver together then waits for the sender's go: skip only if
-        all have it, or an Abort when another receiver refused (nothing has moved)."""
-        skip = start.version == self.version
+    def _agree(self, start: PushStart, area: Staging | None) -> bool:
+        """Answer accept (skip: this version is here already, live or staged; never while MIXED, the next push
+        repairs the weights). A plane that moves every receiver together then waits for the sender's go: skip
+        only if all have it, or an Abort when another receiver refused (nothing has moved)."""
+        skip = start.version in (self.version, area and area.staged_version)
         self._channel.send(Accept(start.push_id, skip), "accept")
         if not self._plane.all_or_none:
             return skip
@@ -203,6 +274,8 @@ class PushReceiver(OnPlane):
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         self._agreed.drop_sinks()  # Note [a kept error keeps nothing mapped]: the sinks go before the ring
+        if self._staging is not None:
+            self._staging.close()
         if self._plane is not None:
             self._plane.close()
             self._plane = self._stream = None

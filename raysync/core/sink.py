@@ -25,6 +25,7 @@ old weights back, or raises ``WeightsMixed``. Every other push writes the destin
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from raysync.core.copies import CopyList
 from raysync.core.errors import LayoutError, WeightsMixed
 from raysync.core.plan import Bucket, Chunk
 from raysync.core.wire import DTYPES, TensorSpec
+
+if TYPE_CHECKING:
+    from raysync.core.staging import Staging
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 
@@ -88,7 +92,7 @@ class IntoTensors(Sink):
         graphs: bool = True,
     ):
         super().__init__(specs)
-        final = [_byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
+        final = [byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
         self.in_place = not staged
         self._graphs = graphs  # raysync.core.copies: lists on one GPU replayed from a CUDA graph
@@ -184,6 +188,71 @@ class IntoLoadFn(Sink):
         return spec.name, data.view(DTYPES[spec.dtype]).reshape(spec.shape)
 
 
+class StagingSink(IntoTensors):
+    """Lands a push in a Staging's memory (raysync.core.staging), group by group: when the first chunk of group
+    g comes, group g - 1 is complete (its digests taken first, with verify) and handed to the flip, and the
+    chunk waits until the engine flipped it (the groups share the memory). Nothing reaches the live weights."""
+
+    def __init__(self, specs: Sequence[TensorSpec], staging: Staging, graphs: bool):
+        super().__init__(specs, staging.memory.views, staged=False, graphs=graphs)
+        self._staging, self._group_of = staging, staging.memory.plan.group_of
+        self._segments: dict[tuple, list[tuple[int, CopyList]]] = {}
+        self._group = 0
+        self._sums: dict[int, int] = {}  # digests of the tensors of groups handed to the flip
+
+    def reset(self) -> None:
+        super().reset()
+        self._group, self._sums = 0, {}
+
+    def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
+        segments = self._segments.get(key)
+        if segments is None:  # made once per buckets and buffers, replayed every push
+            segments = self._segments[key] = self._split(parts)
+        for group, copies in segments:
+            if group != self._group:
+                self._close(self._group)
+                self._staging.wait_room(group)
+                self._group = group
+            copies.run()
+        for bucket, buffer in parts:
+            self._sync(buffer)
+            self.landed(bucket)
+
+    def _split(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> list[tuple[int, CopyList]]:
+        runs: list[tuple[int, list]] = []
+        for bucket, buffer in parts:
+            for c in bucket.chunks:
+                group = self._group_of[c.index]
+                if not runs or runs[-1][0] != group:
+                    runs.append((group, []))
+                if c.nbytes:
+                    runs[-1][1].append((self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes]))
+        return [(group, CopyList(pairs, self._graphs)) for group, pairs in runs]
+
+    def _close(self, group: int) -> None:
+        self._synchronize()
+        if self.verify:
+            mine = [i for i, g in enumerate(self._group_of) if g == group]
+            sums = digest.combine([[digest.partial(self._bytes[i], 0)] for i in mine])
+            self._sums.update(zip(mine, sums, strict=True))
+        self._staging.group_landed(group)
+
+    def digests(self) -> list[int]:
+        rest = [i for i in range(len(self.specs)) if i not in self._sums]
+        sums = dict(
+            zip(rest, digest.combine([[digest.partial(self._bytes[i], 0)] for i in rest]), strict=True)
+        )
+        return [self._sums.get(i, sums.get(i)) for i in range(len(self.specs))]
+
+    def commit(self) -> None:
+        self._synchronize()  # the flip runs on the engine's thread: the copies must be done before
+
+    def _synchronize(self) -> None:
+        for device in self._devices:
+            torch.cuda.current_stream(device).synchronize()
+
+
 class Sinks:
     """Makes each push's sink. Checking 339 destinations and making their byte views costs milliseconds of
     Python, so the checked views are kept while the layout and the destination tensors stay the same."""
@@ -202,12 +271,16 @@ class Sinks:
     ) -> Sink:
         if into is None:
             return IntoLoadFn(specs, load_fn)
+        make_sink = getattr(into, "make_sink", None)  # a Staging's (raysync.core.staging): staged already
         try:
-            key = (layout_id, tuple((t.data_ptr(), t.dtype, t.shape) for t in (into[s.name] for s in specs)))
+            ptrs = tuple((t.data_ptr(), t.dtype, t.shape) for t in (into[s.name] for s in specs))
+            key = (layout_id, id(into) if make_sink else None, ptrs)  # the sink keeps ``into`` alive
         except KeyError:
             key = None  # IntoTensors names the missing destination
         if key is None or key != self._key:
-            self._into, self._key = IntoTensors(specs, into, self._staged, self._graphs), key
+            made = make_sink(specs, self._graphs) if make_sink else None
+            self._into = made or IntoTensors(specs, into, self._staged, self._graphs)
+            self._key = key
         else:
             self._into.reset()
         return self._into
@@ -227,7 +300,7 @@ def _check_with(load_fn: LoadFn, specs: Sequence[TensorSpec]) -> None:
         raise LayoutError(f"the load function refused the push: {type(e).__name__}: {e}") from e
 
 
-def _byte_view(spec: TensorSpec, dest: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def byte_view(spec: TensorSpec, dest: Mapping[str, torch.Tensor]) -> torch.Tensor:
     t = dest.get(spec.name)
     if t is None:
         close = [n for n in dest if n.rsplit(".", 1)[-1] == spec.name.rsplit(".", 1)[-1]][:3]

@@ -1,0 +1,373 @@
+"""Staged pushes with a flip (issue 18): a push lands in staging memory while the engine keeps computing on the
+live weights; at a step boundary the engine calls ``flip()`` and one copy per destination makes it live.
+
+    receiving thread                                   engine thread (its step loop)
+    receiver.receive(into=params, flip=False)          step on version v     (reads the live weights only)
+      accept: Staging.begin(v + 1)                     receiver.flip()       -> None: nothing staged yet
+      every bucket -> staging memory                   step on version v
+      done: staged_version = v + 1, PushDone           receiver.flip()       -> FlipReport: live := v + 1
+                                                       step on version v + 1
+
+The live tensors are written only by the flip, in place (their addresses stay: CUDA graphs captured over them
+stay valid), from the engine's own thread, between its steps: the lock around a step is the caller's.
+
+Two modes (``StagingInfo.mode``, chosen per layout, with the reason in ``StagingInfo.why``):
+
+* ``whole``: staging memory for every tensor of the push (no ``staging_bytes``, or the push fits in it). One
+  flip applies the whole version.
+* ``groups``: the push is larger than ``staging_bytes``: its tensors, in layout order, are cut into groups of
+  consecutive tensors that each fit, all staged in the same memory. Group g lands only once the engine has
+  flipped group g - 1 (the receiving thread waits for it, bounded by timeout_s), so a push spans several steps
+  and the steps between its first and last flip run on MIXED weights (Note [flip and versions]).
+
+Staging memory is one byte buffer per device of the destinations (the destinations' own devices), allocated
+when the first push of a layout is accepted and reused by every push after it; ``StagingInfo`` gives its size.
+
+# Note [flip and versions]
+# ``version`` is the live weights' version and only a flip changes it (Note [versions never lie] in
+# raysync.core.version); ``staged_version`` is a complete, verified push waiting for its flip. A push that fails
+# while staging leaves the live weights and version untouched (in groups mode: unless groups were flipped
+# already, which left them MIXED), and ``flip()`` then raises StagingFailed until ``discard()`` or the next push.
+# A flip that fails part-way leaves MIXED: the next push repairs it. A new push while a version waits for its
+# flip replaces it (it lands in the same memory): the older staged version is dropped, never flipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from raysync.core.copies import CopyList
+from raysync.core.errors import LayoutError, PeerTimeout, PeerUnavailable, RaysyncError, WeightsMixed
+from raysync.core.sink import StagingSink, byte_view
+from raysync.core.version import MIXED, Version, is_version
+from raysync.core.wire import DTYPES, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 256  # every staged tensor starts at a multiple of this in its buffer: a view of any dtype
+
+EMPTY, LANDING, READY, FAILED = "empty", "landing", "ready", "failed"
+
+
+class StagingError(RaysyncError):
+    """A staged push cannot be flipped or discarded now (the message says why and what to do)."""
+
+
+class StagingFailed(StagingError):
+    """The push being staged failed: there is nothing to flip. ``discard()`` acknowledges it (the next push
+    does too); the live weights and their version are the ones the engine is computing with."""
+
+    def __init__(self, version: int, reason: str, flipped: int = 0):
+        self.version, self.reason = version, reason
+        live = (
+            f"{flipped} of its groups were flipped: the live weights are MIXED until a push completes"
+            if flipped
+            else "the live weights were not touched by it"
+        )
+        super().__init__(
+            f"flip refused: staging version {version} failed ({reason}); {live}; call discard() or wait for "
+            f"the next push"
+        )
+
+
+class StaleWeights(PeerUnavailable, TimeoutError):
+    """A step waited past its bound for a flip that ``max_version_lag`` required (the push did not land)."""
+
+    def __init__(self, peer: str, stage: str, timeout_s: float, live: Version, newest: int, lag: int):
+        self.timeout_s = timeout_s
+        super().__init__(
+            peer,
+            stage,
+            f"the live weights are version {live!r}, version {newest} was announced by {peer} and "
+            f"max_version_lag={lag}; no staged version to flip came within {timeout_s:g}s at stage '{stage}' "
+            f"(the push is slow or stuck: raise wait_s, or the bound)",
+        )
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """What the staging memory is: ``mode`` "whole" or "groups" and why, its bytes per device."""
+
+    mode: str
+    why: str
+    groups: int
+    push_bytes: int  # of the push's tensors
+    nbytes: int  # staging memory allocated, all devices
+    devices: tuple[tuple[str, int], ...]  # (device, bytes)
+
+
+@dataclass(frozen=True)
+class FlipReport:
+    version: Version  # live after this flip: the staged version, or MIXED after a group that is not the last
+    staged_version: int
+    group: int
+    groups: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Where each tensor of a push is staged: its group and byte offset in its device's buffer."""
+
+    group_of: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: dict[torch.device, int]  # buffer bytes per device
+    groups: int
+
+
+def plan_groups(
+    nbytes: Sequence[int], devices: Sequence[torch.device], budget: int | None, names: Sequence[str] = ()
+) -> GroupPlan:
+    """Pure: one group when ``budget`` is None or the push fits in it; else consecutive tensors, each group at
+    most ``budget`` bytes (alignment included). A tensor larger than the budget is a LayoutError."""
+    total = sum(_up(n) for n in nbytes)
+    whole = budget is None or total <= budget
+    group_of: list[int] = []
+    offsets: list[int] = []
+    sizes: dict[torch.device, int] = {}
+    used: dict[torch.device, int] = {}
+    group = group_bytes = 0
+    for i, (n, device) in enumerate(zip(nbytes, devices, strict=True)):
+        need = _up(n)
+        if not whole and need > budget:
+            name = names[i] if i < len(names) else f"#{i}"
+            raise LayoutError(
+                f"tensor {name!r} ({n} bytes) does not fit staging_bytes={budget}; raise staging_bytes to at "
+                f"least {need} or stage the whole push (staging_bytes=None)"
+            )
+        if not whole and group_bytes + need > budget:
+            group, group_bytes, used = group + 1, 0, {}
+        group_of.append(group)
+        offsets.append(used.get(device, 0))
+        used[device] = offsets[-1] + need
+        group_bytes += need
+        sizes[device] = max(sizes.get(device, 0), used[device])
+    return GroupPlan(tuple(group_of), tuple(offsets), sizes, group + 1 if nbytes else 1)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class StagingMemory:
+    """The staging memory of one set of live destinations: planned and sized per layout, allocated once (a
+    buffer per device, grown only when a layout needs more), and the flip's copies, one list per group."""
+
+    def __init__(self, dest: Mapping[str, torch.Tensor], staging_bytes: int | None, graphs: bool = True):
+        if staging_bytes is not None and staging_bytes < ALIGN_BYTES:
+            raise ValueError(
+                f"staging_bytes={staging_bytes}: at least {ALIGN_BYTES}, or None for the whole push"
+            )
+        self.dest, self.staging_bytes, self._graphs = dest, staging_bytes, graphs
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.specs: tuple[TensorSpec, ...] | None = None
+        self.plan: GroupPlan | None = None
+        self.views: dict[str, torch.Tensor] = {}  # name -> its staging tensor (groups share the memory)
+        self.flips: list[CopyList] = []  # per group: (live, staged) of each of its destinations
+        self.group_bytes: list[int] = []
+        self.info: StagingInfo | None = None
+
+    def prepare(self, specs: tuple[TensorSpec, ...]) -> None:
+        """Plan ``specs`` (a new layout): groups, offsets, views, the flip's copies; allocate what is missing."""
+        live = [byte_view(s, self.dest) for s in specs]  # names, shapes, dtypes checked before anything
+        names = [s.name for s in specs]
+        plan = plan_groups([s.nbytes for s in specs], [t.device for t in live], self.staging_bytes, names)
+        for device, size in plan.sizes.items():
+            have = self.buffers.get(device)
+            if have is None or have.numel() < size:
+                self.buffers[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        staged = [self.buffers[t.device][o : o + t.numel()] for t, o in zip(live, plan.offsets, strict=True)]
+        self.views = {
+            s.name: b.view(DTYPES[s.dtype]).view(s.shape) for s, b in zip(specs, staged, strict=True)
+        }
+        pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(plan.groups)]
+        for g, d, s in zip(plan.group_of, live, staged, strict=True):
+            if d.numel():
+                pairs[g].append((d, s))
+        self.flips = [CopyList(p, self._graphs) for p in pairs]
+        self.group_bytes = [sum(d.numel() for d, _ in p) for p in pairs]
+        self.specs, self.plan, self.info = specs, plan, self._describe(specs, plan)
+        logger.info("staging for %d tensors: %s", len(specs), self.info)
+
+    def _describe(self, specs: tuple[TensorSpec, ...], plan: GroupPlan) -> StagingInfo:
+        push = sum(s.nbytes for s in specs)
+        if plan.groups > 1:
+            mode, why = (
+                "groups",
+                (
+                    f"the push ({push} bytes) exceeds staging_bytes={self.staging_bytes}: {plan.groups} groups of "
+                    f"consecutive tensors, one flip each; steps between the first and last flip run on MIXED weights"
+                ),
+            )
+        elif self.staging_bytes is None:
+            mode, why = "whole", "no staging_bytes: staging for the whole push"
+        else:
+            mode, why = "whole", f"the push ({push} bytes) fits staging_bytes={self.staging_bytes}"
+        devices = tuple((str(d), b.numel()) for d, b in self.buffers.items())
+        return StagingInfo(mode, why, plan.groups, push, sum(b for _, b in devices), devices)
+
+    def close(self) -> None:
+        self.buffers, self.views, self.flips, self.specs = {}, {}, [], None
+
+
+class Staging:
+    """The state of a staged push and its flip, over a StagingMemory. One receiving thread stages; the
+    engine's thread flips, discards and waits (``max_version_lag``). ``owner``: what holds the live
+    ``version`` (a PushReceiver); here only the flip writes it."""
+
+    def __init__(self, memory: StagingMemory, owner: object, *, timeout_s: float, peer: str):
+        self.memory, self._owner, self._timeout_s, self._peer = memory, owner, timeout_s, peer
+        self.target = _Target(self)  # what the session's Sinks get as ``into``
+        self._cond = threading.Condition()
+        self.state, self._version, self._error = EMPTY, None, ""
+        self.newest: int | None = None  # the newest version a push announced (max_version_lag counts from it)
+        self._ready = self._flipped = 0  # groups landed, groups flipped, of the push in ``_version``
+
+    @property
+    def staged_version(self) -> int | None:
+        """A complete push waiting for its flip (None while one lands, after a failure, after the flip)."""
+        return self._version if self.state == READY and self._flipped == 0 else None
+
+    # --- the receiving thread -----------------------------------------------------------------------------------
+    def make_sink(self, specs: Sequence[TensorSpec], graphs: bool) -> StagingSink:
+        """The sink of a push of ``specs`` (raysync.core.sink.Sinks calls it); a new layout is planned and
+        sized first (a version still waiting for its flip is then dropped)."""
+        with self._cond:
+            if self.memory.specs != tuple(specs):
+                self._drop_ready("its layout changed")
+                self.memory.prepare(tuple(specs))
+        return StagingSink(specs, self, graphs)
+
+    def begin(self, version: int) -> None:
+        """Push ``version`` was accepted: its bytes land from now on (a flip in progress finishes first)."""
+        with self._cond:
+            self._drop_ready(f"version {version} replaces it")
+            self.state, self._version, self._error = LANDING, version, ""
+            self._ready = self._flipped = 0
+            self.newest = version if self.newest is None else max(self.newest, version)
+            self._cond.notify_all()
+
+    def group_landed(self, group: int) -> None:
+        with self._cond:
+            self._ready = group + 1
+            self._cond.notify_all()
+
+    def wait_room(self, group: int) -> None:
+        """Group ``group`` may land once the group before it was flipped (groups share the memory)."""
+        n = self.memory.plan.groups
+        stage = f"stage group {group + 1}/{n}: waiting for the engine's flip() of group {group}/{n}"
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._flipped >= group or self.state != LANDING, self._timeout_s
+            ):
+                raise PeerTimeout("the engine (flip() at its step boundaries)", stage, self._timeout_s)
+            if self.state != LANDING:
+                raise StagingError(f"version {self._version} was dropped while it landed ({stage})")
+
+    def landed(self, version: int) -> None:
+        """The whole push landed (and was verified): ready to flip."""
+        with self._cond:
+            self.state, self._ready = READY, self.memory.plan.groups
+            self._cond.notify_all()
+
+    def failed(self, version: int, error: BaseException) -> None:
+        with self._cond:
+            self.state, self._error = FAILED, f"{type(error).__name__}: {error}".split("\n")[0][:300]
+            self._cond.notify_all()
+
+    # --- the engine's thread ------------------------------------------------------------------------------------
+    def flip(self, max_version_lag: int | None = None, wait_s: float | None = None) -> FlipReport | None:
+        """Apply the staged version, or its next group (groups mode); None when nothing is ready. With
+        ``max_version_lag``, wait (up to ``wait_s``, default timeout_s) and flip until the live version is at
+        most that far behind the newest version announced."""
+        limit = self._timeout_s if wait_s is None else wait_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            report = self._flip_one()
+            while self._stale(max_version_lag):
+                left = deadline - time.monotonic()
+                if not self._cond.wait_for(lambda: self._ready > self._flipped or self.state == FAILED, left):
+                    live, stage = self._owner.version, "flip: waiting for a staged version"
+                    raise StaleWeights(self._peer, stage, limit, live, self.newest, max_version_lag)
+                report = self._flip_one() or report
+            return report
+
+    def _flip_one(self) -> FlipReport | None:
+        if self.state == FAILED:
+            raise StagingFailed(self._version, self._error, self._flipped)
+        if self.state not in (LANDING, READY) or self._ready <= self._flipped:
+            return None
+        group, groups, copies = self._flipped, self.memory.plan.groups, self.memory.flips[self._flipped]
+        started = time.perf_counter()
+        self._owner.version = MIXED  # until the last copy is in place (Note [flip and versions])
+        try:
+            copies.run()
+            for device in copies.devices:
+                torch.cuda.current_stream(device).synchronize()  # applied means in place
+        except Exception as e:
+            raise WeightsMixed(
+                f"flip of version {self._version} (group {group + 1}/{groups}) failed part-way: "
+                f"{type(e).__name__}: {e}; the next push repairs the weights"
+            ) from e
+        self._flipped = group + 1
+        if self._flipped == groups and self.state == READY:
+            self._owner.version, self.state = self._version, EMPTY
+        self._cond.notify_all()
+        seconds, nbytes = time.perf_counter() - started, self.memory.group_bytes[group]
+        return FlipReport(self._owner.version, self._version, group, groups, nbytes, seconds)
+
+    def _stale(self, lag: int | None) -> bool:
+        if lag is None or self.newest is None:
+            return False
+        live = self._owner.version
+        return not is_version(live) or self.newest - live > lag
+
+    def discard(self) -> int | None:
+        """Drop a staged version (or acknowledge a failed one); returns the version dropped."""
+        with self._cond:
+            if self.state == LANDING:
+                raise StagingError(f"version {self._version} is landing; discard it after its receive ends")
+            dropped = self._version if self.state in (READY, FAILED) else None
+            self._drop_ready("discarded")
+            self.state = EMPTY
+            live = self._owner.version
+            self.newest = live if is_version(live) else None
+            return dropped
+
+    def _drop_ready(self, why: str) -> None:
+        if self.state == READY:  # groups mode, flipped part-way: the live weights stay MIXED
+            log = logger.info if self._flipped == 0 else logger.warning
+            log("staged version %s dropped after %d flips: %s", self._version, self._flipped, why)
+            self.state = EMPTY
+
+    def close(self) -> None:
+        with self._cond:
+            self.memory.close()
+            self.state = EMPTY
+
+
+class _Target(Mapping):
+    """The live destinations, as a session's ``into``: raysync.core.sink.Sinks makes its sink with
+    ``make_sink`` (a staging sink: the bytes land in the staging memory, never here)."""
+
+    def __init__(self, staging: Staging):
+        self.staging = staging
+
+    def make_sink(self, specs: Sequence[TensorSpec], graphs: bool) -> StagingSink:
+        return self.staging.make_sink(specs, graphs)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.staging.memory.dest[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.staging.memory.dest)
+
+    def __len__(self) -> int:
+        return len(self.staging.memory.dest)
