@@ -7,7 +7,7 @@ per-tensor broadcast of the same layout, measured in the same run over the same 
     python benchmarks/bench_collective.py --shares 2        # sharded sources: 2 groups from GPU 0's process
 
 Rank 0 (GPU 0) sends; ranks 1..gpus-1 receive. With --shares S, rank 0 sends S disjoint shares of the tensors
-over S groups at once (raysync.transport.sharded; every share from GPU 0 here, so one link is still all there is: it
+over S groups at once (raysync.core.sharded; every share from GPU 0 here, so one link is still all there is: it
 measures the cost of the mechanism, not the gain of several trainer GPUs). Every rank runs the same sequence (SPMD); rank 0 times the
 pushes end to end (push returns when every receiver has reported its version applied). Prints a table and JSON.
 """
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from common import emit, timed_cuda
 
 from raysync import SessionSecret, SyncConfig
+from raysync.core.sharded import ShardedReceiver, shares
 from raysync.tools.models import LAYOUTS, allocate
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
-from raysync.transport.sharded import ShardedReceiver, shares
 
 
 def _bcast(pg, t: torch.Tensor):
@@ -62,12 +62,14 @@ def sender_main(share: int, args, secret, queues, barrier, out) -> None:
     for config in _configs(args):
         if args.shares > 1:
             config = dataclasses.replace(config, include=shares(tensors.items(), args.shares, config)[share])
-        side = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=args.gpus - 1, backend="nccl")
+        group = CollectiveSender(
+            secret, config, host="127.0.0.1", num_receivers=args.gpus - 1, backend="nccl"
+        )
         for q in queues:
-            q.put((share, side.rendezvous))
-        side.join()
+            q.put((share, group.rendezvous))
+        side = group.join()
         if results["floors"] is None and share == 0:
-            results["floors"] = floors(side.group, tensors, args.pushes)
+            results["floors"] = floors(group.group, tensors, args.pushes)
         times, stages = [], []
         for version in range(args.pushes + 1):  # the first push is the warm-up
             torch.cuda.synchronize()
@@ -80,7 +82,7 @@ def sender_main(share: int, args, secret, queues, barrier, out) -> None:
         results["runs"].append({"bucket_mb": config.bucket_bytes >> 20, "num_buffers": config.num_buffers,
                                 "times_s": times[1:], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                                 "stages_ms": split})  # fmt: skip
-        side.close()
+        group.close()
     out.put((share, "sender", results, None))
 
 
@@ -91,13 +93,17 @@ def receiver_main(rank: int, args, secret, queues, barrier, out) -> None:
     for i, config in enumerate(_configs(args)):
         rendezvous = sorted(queues[rank - 1].get(timeout=120) for _ in range(args.shares))
         groups = [CollectiveReceiver(secret, config, rank=rank, rendezvous=r) for _, r in rendezvous]
-        side = ShardedReceiver(groups) if args.shares > 1 else groups[0]
-        side.join()
+        if args.shares > 1:
+            side = ShardedReceiver(groups)
+            side.join()
+        else:
+            side = groups[0].join()  # one group: its plain push session
         if i == 0:  # every rank takes part in the floors' broadcasts (share 0's group)
             floors(groups[0].group, tensors, args.pushes)
         for _ in range(args.pushes + 1):
             side.receive(into=tensors)
-        side.close()
+        for g in groups:
+            g.close()  # each group's session, then the group
     checksum = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum() for t in tensors.values()))
     out.put((rank, "receiver", None, checksum))
 

@@ -31,8 +31,7 @@ from common import emit
 
 from raysync import RaysyncError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.core import leftovers
-from raysync.tools.bench import sender_for
-from raysync.transport.collective import CollectiveReceiver
+from raysync.tools.bench import receiver_for, sender_for, session
 
 TENSORS = 8
 NUMEL = 1 << 20  # 8 x 4 MB: 8 buckets of 4 MB per push
@@ -50,14 +49,11 @@ def _dest() -> dict[str, torch.Tensor]:
 def victim(role: str, transport: str, secret, config, where, out) -> None:
     torch.set_num_threads(1)
     if role == "sender":
-        side, found_at = sender_for(transport, secret, config)
+        owner, found_at = sender_for(transport, secret, config)
         out.send(found_at)
-    elif transport == "collective":
-        side = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
     else:
-        side = WeightReceiver(where, secret, config)
-    if transport == "collective":
-        side.join()
+        owner = receiver_for(transport, where, secret, config)
+    side = session(owner)
     if role == "receiver":
         out.send("ready")  # the survivor starts the session only now: timeout_s need not cover our start-up
     src, dest = _source(), _dest()
@@ -75,13 +71,12 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     inbox, out = ctx.Pipe(duplex=False)  # a pipe, not a Queue: no named semaphores to leak when killed
     survivor = None
     if victim_role == "receiver":  # we send
-        survivor, where = sender_for(transport, secret, config)
+        owner, where = sender_for(transport, secret, config)
         proc = ctx.Process(
             target=victim, args=("receiver", transport, secret, config, where, out), daemon=True
         )
         proc.start()
-        if transport == "collective":
-            survivor.join()
+        survivor = session(owner)
         if not inbox.poll(120):
             raise TimeoutError("the victim never started")
         inbox.recv()
@@ -90,11 +85,8 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
         proc.start()
         if not inbox.poll(120):
             raise TimeoutError("the victim never started")
-        where = inbox.recv()
-        survivor = (CollectiveReceiver(secret, config, rank=1, rendezvous=where) if transport == "collective"
-                    else WeightReceiver(where, secret, config))  # fmt: skip
-        if transport == "collective":
-            survivor.join()
+        owner = receiver_for(transport, inbox.recv(), secret, config)
+        survivor = session(owner)
     src, dest = _source(), _dest()
     durations: list[float] = []
     killed_at: list[float] = []
@@ -125,7 +117,7 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     except Exception as e:  # anything untyped counts as a failure of the test
         error, raised_at = e, time.monotonic()
     finally:
-        survivor.close()
+        owner.close()  # a group's session, then the group
     thread.join(timeout=10)
     proc.join(timeout=30)
     inbox.close()

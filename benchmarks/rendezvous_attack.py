@@ -70,8 +70,8 @@ def receiver_main(secret, config, rank, rendezvous, pushes, out) -> None:
     from raysync.tools.models import tiny_qwen2
 
     params = dict(tiny_qwen2(seed=99).named_parameters())
-    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
-    receiver.join()
+    group = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver = group.join()
     for _ in range(pushes):
         try:
             report = receiver.receive(into=params, wait_s=600)
@@ -79,7 +79,7 @@ def receiver_main(secret, config, rank, rendezvous, pushes, out) -> None:
         except Exception as e:
             out.put((rank, type(e).__name__, str(e), ""))
             return
-    receiver.close()
+    group.close()
 
 
 # --- the attacker process --------------------------------------------------------------------------------------
@@ -225,20 +225,20 @@ def main() -> None:
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=args.receivers, backend="gloo")
+    group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=args.receivers, backend="gloo")
     ready, stop, attack_out = ctx.Event(), ctx.Event(), ctx.Queue()
     rss_before = rss_bytes()
-    attacker = ctx.Process(target=attacker_main, args=(sender.rendezvous.port, CurveKeys.of(secret).server_public,
+    attacker = ctx.Process(target=attacker_main, args=(group.rendezvous.port, CurveKeys.of(secret).server_public,
                                                         args.attackers, args.hoard, ready, stop, attack_out))  # fmt: skip
     attacker.start()
     if not ready.wait(timeout=300):
         raise TimeoutError("the attacker process did not start within 300 s")
     out = ctx.Queue()
-    procs = [ctx.Process(target=receiver_main, args=(secret, config, r, sender.rendezvous, 1 << 20, out))
+    procs = [ctx.Process(target=receiver_main, args=(secret, config, r, group.rendezvous, 1 << 20, out))
              for r in range(1, args.receivers + 1)]  # fmt: skip
     for p in procs:
         p.start()
-    sender.join()  # under attack
+    sender = group.join()  # under attack
     attacked, problems, version = [], [], 0
     started = time.monotonic()
     while time.monotonic() - started < args.attack_s or not attacked:
@@ -249,9 +249,9 @@ def main() -> None:
     attack = attack_out.get(timeout=300)
     attacker.join(timeout=60)
     rss_growth = rss_bytes() - rss_before
-    refused = sender._server.refused
+    refused = group._server.refused
     baseline, more = pushes(sender, model, out, args.receivers, range(version + 1, version + 1 + args.pushes))
-    sender.close()
+    group.close()
     for p in procs:
         p.kill()
         p.join(timeout=60)

@@ -276,17 +276,16 @@ def gloo_warm() -> None:
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)
     ctx = mp.get_context("spawn")
     secret, out = SessionSecret.generate(), ctx.Queue()
-    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="gloo")
-    child = ctx.Process(target=collective_receiver, args=(secret, config, 1, sender.rendezvous, 1, out),
+    group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="gloo")
+    child = ctx.Process(target=collective_receiver, args=(secret, config, 1, group.rendezvous, 1, out),
                         daemon=True)  # fmt: skip
     child.start()
     try:
-        sender.join()
         model = tiny_qwen2(seed=0)
-        sender.push(model.named_parameters(), 1)
+        group.join().push(model.named_parameters(), 1)
         assert out.get(timeout=120) == (1, "ok", (1, digest(model.named_parameters())))
     finally:
-        sender.close()
+        group.close()
         child.join(timeout=30)
         if child.is_alive():
             child.kill()

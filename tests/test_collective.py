@@ -37,7 +37,7 @@ def _group(spawn, receivers: int, pushes: int, special: dict | None = None, conf
 
     model = tiny_qwen2(seed=0)  # before the group is up: receivers wait timeout_s for the first push
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=receivers, backend="gloo")
+    group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=receivers, backend="gloo")
     out = spawn.ctx.Queue()
     for rank in range(1, receivers + 1):
         spawn(
@@ -45,13 +45,12 @@ def _group(spawn, receivers: int, pushes: int, special: dict | None = None, conf
             secret,
             CFG,
             rank,
-            sender.rendezvous,
+            group.rendezvous,
             pushes,
             out,
             *(special or {}).get(rank, (None, False)),
         )
-    sender.join()
-    return sender, model, out
+    return group, group.join(), model, out
 
 
 @pytest.mark.parametrize("receivers, verify", [(2, False), (3, False), (2, True)])
@@ -59,7 +58,7 @@ def test_broadcast_bit_exact_over_several_pushes(spawn, receivers, verify):
     """verify: every receiver compares the digests of what landed with the sender's (the one push session's
     verify stage, which the collective runs like every plane): a mismatch or a missing digest fails the push."""
     config = dataclasses.replace(CFG, verify=verify)
-    sender, model, out = _group(spawn, receivers, pushes=4, config=config)
+    group, sender, model, out = _group(spawn, receivers, pushes=4, config=config)
     try:
         for version in (1, 2, 3):
             perturb(model, version)
@@ -71,11 +70,11 @@ def test_broadcast_bit_exact_over_several_pushes(spawn, receivers, verify):
         got = [out.get(timeout=60) for _ in range(receivers)]
         assert all(r[1] == "ok" and r[2][0] == 3 for r in got), got
     finally:
-        sender.close()
+        group.close()
 
 
 def test_a_manifest_mismatch_is_a_clear_error_on_every_rank(spawn):
-    sender, model, out = _group(spawn, 2, pushes=1, special={2: (None, 1)})
+    group, sender, model, out = _group(spawn, 2, pushes=1, special={2: (None, 1)})
     try:  # told: a RemoteError with rank 2's reason (a wait that ran out would be a PeerTimeout)
         with pytest.raises(RemoteError, match=r"rank 2.*model.norm.weight.*float32\[128\].*float32\[3\]"):
             sender.push(model.named_parameters(), 1)
@@ -84,7 +83,7 @@ def test_a_manifest_mismatch_is_a_clear_error_on_every_rank(spawn):
         assert "rank 2 (pid" in got[0][2] and "model.norm.weight" in got[1][2]
         assert "no answer" not in got[0][2] + got[1][2]  # nobody waited for timeout_s
     finally:
-        sender.close()
+        group.close()
 
 
 def survivor(secret, config, rendezvous, out, inbox) -> None:
@@ -95,8 +94,8 @@ def survivor(secret, config, rendezvous, out, inbox) -> None:
     from raysync.transport.collective import CollectiveReceiver
 
     params = dict(tiny_qwen2(seed=99).named_parameters())
-    receiver = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
-    receiver.join()
+    group = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
+    receiver = group.join()
     report = receiver.receive(into=params, wait_s=60)  # the parent may still be starting
     out.put(("ok", report.version, digest(params.items())))
     try:
@@ -107,13 +106,14 @@ def survivor(secret, config, rendezvous, out, inbox) -> None:
             (type(e).__name__, receiver.version, digest(params.items()), getattr(e, "mixed", None), str(e))
         )
     secret, rendezvous = inbox.get(timeout=60)
-    rebuilt = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
-    rebuilt.version = receiver.version  # the same destinations: what endpoint.py does when it reconnects
-    receiver.close()
-    rebuilt.join()
+    held = receiver.version
+    group.close()  # the failed group and its session, before the new group's buffers are made
+    rebuilt_group = CollectiveReceiver(secret, config, rank=1, rendezvous=rendezvous)
+    rebuilt = rebuilt_group.join()
+    rebuilt.version = held  # the same destinations (what ShardedReceiver.replace does for WeightSync)
     report = rebuilt.receive(into=params)
     out.put((report.skipped, rebuilt.version, digest(params.items())))
-    rebuilt.close()
+    rebuilt_group.close()
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -126,11 +126,11 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_and_the_survivor_says_mi
 
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, DIES, host="127.0.0.1", num_receivers=2, backend="gloo")
+    group = CollectiveSender(secret, DIES, host="127.0.0.1", num_receivers=2, backend="gloo")
     out, dead_out, inbox = spawn.ctx.Queue(), spawn.ctx.Queue(), spawn.ctx.Queue()
-    spawn(survivor, secret, dataclasses.replace(DIES, staged=staged), sender.rendezvous, out, inbox)
-    dead = spawn(collective_receiver, secret, DIES, 2, sender.rendezvous, 2, dead_out, (2, 2), False)
-    sender.join()
+    spawn(survivor, secret, dataclasses.replace(DIES, staged=staged), group.rendezvous, out, inbox)
+    dead = spawn(collective_receiver, secret, DIES, 2, group.rendezvous, 2, dead_out, (2, 2), False)
+    sender = group.join()
     rebuilt = None
     try:
         perturb(model, 1)
@@ -154,19 +154,20 @@ def test_a_receiver_killed_mid_broadcast_fails_everyone_and_the_survivor_says_mi
         rebuilt_secret = SessionSecret.generate()
         rebuilt = CollectiveSender(rebuilt_secret, DIES, host="127.0.0.1", num_receivers=1, backend="gloo")
         inbox.put((rebuilt_secret, rebuilt.rendezvous))
-        rebuilt.join()
-        assert not rebuilt.push(model.named_parameters(), 2).skipped  # MIXED is no version: never skipped
+        # MIXED is no version: never skipped
+        assert not rebuilt.join().push(model.named_parameters(), 2).skipped
         assert out.get(timeout=60) == (False, 2, digest(model.named_parameters()))
     finally:
-        sender.close()
+        group.close()
         if rebuilt is not None:
             rebuilt.close()
 
 
 def test_a_sender_whose_source_fails_tells_every_receiver_and_the_next_push_lands(spawn):
-    """CollectiveSender.abort (the trainer's source raised before the push started): every receiver raises
-    the source's error (a RemoteError, not a timeout), touches nothing, and the group serves the next push."""
-    sender, model, out = _group(spawn, 2, pushes=2)
+    """The group's session aborts (the trainer's source raised before the push started): every receiver
+    raises the source's error (a RemoteError, not a timeout), touches nothing, and the group serves the next
+    push."""
+    group, sender, model, out = _group(spawn, 2, pushes=2)
     try:
         sender.abort(ValueError("the trainer's source raised"))
         got = [out.get(timeout=60) for _ in range(2)]
@@ -178,13 +179,13 @@ def test_a_sender_whose_source_fails_tells_every_receiver_and_the_next_push_land
         got = [out.get(timeout=60) for _ in range(2)]
         assert all(r[1] == "ok" and r[2] == (1, digest(model.named_parameters())) for r in got), got
     finally:
-        sender.close()
+        group.close()
 
 
 def test_destinations_that_change_between_pushes_are_refused_without_touching_them(spawn):
     """Every push is accepted by every receiver before any data moves (a broadcast moves all ranks together):
     a receiver whose destinations stopped fitting refuses, and no rank's destinations are touched."""
-    sender, model, out = _group(spawn, 2, pushes=4, special={2: (None, 3)})
+    group, sender, model, out = _group(spawn, 2, pushes=4, special={2: (None, 3)})
     try:
         for version in (1, 2):
             perturb(model, version)
@@ -198,7 +199,30 @@ def test_destinations_that_change_between_pushes_are_refused_without_touching_th
             assert got[1][1] == "PushIncomplete" and "not touched" in got[1][2] and "rank 2" in got[1][2]
             assert got[2][1] == "PushIncomplete" and "model.norm.weight" in got[2][2]
     finally:
-        sender.close()
+        group.close()
+
+
+def test_close_ends_the_session_first_then_the_group_and_the_store(spawn):
+    """A group's close() ends what its set-up made, in order: the session's Close reaches every receiver, whose
+    waiting receive raises SessionClosed (told, not a timeout), then the group goes (no process group left)
+    and the store stops (its port refuses connections). A set-up that never joined closes its store too."""
+    group, sender, model, out = _group(spawn, 2, pushes=2)
+    try:
+        sender.push(model.named_parameters(), 1)
+        got = [out.get(timeout=60) for _ in range(2)]
+        assert all(r[1] == "ok" for r in got), got
+    finally:
+        group.close()
+    got = [out.get(timeout=60) for _ in range(2)]
+    assert all(r[1] == "SessionClosed" for r in got), got
+    assert group.group is None
+    unjoined = CollectiveSender(
+        SessionSecret.generate(), CFG, host="127.0.0.1", num_receivers=1, backend="gloo"
+    )
+    unjoined.close()
+    for port in (group.rendezvous.port, unjoined.rendezvous.port):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
 
 
 # --- the rendezvous store: strangers on its port -------------------------------------------------------------------
@@ -247,8 +271,8 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
 
     model = tiny_qwen2(seed=0)
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=2, backend="gloo")
-    port, stop, results = sender.rendezvous.port, threading.Event(), []
+    group = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=2, backend="gloo")
+    port, stop, results = group.rendezvous.port, threading.Event(), []
     stranger = _stranger_with_a_key(port, CurveKeys.of(secret).server_public)
 
     def attack(with_key: bool) -> None:
@@ -266,9 +290,9 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
         a.start()
     out = spawn.ctx.Queue()
     for rank in (1, 2):
-        spawn(collective_receiver, secret, CFG, rank, sender.rendezvous, 2, out)
+        spawn(collective_receiver, secret, CFG, rank, group.rendezvous, 2, out)
     try:
-        sender.join()
+        sender = group.join()
         for version in (1, 2):
             perturb(model, version)
             sender.push(model.named_parameters(), version)
@@ -289,7 +313,7 @@ def test_strangers_flooding_the_rendezvous_port_leave_a_session_unaffected(spawn
         for a in attackers:
             a.join(timeout=30)  # before closing the socket one of them uses
         stranger.close()
-        sender.close()
+        group.close()
     assert {name for name, _ in results} == set(HOSTILE)  # every kind of attack ran during the session
     assert [r for r in results if r[1] != "closed"] == []  # the server closed every hostile connection
     assert not forged and not answered  # the leaked-key client got nothing in, and no answer

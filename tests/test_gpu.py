@@ -77,10 +77,10 @@ def test_nccl_broadcast_between_two_gpus_bit_exact(spawn):
     torch.cuda.set_device(0)
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=60, progress=False)  # the embedding is sliced
     secret = SessionSecret.generate()
-    sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="nccl")
+    group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="nccl")
     out = spawn.ctx.Queue()
-    spawn(nccl_receiver, secret, config, 1, sender.rendezvous, 2, out)
-    sender.join()
+    spawn(nccl_receiver, secret, config, 1, group.rendezvous, 2, out)
+    sender = group.join()
     model = tiny_qwen2(seed=0).cuda()
     try:
         for version in (1, 2):
@@ -90,7 +90,7 @@ def test_nccl_broadcast_between_two_gpus_bit_exact(spawn):
             assert (rank, got_version) == (1, version)
             assert got == digest((n, p.cpu()) for n, p in model.named_parameters())
     finally:
-        sender.close()
+        group.close()
 
 
 def perturb_on_gpu(model, version: int) -> None:

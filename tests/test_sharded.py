@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from workers import digest, perturb, sharded_receiver
 
-from raysync import PeerTimeout, PushIncomplete, RemoteError, SessionSecret, SyncConfig
+from raysync import PeerTimeout, PushIncomplete, RaysyncError, RemoteError, SessionSecret, SyncConfig
+from raysync.core.session import PushSender
+from raysync.core.sharded import ShardedReceiver, combined_version, shares
 from raysync.core.version import MIXED
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender, Rendezvous
-from raysync.transport.sharded import ShardedReceiver, shares
 
 pytest.importorskip("transformers")
 # The embedding spans 4 buckets. No wait is meant to run out under CFG (failures are told apart by their errors);
@@ -44,60 +45,68 @@ def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
 
 
 def test_an_engine_is_one_version_only_when_every_share_is():
-    """ShardedReceiver.version over every combination of its shares' versions that matters (Note [versions
-    never lie]): shares that differ, or one MIXED, make the engine's weights a mix."""
-    # never joined: only versions are read here
+    """An engine's version over every combination of its shares' versions that matters (Note [versions never
+    lie]): shares that differ, or one MIXED, make the engine's weights a mix."""
+    table = {(None, None): None, (3, 3): 3, (3, 4): MIXED, (3, MIXED): MIXED, (MIXED, 3): MIXED,
+             (MIXED, MIXED): MIXED, (None, 3): MIXED, (3,): 3, (MIXED,): MIXED}  # fmt: skip
+    for versions, want in table.items():
+        assert combined_version(versions) == want, versions
+
+
+def test_a_rebuilt_group_keeps_what_the_destinations_hold():
+    """WeightSync makes an engine's groups one at a time and rebuilds a failed one: each share of a
+    ShardedReceiver keeps its version across ``replace``, and nothing is received before every share's group
+    has joined."""
+    # never joined: only versions and refusals are read here
     rdv = Rendezvous("127.0.0.1", 9, 2, "gloo", ("tcp://127.0.0.1:9",))
-    parts = [CollectiveReceiver(SessionSecret.generate(), CFG, rank=1, rendezvous=rdv) for _ in range(4)]
-    engine = ShardedReceiver(parts[:2])
+    groups = [CollectiveReceiver(SessionSecret.generate(), CFG, rank=1, rendezvous=rdv) for _ in range(3)]
+    engine = ShardedReceiver([None, None])
     try:
-        table = {(None, None): None, (3, 3): 3, (3, 4): MIXED, (3, MIXED): MIXED, (MIXED, 3): MIXED,
-                 (MIXED, MIXED): MIXED, (None, 3): MIXED}  # fmt: skip
-        for (a, b), want in table.items():
-            parts[0].version, parts[1].version = a, b
-            assert engine.version == want, (a, b)
-        parts[0].version, parts[1].version = 3, MIXED
-        engine.replace(1, parts[2])  # share 1's group rebuilt: the same destinations, the same version
-        assert parts[2].version == MIXED and engine.version == MIXED
+        engine.version = 5  # what the engine held before (endpoint.py carries it over)
+        engine.replace(0, groups[0])
+        assert engine.version == 5
+        with pytest.raises(RaysyncError, match=r"shares \[1\] have no group yet"):
+            engine.receive(into={})
+        engine.replace(1, groups[1])
+        with pytest.raises(RaysyncError, match=r"shares \[0, 1\] have not joined"):
+            engine.receive(into={})
+        engine.version = MIXED  # a push failed part-way
+        engine.replace(1, groups[2])  # share 1's group rebuilt: the same destinations, still a mix
+        assert engine.version == MIXED and engine.groups == [groups[0], groups[2]]
         engine.version = 7
-        assert [p.version for p in parts[::2]] == [7, 7] and engine.version == 7
-        unmade = ShardedReceiver([None, None])  # WeightSync makes the groups one at a time
-        unmade.version = 5  # what the engine held before (endpoint.py carries it over)
-        unmade.replace(0, parts[3])
-        assert parts[3].version == 5 and unmade.version == 5
+        assert engine.version == 7
     finally:
-        for p in parts:
-            p.close()
+        engine.close()
+        groups[1].close()  # closed by replace already: closing again is harmless
 
 
-def _senders(
+def _groups(
     model, receivers: int, base: SyncConfig = CFG
 ) -> tuple[list[CollectiveSender], list[SessionSecret]]:
     """One group per share of ``model``, rank 0 of each in this process, and each group's secret."""
-    senders, secrets = [], []
+    groups, secrets = [], []
     for share in shares(model.named_parameters(), 2, base):
         secrets.append(SessionSecret.generate())
-        senders.append(CollectiveSender(secrets[-1], dataclasses.replace(base, include=share), host="127.0.0.1",
-                                        num_receivers=receivers, backend="gloo"))  # fmt: skip
-    return senders, secrets
+        groups.append(CollectiveSender(secrets[-1], dataclasses.replace(base, include=share), host="127.0.0.1",
+                                       num_receivers=receivers, backend="gloo"))  # fmt: skip
+    return groups, secrets
 
 
-def _join(senders) -> None:
-    with ThreadPoolExecutor(len(senders)) as pool:
-        list(pool.map(lambda s: s.join(), senders))
+def _join(groups: list[CollectiveSender]) -> list[PushSender]:
+    with ThreadPoolExecutor(len(groups)) as pool:
+        return list(pool.map(lambda g: g.join(), groups))
 
 
 def _setup(spawn, receivers: int, pushes: int, die: dict | None = None):
     from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
-    senders, secrets = _senders(model, receivers)
+    groups, secrets = _groups(model, receivers)
     out = spawn.ctx.Queue()
     for rank in range(1, receivers + 1):
-        spawn(sharded_receiver, secrets, CFG, rank, [s.rendezvous for s in senders], pushes, out,
+        spawn(sharded_receiver, secrets, CFG, rank, [g.rendezvous for g in groups], pushes, out,
               (die or {}).get(rank))  # fmt: skip
-    _join(senders)
-    return senders, model, out
+    return groups, _join(groups), model, out
 
 
 def _push_all(pool, senders, model, version):
@@ -113,7 +122,7 @@ def _push_all(pool, senders, model, version):
 
 
 def test_two_senders_each_broadcast_their_share_bit_exact(spawn):
-    senders, model, out = _setup(spawn, receivers=2, pushes=3)
+    groups, senders, model, out = _setup(spawn, receivers=2, pushes=3)
     total = len(list(model.parameters()))
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -125,8 +134,8 @@ def test_two_senders_each_broadcast_their_share_bit_exact(spawn):
                 expected = (version, total, digest(model.named_parameters()))
                 assert all(r[1] == "ok" and r[2] == expected for r in got), got
     finally:
-        for s in senders:
-            s.close()
+        for g in groups:
+            g.close()
 
 
 def sharded_survivor(secrets, config, rendezvous, out, inbox) -> None:
@@ -166,12 +175,12 @@ def test_a_receiver_killed_mid_push_fails_everyone_and_the_survivor_says_mixed(s
     from raysync.tools.models import tiny_qwen2
 
     model = tiny_qwen2(seed=0)
-    senders, secrets = _senders(model, receivers=2, base=DIES)
-    rendezvous = [s.rendezvous for s in senders]
+    groups, secrets = _groups(model, receivers=2, base=DIES)
+    rendezvous = [g.rendezvous for g in groups]
     out, dead_out, inbox = spawn.ctx.Queue(), spawn.ctx.Queue(), spawn.ctx.Queue()
     spawn(sharded_survivor, secrets, DIES, rendezvous, out, inbox)
     dead = spawn(sharded_receiver, secrets, DIES, 2, rendezvous, 2, dead_out, 2)
-    _join(senders)
+    senders = _join(groups)
     rebuilt: list[CollectiveSender] = []
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -186,11 +195,10 @@ def test_a_receiver_killed_mid_push_fails_everyone_and_the_survivor_says_mixed(s
             assert dead.exitcode == -signal.SIGKILL  # it died where the test made it die
             error, version, mixed, detail = out.get(timeout=60)
             assert (error, version, mixed) == ("PushIncomplete", MIXED, True), detail
-            rebuilt, rebuilt_secrets = _senders(model, receivers=1, base=DIES)
-            inbox.put((rebuilt_secrets, [s.rendezvous for s in rebuilt]))
-            _join(rebuilt)
-            assert all(not isinstance(r, Exception) for r in _push_all(pool, rebuilt, model, 2))
+            rebuilt, rebuilt_secrets = _groups(model, receivers=1, base=DIES)
+            inbox.put((rebuilt_secrets, [g.rendezvous for g in rebuilt]))
+            assert all(not isinstance(r, Exception) for r in _push_all(pool, _join(rebuilt), model, 2))
             assert out.get(timeout=60) == (2, digest(model.named_parameters()))
     finally:
-        for s in senders + rebuilt:
-            s.close()
+        for g in groups + rebuilt:
+            g.close()

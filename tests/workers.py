@@ -134,8 +134,8 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
             for name, t in batch:
                 params[name].copy_(t)
 
-    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
-    receiver.join()
+    group = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver = group.join()
     for push in range(1, pushes + 1):
         calls.clear()
         if bad_from == push:
@@ -148,7 +148,7 @@ def collective_receiver(secret, config, rank, rendezvous, pushes, out, die_at=No
                 return
             continue
         out.put((rank, "ok", (report.version, digest(model.named_parameters()))))
-    receiver.close()
+    group.close()
 
 
 def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
@@ -158,12 +158,12 @@ def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
 
     torch.cuda.set_device(rank)
     model = tiny_qwen2(seed=99).cuda()
-    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
-    receiver.join()
+    group = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver = group.join()
     for _ in range(pushes):
         report = receiver.receive(into=dict(model.named_parameters()))
         out.put((rank, report.version, digest((n, p.cpu()) for n, p in model.named_parameters())))
-    receiver.close()
+    group.close()
 
 
 def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: int, visible: str | None,
@@ -209,9 +209,9 @@ def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None
     import os
     import signal
 
+    from raysync.core.sharded import ShardedReceiver
     from raysync.tools.models import tiny_qwen2
     from raysync.transport.collective import CollectiveReceiver
-    from raysync.transport.sharded import ShardedReceiver
 
     model = tiny_qwen2(seed=99)
     params = dict(model.named_parameters())

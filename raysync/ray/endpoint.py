@@ -18,6 +18,8 @@ import torch
 from raysync.core.config import SyncConfig
 from raysync.core.receiver import WeightReceiver
 from raysync.core.sender import WeightSender
+from raysync.core.session import PushSender
+from raysync.core.sharded import ShardedReceiver, shares
 from raysync.core.source import select
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
@@ -25,7 +27,6 @@ from raysync.ray.placement import Placement, probe
 from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
 from raysync.transport.process_group import Rendezvous, default_backend
-from raysync.transport.sharded import ShardedReceiver, shares
 
 _STATE = "_raysync_sessions"
 _APPLIED = "_raysync_version"  # what the weights hold, by any session: the last version applied, or MIXED
@@ -57,7 +58,7 @@ class _SenderSide:
 @dataclass
 class _ReceiverSide:
     sink: SinkFn
-    receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver  # the same receive() either way
+    receiver: WeightReceiver | ShardedReceiver  # the same receive() either way (a collective: one per share)
 
 
 def _sessions(actor: Any) -> dict:
@@ -154,7 +155,7 @@ def collective_open(
     share: tuple[int, int] | None = None,
 ) -> GroupOpened:
     """(Re)make this sender's broadcast group for ``receivers`` (ranks 1..N in that order). ``share=(k, S)``:
-    this sender broadcasts share k of S of the tensors (raysync.transport.sharded)."""
+    this sender broadcasts share k of S of the tensors (raysync.core.sharded)."""
     side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
     if side.group is not None:
         side.group.close()
@@ -168,24 +169,25 @@ def collective_open(
 
 
 def collective_join(actor: Any, sync_id: str) -> None:
-    _sessions(actor)[sync_id].group.join()  # returns when every rank has joined
+    _sessions(actor)[sync_id].group.join()  # returns when every rank has joined; the group owns the session
 
 
 def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, EndpointResult]:
     """Push ``version`` to every receiver of this sender at once: one thread per ring session, one for the
     broadcast group."""
     side = _sessions(actor).get(sync_id)
-    in_group = [j for j in receivers if side is not None and j in side.group_receivers]
+    group = side.group.session if side is not None and side.group is not None else None  # once joined
+    in_group = [j for j in receivers if group is not None and j in side.group_receivers]
     if side is None or any(j not in side.senders and j not in in_group for j in receivers):
-        lost = RuntimeError("this actor has no session for the receiver (restarted by Ray?)")
+        lost = RuntimeError(
+            "this actor has no session for the receiver (restarted by Ray? a group not joined?)"
+        )
         return {j: _failed("session", lost) for j in receivers}
     try:
         named = list(side.source(actor))  # once, shared by all sessions (read-only)
     except Exception as e:
-        targets: list[WeightSender | CollectiveSender] = [
-            side.senders[j] for j in receivers if j in side.senders
-        ]
-        _abort_sessions(targets + ([side.group] if in_group else []), e)
+        targets: list[PushSender] = [side.senders[j] for j in receivers if j in side.senders]
+        _abort_sessions(targets + ([group] if in_group else []), e)
         return {j: _failed("source", e) for j in receivers}
 
     def one(target: Any) -> EndpointResult:
@@ -196,13 +198,13 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
 
     jobs = {(j,): side.senders[j] for j in receivers if j in side.senders}
     if in_group:
-        jobs[tuple(in_group)] = side.group
+        jobs[tuple(in_group)] = group
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(one, jobs.values()), strict=True))
     return {j: r for js, r in results.items() for j in js}
 
 
-def _abort_sessions(senders: list[WeightSender | CollectiveSender], error: Exception) -> None:
+def _abort_sessions(senders: list[PushSender], error: Exception) -> None:
     """The source raised: every receiver hears it now (their waits end at once, nothing touched) rather than
     at timeout_s: ring sessions each, a broadcast group once for all its receivers."""
     if not senders:
@@ -218,9 +220,7 @@ def receiver_connect(
     _set_receiver(actor, sync_id, sink, WeightReceiver(endpoint, secret, config))
 
 
-def _set_receiver(
-    actor: Any, sync_id: str, sink: SinkFn, receiver: WeightReceiver | CollectiveReceiver | ShardedReceiver
-) -> None:
+def _set_receiver(actor: Any, sync_id: str, sink: SinkFn, receiver: WeightReceiver | ShardedReceiver) -> None:
     old = _sessions(actor).pop(sync_id, None)
     if old is not None:
         receiver.version = old.receiver.version  # a new session to the same engine keeps what it has applied
@@ -239,20 +239,16 @@ def collective_connect(
     share: tuple[int, int] | None = None,
 ) -> None:
     """Join the sender's broadcast group as ``rank`` (returns when every rank has joined). ``share=(k, S)``:
-    the group of share k, one part of this engine's ShardedReceiver."""
-    receiver = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
-    if share is None:
-        _set_receiver(actor, sync_id, sink, receiver)
-    else:
-        side = _sessions(actor).get(sync_id)
-        if (
-            side is None
-            or not isinstance(side.receiver, ShardedReceiver)
-            or len(side.receiver.receivers) != share[1]
-        ):
-            _set_receiver(actor, sync_id, sink, ShardedReceiver([None] * share[1]))
-        _sessions(actor)[sync_id].receiver.replace(share[0], receiver)
-    receiver.join()
+    the group of share k of this engine's ShardedReceiver; without, the one group of a ShardedReceiver of one
+    share (which keeps what the destinations hold when the group is rebuilt)."""
+    k, count = share if share is not None else (0, 1)
+    group = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    side = _sessions(actor).get(sync_id)
+    if side is None or not isinstance(side.receiver, ShardedReceiver) or len(side.receiver.groups) != count:
+        _set_receiver(actor, sync_id, sink, ShardedReceiver([None] * count))
+    receiver = _sessions(actor)[sync_id].receiver
+    receiver.replace(k, group)  # the old group of share k goes first: its buffers are freed before the join
+    receiver.join(shares=[k])
 
 
 def receiver_receive(actor: Any, sync_id: str) -> EndpointResult:

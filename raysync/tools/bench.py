@@ -41,19 +41,14 @@ def _receiver(
     if device == "cuda":
         torch.cuda.set_device(gpu)
     dest = allocate(layout, device=device, fill=False)
-    if kind == "collective":
-        from raysync.transport.collective import CollectiveReceiver
-
-        receiver = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
-        receiver.join()
-    else:
-        receiver = WeightReceiver(where, secret, config)
+    owner = receiver_for(kind, where, secret, config)
     try:
+        receiver = session(owner)
         for _ in range(pushes):
             receiver.receive(into=dest)
         out.put(checksum(dest))
     finally:
-        receiver.close()
+        owner.close()
 
 
 def _sync(device: str) -> None:
@@ -78,17 +73,35 @@ def floor_s(src: dict[str, torch.Tensor], device: str, repeats: int = 3) -> floa
 def sender_for(
     transport: str, secret: SessionSecret, config: SyncConfig, device: str = "cpu"
 ) -> tuple[Any, Any]:
-    """A sender for one local receiver over ``transport`` (a ring's WeightSender, or rank 0 of a group of two),
-    and what that receiver needs to find it (an endpoint, or the group's rendezvous). ``device``: where the
-    tensors live, which picks the collective's backend (gloo for CPU tensors also on a machine with GPUs)."""
+    """What owns the sender for one local receiver over ``transport`` (a ring's WeightSender, or rank 0 of a
+    group of two), and what that receiver needs to find it (an endpoint, or the group's rendezvous).
+    ``device``: where the tensors live, which picks the collective's backend (gloo for CPU tensors also on a
+    machine with GPUs). ``session(owner)`` is the push session; ``owner.close()`` ends all of it."""
     if transport == "collective":
         from raysync.transport.collective import CollectiveSender
 
         backend = "nccl" if device == "cuda" else "gloo"
-        sender = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend=backend)
-        return sender, sender.rendezvous
+        group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend=backend)
+        return group, group.rendezvous
     sender = WeightSender(secret, config)
     return sender, sender.endpoint
+
+
+def receiver_for(transport: str, where: Any, secret: SessionSecret, config: SyncConfig) -> Any:
+    """What owns the receiver of ``sender_for``'s sender (``where``: what sender_for returned with it)."""
+    if transport == "collective":
+        from raysync.transport.collective import CollectiveReceiver
+
+        return CollectiveReceiver(secret, config, rank=1, rendezvous=where)
+    return WeightReceiver(where, secret, config)
+
+
+def session(owner: Any) -> Any:
+    """The push session of ``sender_for``'s or ``receiver_for``'s owner: a ring's is the owner itself; a
+    group's is made when both ranks have joined (each calls this at the same time)."""
+    from raysync.transport.collective import CollectiveReceiver, CollectiveSender
+
+    return owner.join() if isinstance(owner, (CollectiveSender, CollectiveReceiver)) else owner
 
 
 def run_point(
@@ -110,14 +123,13 @@ def run_point(
     )
     secret, out = SessionSecret.generate(), ctx.Queue()
     gpu = 1 if transport == "collective" and device == "cuda" else 0
-    sender, where = sender_for(transport, secret, config, device)
+    owner, where = sender_for(transport, secret, config, device)
     proc = ctx.Process(
         target=_receiver, args=(transport, where, secret, config, layout, device, gpu, pushes + 1, out)
     )
     proc.start()
     try:
-        if transport == "collective":
-            sender.join()
+        sender = session(owner)
         sender.push(src.items(), 0)
         times = []
         for version in range(1, pushes + 1):
@@ -126,7 +138,7 @@ def run_point(
             times.append(time.perf_counter() - t0)
         got = out.get(timeout=timeout_s)
     finally:
-        sender.close()
+        owner.close()
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()

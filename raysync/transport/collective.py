@@ -12,6 +12,9 @@ The push itself (layout agreement, accept, verify, the report, versions, typed e
 that every plane runs on; this module is only the plane: how a packed bucket reaches every receiver (one
 broadcast) and when a buffer is free again (its broadcast finished). A broadcast moves every rank together,
 so the plane is ``all_or_none``: after accept the session sends a go (or an Abort for all when one refused).
+Its two halves set up a rank of the group and are no session themselves: ``CollectiveSender`` (rank 0) and
+``CollectiveReceiver`` (rank r) make the store, the control channels and the group, and their ``join`` hands
+the group's plane to a plain ``PushSender`` / ``PushReceiver``, which they own and close before the group.
 
 The group is the sync's own: it never touches a default process group that the trainer or vLLM use. The
 store is raysync's own too (rendezvous.py, Note [who may talk to the rendezvous store]): torch's TCPStore
@@ -113,7 +116,7 @@ class BroadcastPlane:
         self.transport.abort()  # Note [no hangs in a collective]
 
     def close(self) -> None:
-        pass  # the group belongs to the CollectiveSender
+        pass  # the group is the CollectiveSender's, which closes it after the session
 
 
 class BroadcastReader:
@@ -178,18 +181,61 @@ class BroadcastReader:
         self.transport.abort()
 
     def close(self) -> None:
-        pass  # the group belongs to the CollectiveReceiver
+        pass  # the group is the CollectiveReceiver's, which closes it after the session
 
 
 def _control_endpoint(host: str) -> str:
     return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
 
 
-class CollectiveSender(PushSender):
-    """Rank 0 of a broadcast group: hosts the store, runs the push session to every receiver.
+class _GroupRank:
+    """What both halves own, closed in this order: the push session ``join`` makes (else the control channels
+    it would have taken), then the group."""
 
-    Make it, hand ``rendezvous`` and the secret to the receivers, then call ``join()`` here and on every
-    receiver at the same time (it returns when all ranks are in), then ``push`` as often as needed."""
+    config: SyncConfig
+    _group: BroadcastGroup
+    _control: Fanout | ReceiverChannel
+    session: PushSender | PushReceiver | None
+
+    def _join(self, timeout_s: float, plane: type, session: type) -> PushSender | PushReceiver:
+        if self.session is not None:
+            raise RaysyncError("this rank has joined its group already; a new group needs a new object")
+        self._group.join(timeout_s)
+        self.session = session(
+            self._control, self.config, plane=plane(self._group, _buffers(self.config, self._group.device))
+        )
+        return self.session
+
+    @property
+    def group(self) -> object | None:
+        """The torch process group (for benchmarks' floors); None before join and after an abort."""
+        return self._group.pg
+
+    @property
+    def device(self) -> torch.device | None:
+        """The GPU this rank's broadcasts run on (NCCL), None on gloo."""
+        return self._group.device
+
+    def _close_rank(self) -> None:
+        try:
+            if self.session is not None:
+                self.session.close()  # its Close reaches the peers, then its channels go
+            else:
+                self._control.close()
+        finally:
+            self._group.close()
+
+
+class CollectiveSender(_GroupRank):
+    """The collective's sending half: rank 0 of a broadcast group. It hosts the store and binds one control
+    channel per receiver; ``join`` makes the group and hands its plane to a plain push session.
+
+        group = CollectiveSender(secret, config, host=ip, num_receivers=R)
+        # hand group.rendezvous and the secret to the receivers; every rank joins at the same time:
+        sender = group.join()  # a PushSender on this group's BroadcastPlane
+        sender.push(named_tensors, version)  # as often as needed
+        group.close()  # the session, then the group, then the store
+    """
 
     name = "collective"
 
@@ -206,6 +252,7 @@ class CollectiveSender(PushSender):
         num_receivers: int,
         backend: str | None = None,
     ):
+        self.config = config
         self._server = StoreServer(secret, host, config.max_frame_bytes)  # refuses every-interface hosts
         channels: list[SenderChannel] = []
         try:
@@ -240,34 +287,33 @@ class CollectiveSender(PushSender):
             tuple(c.endpoint for c in channels),
         )
         self._group = BroadcastGroup(config, 0, self.rendezvous, store)
-        super().__init__(Fanout(channels), config)
+        self._control = Fanout(channels)
+        self.session: PushSender | None = None  # made by join
 
-    def join(self, timeout_s: float = 300.0) -> None:
-        """Returns when every rank of the group has joined (all must call it at the same time)."""
-        self._group.join(timeout_s)
-        self._given_plane = BroadcastPlane(self._group, _buffers(self.config, self._group.device))
-
-    @property
-    def group(self) -> object | None:
-        """The torch process group (for benchmarks' floors); None before join and after an abort."""
-        return self._group.pg
+    def join(self, timeout_s: float = 300.0) -> PushSender:
+        """Returns the push session once every rank of the group has joined (all must call it at the same
+        time); the session is this object's, closed by ``close``."""
+        return self._join(timeout_s, BroadcastPlane, PushSender)
 
     def close(self) -> None:
+        """The session, then the group, then the store that made it."""
         try:
-            super().close()
+            self._close_rank()
         finally:
-            self._group.close()
             self._server.close()
 
 
-class CollectiveReceiver(PushReceiver):
-    """Rank ``rank`` (>= 1) of a broadcast group; ``receive`` serves one push, like WeightReceiver's."""
+class CollectiveReceiver(_GroupRank):
+    """The collective's receiving half: rank ``rank`` (>= 1) of a broadcast group. It connects to the
+    sender's control channel; ``join`` makes the group and hands its plane to a plain push session, whose
+    ``receive`` serves one push, like a WeightReceiver's. ``close`` closes the session, then the group."""
 
     name = "collective"
 
     def __init__(self, secret: SessionSecret, config: SyncConfig, *, rank: int, rendezvous: Rendezvous):
         if not 1 <= rank <= len(rendezvous.control):
             raise ValueError(f"rank {rank}: the group has receiver ranks 1..{len(rendezvous.control)}")
+        self.config = config
         store = StoreClient(
             secret,
             rendezvous.host,
@@ -276,26 +322,22 @@ class CollectiveReceiver(PushReceiver):
             max_value_bytes=config.max_frame_bytes,
         )
         self._group = BroadcastGroup(config, rank, rendezvous, store)
-        channel = ReceiverChannel(
-            secret,
-            endpoint=rendezvous.control[rank - 1],
-            timeout_s=config.timeout_s,
-            max_frame_bytes=config.max_frame_bytes,
-        )
-        super().__init__(channel, config)
+        try:
+            self._control = ReceiverChannel(
+                secret,
+                endpoint=rendezvous.control[rank - 1],
+                timeout_s=config.timeout_s,
+                max_frame_bytes=config.max_frame_bytes,
+            )
+        except BaseException:
+            self._group.close()
+            raise
+        self.session: PushReceiver | None = None  # made by join
 
-    def join(self, timeout_s: float = 300.0) -> None:
-        """Returns when every rank of the group has joined (all must call it at the same time)."""
-        self._group.join(timeout_s)
-        self._given_plane = BroadcastReader(self._group, _buffers(self.config, self._group.device))
-
-    @property
-    def device(self) -> torch.device | None:
-        """The GPU this rank's broadcasts run on (NCCL), None on gloo."""
-        return self._group.device
+    def join(self, timeout_s: float = 300.0) -> PushReceiver:
+        """Returns the push session once every rank of the group has joined (all must call it at the same
+        time); the session is this object's, closed by ``close``."""
+        return self._join(timeout_s, BroadcastReader, PushReceiver)
 
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._group.close()
+        self._close_rank()
