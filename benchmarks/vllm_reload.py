@@ -36,8 +36,8 @@ def measure(worker, layout: str) -> dict:
     """Runs inside the vLLM worker (collective_rpc)."""
     import torch
 
-    from raysync.engines.vllm import PushCheck, StagedReload
-    from raysync.engines.vllm_model import Undo, follow_embedding, tied_heads
+    from raysync.engines.vllm_model import PushCheck, Undo, follow_embedding, tied_heads
+    from raysync.engines.vllm_reload import StagedReload
     from raysync.tools.models import allocate
 
     runner, model = worker.model_runner, worker.model_runner.get_model()

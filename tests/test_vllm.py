@@ -241,6 +241,16 @@ def test_a_partial_push_writes_whole_parameters_only(ray_local, model_dirs, no_l
     with WeightSync([trainer], [VllmEngine(host)], q_only) as sync:
         text = refusal(sync, 2, "accept")
         assert "model.layers.0.self_attn.qkv_proj.weight" in text and "does not write completely" in text
+    biases = dataclasses.replace(
+        CFG, include=("model.layers.0.self_attn.*_proj.bias",)
+    )  # all of qkv_proj.bias
+    with WeightSync([trainer], [VllmEngine(host)], biases) as sync:
+        text = refusal(
+            sync, 2, "accept"
+        )  # vLLM would reload qkv_proj from the bias and an uninitialized weight
+        assert (
+            "model.layers.0.self_attn.qkv_proj (weight left out)" in text and "reloads a layer whole" in text
+        )
     with WeightSync([trainer], [VllmEngine(host)], dataclasses.replace(CFG, include=norms)) as sync:
         sync.push(2)
         assert sync.versions() == [2]

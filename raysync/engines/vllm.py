@@ -16,7 +16,9 @@ checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
     check ``check(specs)`` when the push is accepted, before a byte moves: the push runs through vLLM's own
           loader on a meta twin of the model (raysync.engines.vllm_model); a name, shape or dtype the model does not
           take, or a parameter the push leaves out, refuses it with the tensors and the model named;
-    GPU   ``model.load_weights(bucket)`` for every bucket as it lands (the path RL frameworks use);
+    GPU   ``model.load_weights(bucket)`` for every bucket as it lands (the path RL frameworks use), inside vLLM's
+          layerwise reload where vLLM has it, which processes each layer as a checkpoint's (Note [a reload as if
+          from a checkpoint] in raysync.engines.vllm_reload: what is refused, and the path without it);
     CPU   the push is staged (one copy of the weights) and applied at its end by
           ``model_runner.reload_weights(..., is_checkpoint_format=True)``: a second plain load_weights fails
           on the CPU backend, which repacks linear weights after the first load. A reload that fails part-way
@@ -48,19 +50,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from raysync.core.config import SyncConfig
-from raysync.core.errors import ReloadFailed, SchemaError, WeightsMixed
+from raysync.core.errors import SchemaError
 from raysync.core.report import PushReport
 from raysync.core.sink import LoadFn
 from raysync.core.version import MIXED, Version
-from raysync.core.wire import DTYPES, SessionSecret, TensorSpec
+from raysync.core.wire import SessionSecret
 from raysync.engines import vllm_version as versions
-from raysync.engines.vllm_model import PushCheck, Undo, describe_engine, follow_embedding, tied_heads
+from raysync.engines.vllm_model import PushCheck
+from raysync.engines.vllm_reload import has_layerwise_reload, loader_for
+from raysync.engines.vllm_reload import refusal as reload_refusal
 from raysync.ray import endpoint as ep
 from raysync.ray.placement import Placement
 from raysync.ray.results import EndpointResult, RemoteFailure
@@ -90,84 +92,51 @@ logger = logging.getLogger(__name__)
 _PARTIAL = "_raysync_partial"  # {sync_id: whether the session's SyncConfig selects part of the tensors}
 _RECEIVING = "_raysync_receiving"  # the sync_id of the receive running in this worker
 _CHECKED = "_raysync_checked"  # the last push layout checked against this worker's model, and its Verdict
+_LOADER = "_raysync_loader"  # the load function of the receive running in this worker
 
 
 def engine_loader(worker: Any) -> LoadFn:
-    """The sink of an engine worker: a load function over vLLM's own loading path, which checks each push
-    against the engine's model before anything is touched (``check``, Note [checking a push before loading])."""
+    """The sink of an engine worker: a load function over vLLM's own loading path (Note [a reload as if from a
+    checkpoint] in raysync.engines.vllm_reload), which checks each push against the engine's model before
+    anything is touched (``check``, Note [checking a push before loading])."""
     partial = worker.__dict__.get(_PARTIAL, {}).get(worker.__dict__.get(_RECEIVING), False)
     if ep.applied_version(worker) == MIXED or versions.forgotten(worker):
         partial = False  # a mix of two versions, or weights changed outside raysync: repaired by a full push
     cache = worker.__dict__.setdefault(_CHECKED, {})
     check = PushCheck(worker.model_runner, partial, cache, versions.writing(worker))
-    if worker.device.type == "cpu":
-        return StagedReload(worker.model_runner, check)
-    return DirectLoad(worker.model_runner.get_model(), check)
+    worker.__dict__[_LOADER] = loader = loader_for(worker, check)
+    return loader
 
 
-class DirectLoad:
-    """GPU: every bucket goes straight into the model through ``model.load_weights`` (the path RL frameworks
-    use). An output head tied to the embedding is the embedding's Parameter there, so it follows by itself.
-    Not atomic: a push that fails part-way leaves the weights mixed, and the receiver says so."""
-
-    def __init__(self, model: Any, check: PushCheck):
-        self._model, self._check = model, check
-
-    def check(self, specs: Sequence[TensorSpec]) -> None:
-        """Called by the receiver when a push is accepted, before any byte moves."""
-        self._check([(s.name, DTYPES[s.dtype], tuple(s.shape)) for s in specs])
-
-    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        self._model.load_weights(batch)
-
-
-class StagedReload:
-    """CPU: keeps a copy of every tensor of a push and applies the whole push at its end through
-    ``reload_weights`` (a second plain load_weights fails on the CPU backend, which repacks linear weights).
-    Atomic: a reload that fails part-way is undone (Note [undoing a failed reload]), or says WeightsMixed."""
-
-    def __init__(self, model_runner: Any, check: PushCheck):
-        self._runner, self._check = model_runner, check
-        self._staged: list[tuple[str, torch.Tensor]] = []
-
-    def check(self, specs: Sequence[TensorSpec]) -> None:
-        """Called by the receiver when a push is accepted, before any byte moves."""
-        self._check([(s.name, DTYPES[s.dtype], tuple(s.shape)) for s in specs])
-
-    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        self._staged.extend((name, t.clone()) for name, t in batch)  # Note [ring buffer views]
-
-    def finish(self) -> None:
-        staged, self._staged = self._staged, []
-        self._check([(name, t.dtype, tuple(t.shape)) for name, t in staged])  # also where no receiver asked
-        model = self._runner.get_model()
-        heads = tied_heads(model)  # found before the reload: while it runs, ties are broken
-        undo = Undo(model)
-        try:
-            self._runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
-            follow_embedding(heads)
-        except Exception as e:
-            self._undo(undo, e)
-            raise ReloadFailed(
-                f"vLLM's reload of the push into {describe_engine(self._runner)} failed part-way "
-                f"({type(e).__name__}: {e}); the engine's weights were put back as they were before the push"
-            ) from e
-
-    def _undo(self, undo: Undo, error: Exception) -> None:
-        try:
-            undo.restore()
-        except Exception as e:
-            raise WeightsMixed(
-                f"vLLM's reload of the push into {describe_engine(self._runner)} failed part-way "
-                f"({type(error).__name__}: {error}) and the old weights could not be put back ({type(e).__name__}: "
-                f"{e}): the engine holds a mix of two versions until a push of every tensor completes"
-            ) from error
+def close_loader(worker: Any, result: EndpointResult) -> EndpointResult:
+    """After a receive: the loader's last step (a layerwise reload finalized, modules processed again). If that
+    fails, the push failed and the weights hold no version."""
+    loader = worker.__dict__.pop(_LOADER, None)
+    if loader is None:
+        return result
+    try:
+        loader.close()
+    except Exception as e:
+        versions.forget_version(worker, f"vLLM's processing after the load failed: {type(e).__name__}: {e}")
+        return EndpointResult(failure=RemoteFailure.of("apply", e), version=None)
+    return result
 
 
 # --- the worker extension ----------------------------------------------------------------------------------------
 class WorkerExtension:
     """``LLM(..., worker_extension_cls="raysync.engines.vllm.WorkerExtension")``. Every name starts with ``raysync_``
     or ``_raysync_``: vLLM refuses to start when an extension's attribute clashes with its Worker's."""
+
+    raysync_cpu_staged = (
+        True  # CPU: stage a push, apply it at its end, undo a failed reload (one more copy of
+    )
+    # the weights); False: load it bucket by bucket through vLLM's layerwise reload, as on GPU (not atomic)
+
+    def raysync_reload_refusal(self) -> str | None:
+        """Why raysync cannot load a push into this worker as vLLM loads a checkpoint, or None (Note [a reload
+        as if from a checkpoint] in raysync.engines.vllm_reload)."""
+        layerwise = has_layerwise_reload()
+        return reload_refusal(self.model_runner, layerwise=layerwise, on_cpu=self.device.type == "cpu")
 
     def raysync_call(self, name: str, args: list | dict[str, list]) -> dict[str, Any]:
         """Run endpoint function ``name`` in this worker: ``args`` for every worker, or per worker rank.
@@ -190,6 +159,7 @@ class WorkerExtension:
             versions.begin_receive(self)
         result = fn(self, *values)
         if name == "receiver_receive":
+            result = close_loader(self, result)
             verdict = self.__dict__.get(_CHECKED, {}).get("verdict")
             result = versions.note_receive(self, result, verdict.parameters if verdict else None)
             versions.take_print(self)

@@ -35,7 +35,9 @@ from raysync.core.errors import LayoutError
 # completely refuse the push before a byte moves. "Completely" counts the elements the loaders write (copy_,
 # fill_), so a fused parameter needs all its parts (qkv_proj: q, k and v). A partial push (the session's
 # SyncConfig has include or exclude) may leave engine parameters out: they keep their weights; a parameter it
-# touches must still be written completely. A tensor tied to another in the engine's model (lm_head with
+# touches must still be written completely, and so must every parameter of a layer it touches (vLLM's layerwise
+# reload processes a layer once, from all of its parameters: one left out would come from uninitialized memory,
+# e.g. qkv_proj.bias pushed without qkv_proj.weight). A tensor tied to another in the engine's model (lm_head with
 # tie_word_embeddings) is refused: the engine has no separate tensor for it.
 class PushCheck:
     """Checks a push's tensors against the engine's model (Note [checking a push before loading]); the verdict
@@ -61,6 +63,11 @@ class PushCheck:
                 f"leave tensors out with SyncConfig.include/exclude (a partial push)"
             )
         self._written |= verdict.written
+
+    @property
+    def written(self) -> set[str]:
+        """The engine parameters the pushes checked by this PushCheck write completely."""
+        return self._written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +129,29 @@ def check_push(
         ]
         what = "touches but does not write completely" if partial else "does not write"
         problems.append(_listed(f"of its parameter(s) that the push {what}", short))
+        if partial:
+            split = _split(params, complete)
+            problems.append(
+                _listed("layer(s) the push writes only part of (vLLM reloads a layer whole)", split)
+            )
     elif not partial:
         complete = set(params)
     else:
         complete = set()
     return Verdict(tuple(p for p in problems if p), frozenset(complete), frozenset(params))
+
+
+def _split(params: dict[str, torch.Tensor], complete: set[str]) -> list[str]:
+    """Layers (modules) with some of their own parameters in ``complete`` and some not: vLLM's layerwise reload
+    processes a layer once, from all its parameters, and would take the ones left out from uninitialized memory."""
+    layers: dict[str, set[str]] = {}
+    for p in params:
+        layers.setdefault(p.rpartition(".")[0], set()).add(p)
+    return [
+        f"{layer} ({', '.join(sorted(p.rpartition('.')[2] for p in own - complete))} left out)"
+        for layer, own in layers.items()
+        if own & complete and own - complete
+    ]
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
