@@ -12,7 +12,7 @@ from conftest import random_tensor, same_bits, session_pair
 
 from raysync import LayoutError, SyncConfig
 from raysync.core.plan import plan_buckets
-from raysync.core.source import Packer, Source, select
+from raysync.core.source import Packer, is_source, select
 from raysync.core.wire import DTYPES
 from raysync.sources.gather_plan import (
     HEADER_BYTES,
@@ -171,8 +171,8 @@ def test_a_one_rank_fsdp2_model_pushes_bit_exact_through_a_session_and_the_plain
     base = dataclasses.replace(CFG, bucket_bytes=64 << 10)
     for cfg in (base, dataclasses.replace(base, cast_dtype="bfloat16", keep_dtype=("*norm*",))):
         source = DTensorSource(model.named_parameters(), cfg)
-        assert isinstance(source, Source)
         whole = [(n, p.to_local().detach()) for n, p in model.named_parameters()]
+        assert is_source(source) and not is_source(whole) and not is_source(dict(whole).items())
         assert source.specs(cfg) == [s.spec for s in select(whole, cfg)]
         dest = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in source.specs(cfg)}
         with session_pair(cfg) as (sender, receiver):

@@ -43,7 +43,7 @@ from raysync.core.control import SenderChannel
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport
-from raysync.core.source import Source, SourceTensor
+from raysync.core.source import Source, SourceTensor, is_source
 from raysync.core.wire import Accept, Attached, Close, PushDigest, PushDone, PushStart
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
@@ -87,7 +87,7 @@ class PushSender(OnPlane):
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Source, version: int) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it. A lazy
         ``Source`` (raysync.core.source) is packed bucket by bucket by its own packer (``_push_source``)."""
-        if isinstance(named_tensors, Source):
+        if is_source(named_tensors):
             return self._push_source(named_tensors, version)
         start = time.perf_counter()
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -110,7 +110,6 @@ class SourcePacker(Protocol):
     def finish(self, outcome: str) -> str: ...
 
 
-@runtime_checkable
 class Source(Protocol):
     """A lazy source: the layout from metadata (``specs``: names, global shapes, wire dtypes after ``include`` /
     ``exclude`` / ``cast_dtype``; nothing materialized), the bytes bucket by bucket (``packer``). ``buffers`` is
@@ -197,3 +196,9 @@ def write_chunk(src: SourceTensor, chunk: Chunk, region: torch.Tensor) -> None:
         region.view(wire).copy_(
             tensor.reshape(-1)[first : first + chunk.nbytes // wire.itemsize], non_blocking=non_blocking
         )
+
+
+def is_source(obj: object) -> bool:
+    """Whether ``obj`` is a lazy Source rather than an iterable of (name, tensor) pairs. Two attribute looks
+    (under a microsecond), where isinstance against a runtime-checkable Protocol took ~100 us per push."""
+    return hasattr(obj, "packer") and hasattr(obj, "specs")

@@ -1,10 +1,12 @@
-"""Sources of a sharded trainer: lazy sources (raysync.core.source.Source) whose ranks all take part in a push.
+"""Lazy sources (raysync.core.source.Source): the layout from metadata, the bytes made bucket by bucket.
 
-Read in the order of the data flow: dtensor.py (DTensorSource: FSDP2 / DTensor parameters, what a trainer rank
-makes) -> gather_plan.py (pure: which bytes each rank gathers for each bucket) -> walk.py (the all-gathers of
-one push on every rank, bounded: Note [every rank walks the same buckets]).
+lazy.py: LazySource, tensors made when their bucket is packed, from a manifest (a meta-device model, a
+checkpoint's index). The sharded one, in the order of the data flow: dtensor.py (DTensorSource: FSDP2 / DTensor
+parameters, one per trainer rank) -> gather_plan.py (pure: which bytes each rank gathers for each bucket) ->
+walk.py (the all-gathers of one push on every rank, bounded: Note [every rank walks the same buckets]).
 """
 
 from raysync.sources.dtensor import DTensorSource
+from raysync.sources.lazy import LazySource
 
-__all__ = ["DTensorSource"]
+__all__ = ["DTensorSource", "LazySource"]
