@@ -118,6 +118,12 @@ def test_probe_reports_this_process_as_torch_sees_it():
     assert me.current_gpu == (uuids[torch.cuda.current_device()] if gpus else None)
     assert (me.device == "cuda") if torch.cuda.is_available() else (me.device in ("cpu", "npu"))
     assert not me.ipc_ok or me.device == "cuda"  # the CUDA IPC probe passes only where there is CUDA
+    assert (me.gpu_free_bytes is not None) is (me.device == "cuda")  # the memory a ring could take there
+    assert (
+        me.gpu_free_bytes is None
+        or 0 < me.gpu_free_bytes <= torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    )
+    assert me.host_free_bytes is None or 0 < me.host_free_bytes
     if me.device == "cuda":
         assert all(me.peer_access[i][i] for i in range(gpus))  # a GPU reaches its own memory
 

@@ -75,7 +75,7 @@ class Placement:
     cuda_visible_devices: str | None
     ipc_ok: bool  # CUDA IPC verified by a probe (an export opened by a child process)
     peer_access: tuple[tuple[bool, ...], ...]
-    gpu_free_bytes: int | None = None  # free on current_gpu (torch.cuda.mem_get_info) when probed
+    gpu_free_bytes: int | None = None  # what this process could allocate on current_gpu when probed
     host_free_bytes: int | None = None  # what a shm ring may take on this host (shm.ring_memory_bytes)
 
     def label(self) -> str:
@@ -110,7 +110,8 @@ def probe(node: tuple[str, str] | None = None) -> Placement:
         n = torch.cuda.device_count()
         uuids = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(n))
         current = uuids[torch.cuda.current_device()] if n else None
-        gpu_free = torch.cuda.mem_get_info()[0] if n else None
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # this process's, reusable
+        gpu_free = torch.cuda.mem_get_info()[0] + cached if n else None
         peers = tuple(
             tuple(i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)) for i in range(n)
         )
