@@ -275,10 +275,8 @@ def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, lay
         if args.breakdown and name.startswith("default"):
             row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
         pair_config = pair.config(config)
-    if (
-        pair.transport == "collective"
-    ):  # a broadcast group, not a WeightSender's ring: benchmarks/bench_collective.py
-        return row
+    if pair.transport == "collective":
+        return row  # a broadcast group, not a WeightSender's ring: benchmarks/bench_collective.py has its raw figure
     raw = raw_session(pair_config, layout, args.device, args.pushes, args.threads)
     row |= {"raw_median_s": raw["median_s"], "raw_min_s": raw["min_s"]}
     row["ray_share_s"] = row["weightsync_median_s"] - raw["median_s"]
