@@ -278,8 +278,10 @@ class Sinks:
         except KeyError:
             key = None  # IntoTensors names the missing destination
         if key is None or key != self._key:
-            made = make_sink(specs, self._graphs) if make_sink else None
-            self._into = made or IntoTensors(specs, into, self._staged, self._graphs)
+            if make_sink is not None:
+                self._into = make_sink(specs, self._graphs)
+            else:
+                self._into = IntoTensors(specs, into, self._staged, self._graphs)
             self._key = key
         else:
             self._into.reset()
