@@ -206,6 +206,41 @@ def test_same_node_other_gpus_by_what_the_receiver_sees_and_reaches():
             plan(gpu(), unreachable, transport="cuda_ipc")
 
 
+def test_syncconfig_leaves_the_data_path_to_the_plan_until_a_field_is_set(monkeypatch):
+    """Note [left to the plan]: SyncConfig() plans; a field set is forced, through dataclasses.replace too; a
+    session without a plan reads the standalone defaults; nothing left to a plan reaches the wire."""
+    import pickle
+
+    fields = ("transport", "bucket_bytes", "num_buffers", "direct")
+    auto = SyncConfig()
+    assert all(auto.is_auto(f) for f in fields)
+    assert (auto.transport, auto.bucket_bytes, auto.num_buffers, bool(auto.direct)) == (
+        "shm",
+        512 * MiB,
+        2,
+        False,
+    )
+    kept = dataclasses.replace(auto, verify=True)
+    assert all(kept.is_auto(f) for f in fields)
+    assert pickle.loads(pickle.dumps(kept)).is_auto("bucket_bytes")  # noqa: S301 - our own object, as Ray ships it
+    forced = dataclasses.replace(auto, bucket_bytes=512 * MiB, transport="shm", direct=False, num_buffers=2)
+    assert not any(forced.is_auto(f) for f in fields)  # the same values, set: forced
+    assert dataclasses.replace(forced, bucket_bytes=None).is_auto("bucket_bytes")
+    assert SyncConfig(transport="auto").is_auto("transport")
+    plain = dataclasses.asdict(auto)  # what a frame's encoding copies: exact ints and strs
+    assert type(plain["bucket_bytes"]) is int and type(plain["transport"]) is str
+    resolved = auto.resolved(bucket_bytes=MiB)
+    assert (type(resolved.num_buffers), resolved.bucket_bytes, resolved.direct) == (int, MiB, False)
+    with pytest.raises(ValueError, match="transport='tcp': one of"):
+        SyncConfig(transport="tcp")
+    with pytest.raises(TypeError, match="direct="):
+        SyncConfig(direct="yes")
+    monkeypatch.setenv("RAYSYNC_DIRECT", "auto")
+    monkeypatch.setenv("RAYSYNC_BUCKET_BYTES", str(MiB))
+    env = SyncConfig.from_env()
+    assert env.is_auto("direct") and not env.is_auto("bucket_bytes") and env.bucket_bytes == MiB
+
+
 def test_the_ring_fits_the_push_and_the_memory_free_where_it_lives():
     small = SourceReport(push_bytes=100 * MiB + 5, not_in_place="", stable=True)
     p = plan(gpu(), gpu(), source=dataclasses.replace(small, stable=False))
