@@ -59,7 +59,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketGather:
-    segment_bytes: int  # each rank's part of the all-gather, header included
+    segment_bytes: int  # each rank's part of the all-gather, header included (the least that fits)
     pieces: tuple[Piece, ...]
 
 
