@@ -8,7 +8,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from workers import digest, perturb, sharded_receiver
+from workers import digest, perturb, sharded_receiver, sharded_stager
 
 from raysync import PeerTimeout, PushIncomplete, RaysyncError, RemoteError, SessionSecret, SyncConfig
 from raysync.core.session import PushSender
@@ -202,3 +202,35 @@ def test_a_receiver_killed_mid_push_fails_everyone_and_the_survivor_says_mixed(s
     finally:
         for g in groups + rebuilt:
             g.close()
+
+
+@pytest.mark.parametrize("fails", ["ValueError", "WeightsMixed"])
+def test_a_staging_loader_applies_every_share_once_and_a_failed_apply_is_told(spawn, fails):
+    """A staging loader (``finish``) is handed every share's tensors and applies them once, after the last
+    share: push 1 lands bit-exact. Its apply fails in push 2: the engine raises one PushIncomplete at stage
+    'apply'; a loader that kept the old weights (its contract) leaves version 1 and the destinations as they
+    were, one that says WeightsMixed leaves MIXED."""
+    from raysync.tools.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    groups, secrets = _groups(model, receivers=1)
+    out = spawn.ctx.Queue()
+    spawn(sharded_stager, secrets, CFG, [g.rendezvous for g in groups], out, fails)
+    senders = _join(groups)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            perturb(model, 1)
+            assert all(not isinstance(r, Exception) for r in _push_all(pool, senders, model, 1))
+            v1 = digest(model.named_parameters())
+            assert out.get(timeout=60) == ("ok", 1, v1)
+            perturb(model, 2)
+            _push_all(pool, senders, model, 2)  # every share lands; the engine applies after the last
+            kind, version, mixed, held, message = out.get(timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    assert kind == "PushIncomplete" and "stage 'apply'" in message, message
+    if fails == "WeightsMixed":
+        assert (version, mixed) == (MIXED, True), message
+    else:
+        assert (version, mixed, held) == (1, False, v1), message

@@ -234,3 +234,51 @@ def sharded_receiver(secrets, config, rank, rendezvous, pushes, out, die_at=None
             return
         out.put((rank, "ok", (report.version, report.tensors, digest(model.named_parameters()))))
     receiver.close()
+
+
+def sharded_stager(secrets, config, rendezvous, out, fails: str) -> None:
+    """An engine (rank 1 of every share's group) whose load function stages: it keeps every tensor it is given
+    and applies them all in ``finish`` (the contract in raysync.core.sink). Push 2's apply fails: with
+    ``fails="ValueError"`` before it touches anything (the old weights stay), with ``"WeightsMixed"`` half-way.
+    Reports ("ok", version, digest) or (error name, version, mixed, digest, message) after each push."""
+    from raysync.core.errors import WeightsMixed
+    from raysync.core.sharded import ShardedReceiver
+    from raysync.tools.models import tiny_qwen2
+    from raysync.transport.collective import CollectiveReceiver
+
+    params = dict(tiny_qwen2(seed=99).named_parameters())
+
+    class Stager:
+        def __init__(self, push: int):
+            self.push, self.staged = push, {}
+
+        def __call__(self, batch):
+            for name, t in batch:
+                self.staged[name] = t.clone()
+
+        def finish(self) -> None:
+            names = sorted(self.staged)
+            with torch.no_grad():
+                for k, name in enumerate(names):
+                    if self.push == 2 and fails == "ValueError" and k == 0:
+                        raise ValueError("the apply failed before it touched a weight")
+                    if self.push == 2 and fails == "WeightsMixed" and k == len(names) // 2:
+                        raise WeightsMixed("the apply failed half-way")
+                    params[name].copy_(self.staged[name])
+
+    engine = ShardedReceiver(
+        [
+            CollectiveReceiver(s, config, rank=1, rendezvous=r)
+            for s, r in zip(secrets, rendezvous, strict=True)
+        ]
+    )
+    engine.join()
+    for push in (1, 2):
+        try:
+            report = engine.receive(load_fn=Stager(push))
+            out.put(("ok", report.version, digest(params.items())))
+        except Exception as e:
+            out.put(
+                (type(e).__name__, engine.version, getattr(e, "mixed", None), digest(params.items()), str(e))
+            )
+    engine.close()

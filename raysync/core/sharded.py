@@ -99,6 +99,18 @@ def combined_report(reports: Sequence[PushReport]) -> PushReport:
     )
 
 
+def check_disjoint(sessions: Sequence[PushReceiver]) -> None:
+    """Two shares naming one tensor means the trainer ranks split different lists of tensors."""
+    seen: dict[str, int] = {}
+    for k, r in enumerate(sessions):
+        for name in r.names:
+            if seen.setdefault(name, k) != k:
+                raise LayoutError(
+                    f"tensor {name!r} is in share {seen[name]} and in share {k}: compute "
+                    f"the shares from the same tensors on every trainer rank"
+                )
+
+
 class ShardedReceiver:
     """One engine receiving every share: ``groups[k]`` is this engine's rank in the group of share k, and
     ``receivers[k]`` its push session once that group has joined."""
@@ -182,7 +194,7 @@ class ShardedReceiver:
         gloo a thread per share. The load function is called by one share at a time; a staging loader's
         ``finish`` (raysync.core.sink) once, after every share has landed."""
         sessions = self._sessions()
-        self._check_disjoint(sessions)
+        check_disjoint(sessions)
         finish = getattr(load_fn, "finish", None)
         staging = callable(finish) and len(sessions) > 1  # one share: its session applies it, as any session
         one_fn = _one_at_a_time(load_fn) if load_fn is not None and len(sessions) > 1 else load_fn
@@ -195,7 +207,7 @@ class ShardedReceiver:
                 self._restore(before)
             self._raise_failed(failed)
         report = combined_report(reports)
-        self._check_disjoint(sessions)
+        check_disjoint(sessions)
         if staging and not report.skipped:
             self._apply(finish, report.version, before)
         return report
@@ -208,8 +220,7 @@ class ShardedReceiver:
             raise failed[0][1]
         k, e = incomplete[0]
         undelivered = [n for _, f in incomplete for n in f.undelivered]
-        mixed = self.version == MIXED
-        raise PushIncomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered, mixed=mixed) from e
+        raise self._incomplete(e.version, f"share {k}: {e.stage}", e.reason, undelivered) from e
 
     def _apply(self, finish, version: int, before: list[Version]) -> None:
         """A staging loader applies every share's part at once. If that fails it has put the old weights back
@@ -221,25 +232,16 @@ class ShardedReceiver:
                 self.version = MIXED
             else:
                 self._restore(before)
-            raise PushIncomplete(
-                version, "apply", f"{type(e).__name__}: {e}", [], mixed=isinstance(e, WeightsMixed)
-            ) from e
+            raise self._incomplete(version, "apply", f"{type(e).__name__}: {e}", []) from e
+
+    def _incomplete(self, version: int, stage: str, reason: str, undelivered: list[str]) -> PushIncomplete:
+        """The engine's PushIncomplete: whether its destinations are a mix is what its version says now, the
+        rule of every push session (Note [versions never lie])."""
+        return PushIncomplete(version, stage, reason, undelivered, mixed=self.version == MIXED)
 
     def _restore(self, before: list[Version]) -> None:
         for r, version in zip(self.receivers, before, strict=True):
             r.version = version
-
-    @staticmethod
-    def _check_disjoint(sessions: list[PushReceiver]) -> None:
-        """Two shares naming one tensor means the trainer ranks split different lists of tensors."""
-        seen: dict[str, int] = {}
-        for k, r in enumerate(sessions):
-            for name in r.names:
-                if seen.setdefault(name, k) != k:
-                    raise LayoutError(
-                        f"tensor {name!r} is in share {seen[name]} and in share {k}: compute "
-                        f"the shares from the same tensors on every trainer rank"
-                    )
 
     def close(self) -> None:
         """Every share's group, each with its session."""
