@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from workers import collective_receiver, digest, perturb
+from workers import collective_engine, collective_receiver, digest, perturb
 
 from raysync import PeerUnavailable, RemoteError, SessionSecret, SyncConfig
 from raysync.core.errors import EndpointError, PeerTimeout, RaysyncError, WireError
@@ -223,6 +223,32 @@ def test_close_ends_the_session_first_then_the_group_and_the_store(spawn):
     for port in (group.rendezvous.port, unjoined.rendezvous.port):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
+def test_an_engine_keeps_its_version_across_the_groups_weightsync_makes(spawn):
+    """Inside an actor (raysync.ray.endpoint, as WeightSync drives it) an engine's group is replaced by a new
+    one (WeightSync rebuilds a failed group whole): the engine's version carries over, so the new group's push
+    of the version it holds is skipped, and the next version lands bit-exact."""
+    from raysync.tools.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    inbox, out = spawn.ctx.Queue(), spawn.ctx.Queue()
+    spawn(collective_engine, CFG, inbox, out)
+    try:
+        for held, version, skipped in ((None, 1, False), (1, 1, True), (1, 2, False)):
+            if not skipped:
+                perturb(model, version)
+            secret = SessionSecret.generate()
+            group = CollectiveSender(secret, CFG, host="127.0.0.1", num_receivers=1, backend="gloo")
+            try:
+                inbox.put((secret, group.rendezvous))
+                assert group.join().push(model.named_parameters(), version).skipped == skipped
+                got = out.get(timeout=60)
+            finally:
+                group.close()
+            assert got == (held, version, skipped, version, digest(model.named_parameters())), got
+    finally:
+        inbox.put(None)
 
 
 # --- the rendezvous store: strangers on its port -------------------------------------------------------------------

@@ -282,3 +282,29 @@ def sharded_stager(secrets, config, rendezvous, out, fails: str) -> None:
                 (type(e).__name__, engine.version, getattr(e, "mixed", None), digest(params.items()), str(e))
             )
     engine.close()
+
+
+def collective_engine(config, inbox, out) -> None:
+    """An engine as WeightSync drives one inside its actor (raysync.ray.endpoint), for the groups the parent
+    makes one after another: each ``inbox`` message is the (secret, rendezvous) of a new group (None: stop).
+    After each connect it receives once and reports (its version before the connect, the push's version, skipped,
+    its version after, a digest of its weights)."""
+    from raysync.ray import endpoint as ep
+    from raysync.tools.models import tiny_qwen2
+
+    class Engine:  # what a user's actor is to raysync: an object with a model
+        model = tiny_qwen2(seed=99)
+
+    engine = Engine()
+    while (group := inbox.get(timeout=120)) is not None:
+        secret, rendezvous = group
+        held = ep.receiver_version(engine, "sync")
+        ep.collective_connect(engine, "sync", config, 1, rendezvous, secret, ep.model_destinations)
+        result = ep.receiver_receive(engine, "sync")
+        if not result.ok:
+            out.put(("failed", result.failure.stage, result.failure.error))
+            continue
+        report = result.report
+        after = ep.receiver_version(engine, "sync")
+        out.put((held, report.version, report.skipped, after, digest(engine.model.named_parameters())))
+    ep.close(engine, "sync")
