@@ -304,6 +304,12 @@ def test_report_source_says_what_the_plan_needs_from_the_senders_tensors():
     fresh = report_source(actor, lambda a: ((n, p.clone()) for n, p in params(a)), SyncConfig())
     assert not fresh.stable  # new tensors at every call
     assert report_source(actor, params, SyncConfig(exclude=("1.*",))).push_bytes == (64 * 64 + 64) * 4
+    from raysync.sources import LazySource
+
+    lazy = report_source(actor, lambda a: LazySource.from_module(a.model, lambda n: None), SyncConfig())
+    assert lazy == SourceReport(
+        plain.push_bytes, "the source is lazy", False
+    )  # made bucket by bucket: the ring
 
 
 @pytest.mark.gpu

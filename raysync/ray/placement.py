@@ -149,11 +149,14 @@ def report_source(
     """The sender's SourceReport (run inside the sender, like raysync.ray.endpoint's functions)."""
     import torch
 
-    from raysync.core.source import select
+    from raysync.core.source import is_source, select
     from raysync.core.wire import DTYPES
     from raysync.transport.cuda_ipc_direct import _not_in_place  # the direct plane's own rule
 
-    first = select(source(actor), config)  # held until the second call is compared
+    given = source(actor)
+    if is_source(given):  # a lazy Source: the layout from metadata, tensors made as their buckets are packed
+        return SourceReport(sum(s.nbytes for s in given.specs(config)), "the source is lazy", False)
+    first = select(given, config)  # held until the second call is compared
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     why = "" if device is not None else "the sender has no GPU"
     for s in first if device is not None else ():
@@ -278,11 +281,11 @@ def _mode(
 ) -> tuple[bool, str]:
     """Direct or ring, and why (Note [direct or ring]); a forced direct mode that cannot work is refused."""
     forced = config.direct
-    pair = f"{s.label()} -> {r.label()}"
     if transport != "cuda_ipc":
         if forced:
             raise PlanError(
-                f"direct=True reads the sender's tensors in place over CUDA IPC, and {pair} runs {transport}: "
+                f"direct=True reads the sender's tensors in place over CUDA IPC, and {s.label()} -> "
+                f"{r.label()} runs {transport}: "
                 f"put both on one GPU (or GPUs with peer access), or leave direct=None to let the plan choose"
             )
         return False, ""
@@ -339,6 +342,7 @@ def _ring_shape(
 
     path = _path(transport, s, r)
     unit = max(config.align_bytes, MiB)
+    up = lambda n: -(-n // unit) * unit  # noqa: E731 - rounded up to a whole unit
     auto_bucket, auto_buffers = config.is_auto("bucket_bytes"), config.is_auto("num_buffers")
     bucket, buffers = _SWEET_SPOTS[path]
     bucket = bucket if auto_bucket else int(config.bucket_bytes)
@@ -346,9 +350,9 @@ def _ring_shape(
     notes = [f"{path}" if auto_bucket or auto_buffers else "set by SyncConfig"]
     smallest = unit
     if source is not None:
-        smallest = max(unit, _round_up(2 * source.push_bytes // MAX_LAYOUT_BUCKETS, unit))
+        smallest = max(unit, up(2 * source.push_bytes // MAX_LAYOUT_BUCKETS))
         if auto_bucket and source.push_bytes < bucket:
-            bucket, notes = max(unit, _round_up(source.push_bytes, unit)), [*notes, "the push in one bucket"]
+            bucket, notes = max(unit, up(source.push_bytes)), [*notes, "the push in one bucket"]
         if auto_buffers:
             buffers = min(buffers, max(1, math.ceil(source.push_bytes / bucket)))
     for place, free in ring_places(transport, s, r):
@@ -357,7 +361,7 @@ def _ring_shape(
         room = free // max(1, rings.get(place, 1))
         shrunk = False
         while auto_bucket and bucket > smallest and bucket * buffers * RING_SHARE > room:
-            bucket, shrunk = max(smallest, _round_up(bucket // 2, unit)), True
+            bucket, shrunk = max(smallest, up(bucket // 2)), True
         if shrunk:
             notes.append(f"1/{RING_SHARE} of the {_size(room)} free on {place}")
         if bucket * buffers > room:
@@ -367,10 +371,6 @@ def _ring_shape(
                 f"SyncConfig.bucket_bytes or num_buffers, or leave them to the plan (None)"
             )
     return bucket, buffers, f"ring {buffers} x {_size(bucket)}: " + ", ".join(notes)
-
-
-def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
 
 
 def check_groups(
