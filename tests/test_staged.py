@@ -14,7 +14,7 @@ import torch
 from conftest import session_pair
 
 from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.core.errors import LayoutError, PeerTimeout
+from raysync.core.errors import LayoutError, PeerTimeout, RemoteError
 from raysync.core.staging import ALIGN_BYTES, StagingFailed, StaleWeights, plan_groups
 from raysync.core.version import MIXED
 
@@ -60,10 +60,11 @@ class Engine:
     """A plain torch engine: forward steps in a loop on its own thread; at each step boundary (and only there) it
     calls ``receiver.flip()``. A flip refused after a failed stage is counted and the engine keeps serving."""
 
-    def __init__(self, receiver: WeightReceiver, model: torch.nn.Module):
+    def __init__(self, receiver: WeightReceiver, model: torch.nn.Module, flips_allowed: int | None = None):
         self.receiver, self.model = receiver, model
         self.steps: list[Step] = []
-        self.refused = 0
+        self.refused = self.flips = 0
+        self.flips_allowed = flips_allowed  # the engine stops flipping after this many (None: never stops)
         self.stop = threading.Event()
         self._cond = threading.Condition()
 
@@ -71,7 +72,8 @@ class Engine:
         x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(0))
         while not self.stop.is_set():
             try:
-                self.receiver.flip()
+                if self.flips_allowed is None or self.flips < self.flips_allowed:
+                    self.flips += self.receiver.flip() is not None
             except StagingFailed:
                 self.refused += 1
             version = self.receiver.version
@@ -287,3 +289,69 @@ def test_groups_mode_without_an_engine_flipping_times_out_naming_the_engine(priv
     cause = e.value.__cause__
     assert isinstance(cause, PeerTimeout) and "engine" in cause.peer and "group 2/4" in cause.stage
     assert receiver.version is None and weights_digest(model) == weights_digest(make_model(None))
+
+
+def test_a_push_failing_after_groups_flipped_says_mixed_and_the_next_push_repairs_it(private_tmp, in_thread):
+    """Groups mode: the engine flips one group, then stops flipping; the push cannot land its third group and
+    fails (the sender is told); the live weights are MIXED and the flip is refused until discard(); the next
+    push, flipped group by group, makes them exactly version 2."""
+    config = SyncConfig(bucket_bytes=16 << 10, num_buffers=2, timeout_s=2, progress=False)
+    model = make_model(None)
+    params = dict(model.named_parameters())
+    layer = model[0].weight.nbytes + model[0].bias.nbytes
+    with session_pair(config) as (sender, receiver):
+        engine = Engine(receiver, model, flips_allowed=1)
+        running = in_thread(engine.run)
+        pushing = in_thread(_push, sender, 1)
+        with pytest.raises(PushIncomplete) as e:
+            receiver.receive(into=params, flip=False, staging_bytes=layer)
+        assert isinstance(
+            pushing.exception(timeout=30), (RemoteError, PeerTimeout)
+        )  # told, or timed out first
+        assert isinstance(e.value.__cause__, PeerTimeout) and "group 3/4" in e.value.__cause__.stage
+        assert e.value.mixed is True and receiver.version == MIXED and engine.flips == 1
+        with pytest.raises(StagingFailed, match="1 of its groups were flipped: the live weights are MIXED"):
+            receiver.flip()
+        assert receiver.discard() == 1
+        engine.flips_allowed = None
+        pushing = in_thread(_push, sender, 2)
+        receiver.receive(into=params, flip=False, staging_bytes=layer)
+        pushing.result(timeout=30)
+        engine.wait(lambda s: s[-1].version == 2, "on version 2")
+        engine.stop.set()
+        running.result(timeout=60)
+    assert weights_digest(model) == weights_digest(make_model(2))
+    assert [s for s in engine.steps if s.before != s.after] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_flip_keeps_the_live_addresses_so_a_captured_cuda_graph_runs_the_new_version(
+    private_tmp, in_thread
+):
+    model = make_model(None).cuda()
+    params = dict(model.named_parameters())
+    addresses = [p.data_ptr() for p in params.values()]
+    x = torch.randn(4, DIM, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        model(x)  # warm-up off the default stream, as CUDA graph capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = model(x)
+    with session_pair(CONFIG) as (sender, receiver):
+        pushing = in_thread(_push, sender, 1)  # CPU tensors over shm into GPU staging memory
+        receiver.receive(into=params, flip=False)
+        pushing.result(timeout=60)
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(y, model(x)) and receiver.version is None  # still the engine's own weights
+        assert receiver.staging.devices == (("cuda:0", receiver.staging.nbytes),)
+        assert receiver.flip().version == 1
+        graph.replay()  # the graph captured before the flip reads the same addresses: now version 1
+        with torch.no_grad():
+            assert torch.equal(y, make_model(1).cuda()(x))
+    assert [p.data_ptr() for p in params.values()] == addresses
+    assert weights_digest(model.cpu()) == weights_digest(make_model(1))
