@@ -293,7 +293,7 @@ def test_groups_mode_without_an_engine_flipping_times_out_naming_the_engine(priv
 
 def test_a_push_failing_after_groups_flipped_says_mixed_and_the_next_push_repairs_it(private_tmp, in_thread):
     """Groups mode: the engine flips one group, then stops flipping; the push cannot land its third group and
-    fails (the sender is told); the live weights are MIXED and the flip is refused until discard(); the next
+    fails (the sender too); the live weights are MIXED and the flip is refused until discard(); the next
     push, flipped group by group, makes them exactly version 2."""
     config = SyncConfig(bucket_bytes=16 << 10, num_buffers=2, timeout_s=2, progress=False)
     model = make_model(None)
@@ -346,12 +346,14 @@ def test_a_flip_keeps_the_live_addresses_so_a_captured_cuda_graph_runs_the_new_v
         receiver.receive(into=params, flip=False)
         pushing.result(timeout=60)
         graph.replay()
-        with torch.no_grad():
-            assert torch.equal(y, model(x)) and receiver.version is None  # still the engine's own weights
+        before = y.clone()
+        with torch.no_grad():  # the graph's kernels may differ from eager ones in the last bits: a tolerance
+            assert torch.allclose(before, model(x), rtol=1e-4, atol=1e-5) and receiver.version is None
         assert receiver.staging.devices == (("cuda:0", receiver.staging.nbytes),)
         assert receiver.flip().version == 1
         graph.replay()  # the graph captured before the flip reads the same addresses: now version 1
         with torch.no_grad():
-            assert torch.equal(y, make_model(1).cuda()(x))
+            assert torch.allclose(y, make_model(1).cuda()(x), rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(y, before, rtol=1e-4, atol=1e-5)
     assert [p.data_ptr() for p in params.values()] == addresses
     assert weights_digest(model.cpu()) == weights_digest(make_model(1))
