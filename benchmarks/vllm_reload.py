@@ -9,6 +9,8 @@ One vLLM CPU engine in this process (random weights, ``load_format="dummy"``), t
     undo      what Undo keeps before a reload (a copy of the tensors the reload writes in place), and its time
     reload    vLLM's reload_weights alone; re-making a tied output head; raysync's whole apply (check,
               undo, reload, tied head: StagedReload.finish)
+    layerwise the same push bucket by bucket through LayerwiseLoad (the GPU path: copies handed to vLLM's layerwise
+              reload, finalized at the end; BUCKET_TENSORS tensors a call)
     restore   a reload made to fail at the last layer, then undone: the time to fail and put the weights back
 
 Figures go to docs/reliability.md ("vLLM: a push the engine refuses, a reload undone").
@@ -26,6 +28,9 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker runs in this process
 
 
+BUCKET_TENSORS = 16  # tensors per call of the bucket-by-bucket loader
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -37,7 +42,7 @@ def measure(worker, layout: str) -> dict:
     import torch
 
     from raysync.engines.vllm_model import PushCheck, Undo, follow_embedding, tied_heads
-    from raysync.engines.vllm_reload import StagedReload
+    from raysync.engines.vllm_reload import LayerwiseLoad, StagedReload
     from raysync.tools.models import allocate
 
     runner, model = worker.model_runner, worker.model_runner.get_model()
@@ -58,6 +63,14 @@ def measure(worker, layout: str) -> dict:
     staged = StagedReload(runner, check)
     staged(weights)
     out["raysync_apply_s"] = timed(staged.finish)
+    bucketed = LayerwiseLoad(runner, check, on_cpu=True)  # the GPU path, here on the CPU
+
+    def bucket_by_bucket() -> None:
+        for k in range(0, len(weights), BUCKET_TENSORS):
+            bucketed(weights[k : k + BUCKET_TENSORS])
+        bucketed.close()
+
+    out["layerwise_apply_s"] = timed(bucket_by_bucket)
     layer = [m for n, m in model.named_modules() if n.endswith("mlp.down_proj")][-1]  # the last layer's
 
     def fail(layer: torch.nn.Module) -> None:
@@ -104,7 +117,8 @@ def main() -> None:
         "cores": os.cpu_count(),
     }
     for key in ("tensors", "push_bytes", "check_first_s", "check_again_s", "undo_keep_s", "undo_copy_bytes",
-                "vllm_reload_s", "tied_heads", "tied_head_remake_s", "raysync_apply_s", "failed_apply_then_restore_s",
+                "vllm_reload_s", "tied_heads", "tied_head_remake_s", "raysync_apply_s", "layerwise_apply_s",
+                "failed_apply_then_restore_s",
                 "failure"):  # fmt: skip
         value = result.get(key)
         shown = (

@@ -25,7 +25,7 @@ This module never imports vllm itself.
 #   1. close: requests made through ``generate`` from now on wait (``wait_s``) until the push is done;
 #   2. drain: the push waits for the requests already running through ``generate`` to finish (bounded by the
 #      session's SyncConfig.timeout_s: a PeerTimeout at stage "pause");
-#   3. pause: vLLM's own ``pause_generation(mode="wait")`` (vLLM >= 0.12 has it; checked, skipped where it is
+#   3. pause: vLLM's own ``pause_generation(mode="wait")`` (0.32 has it; looked up on the engine, skipped where it is
 #      missing) also drains the requests made on the AsyncLLM directly, and holds new ones in vLLM's queue,
 #      so the weights change between two engine steps with nothing running ("keep" would freeze requests
 #      half-way and finish them on the new weights: a mix, so raysync does not use it);
@@ -121,11 +121,12 @@ class Gate:
         self._reading = False
 
     async def admit(self, wait_s: float) -> Version:
-        while not self._open.is_set() or not self._known:
+        while True:
+            await _bounded(self._open.wait(), wait_s, "a push into the engine", "generate: wait for the push")
             if not self._known:
                 await self.read()
-                continue
-            await _bounded(self._open.wait(), wait_s, "a push into the engine", "generate: wait for the push")
+            elif self._open.is_set():  # no await since the check above: no push can start in between
+                break
         self._running += 1
         self._idle.clear()
         return self.version
@@ -150,7 +151,9 @@ class Gate:
             while self._next is not None:
                 future, self._next = self._next, None
                 try:
-                    self.version, self._known = await weight_version(self._llm), True
+                    read = weight_version(self._llm)
+                    self.version = await _bounded(read, self.drain_s, "the engine's workers", "version: read")
+                    self._known = True
                     future.set_result(self.version)
                 except Exception as e:
                     future.set_exception(e)
@@ -166,13 +169,15 @@ class Gate:
         try:
             await _bounded(self._idle.wait(), self.drain_s, engine, "pause: requests running to finish")
             if callable(getattr(self._llm, "pause_generation", None)):
+                paused = (
+                    True  # resumed whatever happens next: a pause that timed out still holds new requests
+                )
                 await _bounded(
                     self._llm.pause_generation(mode="wait", clear_cache=False),
                     self.drain_s,
                     engine,
                     "pause: vLLM's requests to finish",
                 )
-                paused = True
             return await receive()
         finally:
             try:
