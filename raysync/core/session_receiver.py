@@ -250,26 +250,12 @@ class PushReceiver(OnPlane, StagedFlips):
 
     # --- set-up and layout -------------------------------------------------------------------------------------
     def _ensure_session(self) -> None:
-        if self._plane is not None:
-            return
-        self._channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
-        info = self._channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
-        try:
-            if info.num_buffers and not self.config.align_bytes <= info.buffer_bytes <= 1 << 40:
-                raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
-            given = self._given_plane
-            if given is not None and info.transport != given.name:
-                raise LayoutError(
-                    f"the sender runs a {info.transport} plane, this receiver a {given.name} one"
-                )
-            self._plane = given or registry.reader_plane(info, self._channel)
+        if self._plane is None:
+            self._plane = attach(self._channel, self.config, self._given_plane)
             self._stream = ReceiverStream(
                 self._plane, self._channel, self._agreed, self.config, self._mixed, self._incomplete
             )
-        except Exception as e:  # tell the sender instead of letting it time out
-            self._channel.abort(0, "handshake: map the ring", e)
-            raise
-        self._channel.send(self._plane.attached(), "handshake: attached")
+            self._channel.send(self._plane.attached(), "handshake: attached")
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -280,6 +266,24 @@ class PushReceiver(OnPlane, StagedFlips):
             self._plane.close()
             self._plane = self._stream = None
         self._channel.close()
+
+
+def attach(channel: ReceiverChannel, config: SyncConfig, given: PlaneReader | None) -> PlaneReader:
+    """The session's set-up, receiver half: Hello, then the plane the sender's RingInfo describes (or the one
+    given, if it is that plane), attached (the caller answers Attached). A failure is told to the sender
+    instead of letting it time out."""
+    channel.send(Hello(os.getpid(), socket.gethostname()), "handshake")
+    info = channel.expect(RingInfo, 0, "handshake: waiting for the ring description")
+    try:
+        if info.num_buffers and not config.align_bytes <= info.buffer_bytes <= 1 << 40:
+            raise LayoutError(f"ring buffer size {info.buffer_bytes} is out of range")
+        if given is not None and info.transport != given.name:
+            raise LayoutError(f"the sender runs a {info.transport} plane, this receiver a {given.name} one")
+        plane = given or registry.reader_plane(info, channel)
+    except Exception as e:
+        channel.abort(0, "handshake: map the ring", e)
+        raise
+    return plane
 
 
 class ReceiverStream:
