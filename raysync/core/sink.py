@@ -12,6 +12,9 @@ Two kinds of destination, chosen by the caller of ``WeightReceiver.receive``:
   after the last bucket of a complete push, before the version counts as applied (a staging loader: it keeps
   each bucket and applies the whole push at its end, see raysync.engines.vllm).
 
+A staged push (``receive(flip=False)``) lands in a Staging's memory through ``StagingSink`` (raysync.core.staging)
+and reaches the destinations only at the engine's ``flip()``.
+
 Which pushes are atomic (Note [versions never lie] in raysync.core.version): ``into`` with ``SyncConfig.staged``,
 and a load function with ``finish`` — a staging loader's contract is that a ``finish`` that fails has put the
 old weights back, or raises ``WeightsMixed``. Every other push writes the destinations as its buckets land

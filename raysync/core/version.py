@@ -14,6 +14,9 @@ A receiver's ``version`` is one of:
 # to the pushed version only after the last one landed (and was verified, where SyncConfig.verify asks), so
 # a failure at any point between leaves MIXED behind. Atomic configurations (a staged sink whose apply copies
 # are the last step, vLLM's staged CPU reload that is restored on failure) keep the old version on failure.
+# A staged push (``receive(flip=False)``, raysync.core.staging) never writes the live weights: only the engine's
+# ``flip()`` does, and only it changes ``version``; the push waiting for it is ``staged_version``, reported
+# apart (Note [flip and versions]).
 """
 
 from __future__ import annotations
