@@ -1,0 +1,229 @@
+"""A plain torch engine's LoRA adapters (issue 23): each push of an adapter (raysync.sources.lora) lands as a new
+adapter version in tensors of its own; several versions are held at once, each reference-counted by the requests
+running on it.
+
+    receiver.receive(load_fn=AdapterLoad) --finish--> AdapterVersions.install(version)
+                                                          |  versions: {3: 2 requests, 4: 0 (the latest)}
+    engine.request() -> Lease(version 4) ---forward hooks on the target Linears--> base(x) + B(A(x)) * scaling
+
+# Note [adapter versions and requests]
+# A request takes a lease on the latest version when it starts and runs every step on that version, whatever is
+# pushed meanwhile: a push never writes into a version's tensors, it makes new ones (the adapter is small). A
+# version that is no longer the latest is dropped when its last lease is released; the latest is always held.
+# ``versions()`` says which versions are held and how many requests each serves. A push that fails (or whose
+# manifest disagrees with its tensors) installs nothing: the versions held stay as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysync.core.errors import LayoutError
+from raysync.core.report import PushReport
+from raysync.core.wire import TensorSpec
+from raysync.sources.lora import MANIFEST, Manifest, specs_by_module
+
+_WRAPPED = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter version, in the engine's own tensors: module (the engine's name) -> (A, B)."""
+
+    version: int
+    manifest: Manifest
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+class AdapterLoad:
+    """The load function of one adapter push (``receive(load_fn=...)``): ``check`` refuses a push that does not
+    fit the engine's model before a byte moves, each call keeps a copy of what it is given (Note [ring buffer
+    views]), ``finish`` checks the manifest against the tensors. Installs nothing: ``AdapterVersions.receive``
+    does, once the push completed."""
+
+    def __init__(self, engine: AdapterVersions):
+        self._engine = engine
+        self._specs: dict[str, tuple[int, int]] = {}
+        self._kept: dict[str, torch.Tensor] = {}
+        self.manifest: Manifest | None = None
+
+    def check(self, specs: Sequence[TensorSpec]) -> None:
+        modules, manifest = specs_by_module(specs)
+        if manifest is None:
+            raise LayoutError(f"an adapter push carries its manifest {MANIFEST!r}; this one does not")
+        for module, (a, b) in modules.items():
+            self._engine.check_module(module, specs[a].shape, specs[b].shape)
+        self._specs, self._kept = modules, {}
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in batch:
+            self._kept[name] = tensor.to(self._engine.device, copy=True)
+
+    def finish(self) -> None:
+        self.manifest = Manifest.decode(self._kept.pop(MANIFEST))
+        shapes = {m: (tuple(self._a(m).shape), tuple(self._b(m).shape)) for m in self._specs}
+        self.manifest.check(shapes)
+
+    def adapter(self, version: int) -> Adapter:
+        weights = {self._engine.module_name(m): (self._a(m), self._b(m)) for m in self._specs}
+        return Adapter(version, self.manifest, weights)
+
+    def _a(self, module: str) -> torch.Tensor:
+        return self._kept[f"{module}.lora_A.weight"]
+
+    def _b(self, module: str) -> torch.Tensor:
+        return self._kept[f"{module}.lora_B.weight"]
+
+
+class Lease:
+    """One request's hold on one adapter version (Note [adapter versions and requests]): call it like the model;
+    ``close`` (or the end of a ``with``) when the request is done."""
+
+    def __init__(self, engine: AdapterVersions, adapter: Adapter):
+        self._engine, self.adapter, self.closed = engine, adapter, False
+
+    @property
+    def version(self) -> int:
+        return self.adapter.version
+
+    def __call__(self, *args, **kwargs):
+        if self.closed:
+            raise RuntimeError(f"the request on adapter version {self.version} has finished")
+        return self._engine.run(self.adapter, *args, **kwargs)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._engine.release(self.adapter.version)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AdapterVersions:
+    """A torch model served with LoRA adapter versions (Note [adapter versions and requests]). ``model`` is the
+    plain base model (no adapter wrappers); the adapter's modules are found in it by name (PEFT's
+    ``base_model.model.`` prefix dropped) and must be ``nn.Linear``. Requests may run from several threads."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
+        self.model = model
+        first = next(model.parameters(), None)
+        self.device = (
+            torch.device(device) if device is not None else (first.device if first is not None else "cpu")
+        )
+        self._lock = threading.Lock()
+        self._held: dict[int, Adapter] = {}
+        self._requests: dict[int, int] = {}
+        self._latest: int | None = None
+        self._local = threading.local()  # the adapter of the request running on this thread
+        self._hooks: dict[str, object] = {}  # module -> its forward hook's handle
+
+    # --- pushes -----------------------------------------------------------------------------------------------
+    def receive(self, receiver, wait_s: float | None = None) -> PushReport:
+        """Serve one adapter push on ``receiver`` (a PushReceiver) and install it as a new version."""
+        load = AdapterLoad(self)
+        report = receiver.receive(load_fn=load, wait_s=wait_s)
+        if not report.skipped:
+            self.install(load.adapter(report.version))
+        return report
+
+    def install(self, adapter: Adapter) -> None:
+        """Make ``adapter`` the latest version; the previous latest is dropped unless requests still use it."""
+        for module in adapter.weights:
+            self._hook(module)
+        with self._lock:
+            if self._latest is not None and adapter.version <= self._latest:
+                raise LayoutError(f"adapter version {adapter.version} is not newer than {self._latest}")
+            previous, self._latest = self._latest, adapter.version
+            self._held[adapter.version] = adapter
+            self._requests.setdefault(adapter.version, 0)
+            if previous is not None:
+                self._drop_if_unused(previous)
+
+    def check_module(self, module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> None:
+        name = self.module_name(module)
+        linear = dict(self.model.named_modules()).get(name)
+        if not isinstance(linear, torch.nn.Linear):
+            raise LayoutError(f"adapter module {module!r}: the engine's model has no Linear {name!r}")
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != linear.in_features:
+            raise LayoutError(
+                f"{module!r}: lora_A {list(a_shape)} does not fit in_features {linear.in_features}"
+            )
+        if b_shape[0] != linear.out_features or b_shape[1] != a_shape[0]:
+            raise LayoutError(
+                f"{module!r}: lora_B {list(b_shape)} does not fit out_features {linear.out_features} and "
+                f"rank {a_shape[0]}"
+            )
+
+    @staticmethod
+    def module_name(module: str) -> str:
+        return module.removeprefix(_WRAPPED)
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    def request(self, version: int | None = None) -> Lease:
+        """A lease on ``version`` (default: the latest) for one request."""
+        with self._lock:
+            version = self._latest if version is None else version
+            adapter = self._held.get(version)
+            if adapter is None:
+                raise LookupError(f"adapter version {version} is not held (held: {sorted(self._held)})")
+            self._requests[version] += 1
+            return Lease(self, adapter)
+
+    def release(self, version: int) -> None:
+        with self._lock:
+            self._requests[version] -= 1
+            self._drop_if_unused(version)
+
+    def versions(self) -> dict[int, int]:
+        """The adapter versions held -> how many requests run on each (the latest is held with none)."""
+        with self._lock:
+            return dict(sorted(self._requests.items()))
+
+    @property
+    def latest(self) -> int | None:
+        return self._latest
+
+    def run(self, adapter: Adapter, *args, **kwargs):
+        """The model's forward with ``adapter`` on every module it adapts (this thread only)."""
+        previous, self._local.adapter = getattr(self._local, "adapter", None), adapter
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self._local.adapter = previous
+
+    def close(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks = {}
+
+    def _drop_if_unused(self, version: int) -> None:
+        if version != self._latest and self._requests.get(version) == 0:
+            del self._requests[version], self._held[version]
+
+    def _hook(self, name: str) -> None:
+        if name in self._hooks:
+            return
+        module = dict(self.model.named_modules())[name]
+
+        def add_delta(mod, inputs, output, name=name):
+            adapter = getattr(self._local, "adapter", None)
+            weights = adapter.weights.get(name) if adapter is not None else None
+            if weights is None:
+                return output
+            a, b = weights
+            return output + F.linear(F.linear(inputs[0], a), b) * adapter.manifest.config.scaling
+
+        self._hooks[name] = module.register_forward_hook(add_delta)
