@@ -153,7 +153,7 @@ class ShardedReceiver:
     def join(self, timeout_s: float = 300.0, shares: Sequence[int] | None = None) -> None:
         """Join the groups of ``shares`` (default: every share without a session yet), all at once (each
         returns when all of its ranks are in); each new session starts at what its share's destinations
-        hold. A group whose join failed is not joined again: ``replace`` it."""
+        hold. A share whose join failed stays without a session: ``replace`` its group with a new one."""
         wanted = range(len(self.groups)) if shares is None else shares
         todo = [k for k in wanted if self.receivers[k] is None]
         self._check_made(todo)
