@@ -144,6 +144,8 @@ class WorkerExtension:
         fn = _FUNCTIONS.get(name)
         if fn is None:
             raise SchemaError(f"{name!r} is not a raysync endpoint function")
+        if not isinstance(args, (list, dict)):
+            raise SchemaError(f"raysync_call takes a list or a dict of arguments, not {type(args).__name__}")
         rank = str(self.rank)
         if isinstance(args, dict):
             if rank not in args:
@@ -164,6 +166,13 @@ class WorkerExtension:
             result = versions.note_receive(self, result, verdict.parameters if verdict else None)
             versions.take_print(self)
         return {rank: to_plain(result)}
+
+    def raysync_signed_call(self, frame: str) -> dict[str, Any]:
+        """``raysync_call`` from a driver that reaches the engine over HTTP (vLLM's OpenAI server): only with
+        this server's key (Note [a signed call through the server] in raysync.engines.vllm_server)."""
+        from raysync.engines.vllm_server import open_call
+
+        return self.raysync_call(*open_call(self, frame))
 
     def _raysync_note_session(self, name: str, values: list) -> None:
         """Whether a session's pushes may be partial is in its SyncConfig (include/exclude), which only the
