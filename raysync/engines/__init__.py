@@ -1,2 +1,4 @@
-"""Engines: vLLM (vllm.py: the worker extension and the driver-side helpers; vllm_model.py: checks and
-reloads against vLLM's own model code; vllm_version.py: what a worker's version says about its weights)."""
+"""Engines: vLLM (vllm.py: the worker extension and the driver-side adapter; vllm_async.py: AsyncLLM in an async
+actor; vllm_server.py: the OpenAI-compatible server; vllm_reload.py: the loaders, as a checkpoint load would;
+vllm_model.py: checks against vLLM's own model code; vllm_version.py: what a worker's version says). docs/vllm.md
+says what is supported per vLLM version."""

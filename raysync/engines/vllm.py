@@ -9,6 +9,10 @@ Driver side, an adapter for an engine that lives in one of the user's Ray actors
     sync = WeightSync([trainer], [VllmEngine(engine_actor)], config)
     sync.push(version)
 
+The same adapter drives an ``AsyncLLM`` held by an async actor (raysync.engines.vllm_async: generation paused
+around a push, each request's version); vLLM's OpenAI-compatible server is reached through
+raysync.engines.vllm_server.ServerEngine. docs/vllm.md says what is supported per vLLM version.
+
 Every engine worker is one receiver (a tensor-parallel engine of 2 workers is 2 receivers): it reports its own
 placement, holds its own session, and loads each push through vLLM's own path, which shards and fuses the
 checkpoint-named tensors (q/k/v -> qkv_proj, tensor-parallel slices) itself:
