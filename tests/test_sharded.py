@@ -8,7 +8,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from workers import digest, perturb, sharded_receiver, sharded_stager
+from workers import digest, perturb, sharded_checker, sharded_receiver, sharded_stager
 
 from raysync import PeerTimeout, PushIncomplete, RaysyncError, RemoteError, SessionSecret, SyncConfig
 from raysync.core.session import PushSender
@@ -234,3 +234,26 @@ def test_a_staging_loader_applies_every_share_once_and_a_failed_apply_is_told(sp
         assert (version, mixed) == (MIXED, True), message
     else:
         assert (version, mixed, held) == (1, False, v1), message
+
+
+def test_a_loaders_check_refuses_every_share_before_any_byte_moves(spawn):
+    """A load function's ``check(specs)`` runs at each share's accept (it is kept when the shares' loads are
+    serialised): it sees every tensor of the model across the shares, refuses, and nothing is loaded."""
+    from raysync.tools.models import tiny_qwen2
+
+    model = tiny_qwen2(seed=0)
+    groups, secrets = _groups(model, receivers=1)
+    out = spawn.ctx.Queue()
+    spawn(sharded_checker, secrets, CFG, [g.rendezvous for g in groups], out)
+    senders = _join(groups)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = _push_all(pool, senders, model, 1)
+            kind, message, version, seen, loads = out.get(timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    assert all(isinstance(r, Exception) for r in results), results
+    assert "cannot take these weights" in message, (kind, message)
+    assert version is None and loads == []
+    assert seen == sorted(n for n, _ in model.named_parameters())

@@ -308,3 +308,37 @@ def collective_engine(config, inbox, out) -> None:
         after = ep.receiver_version(engine, "sync")
         out.put((held, report.version, report.skipped, after, digest(engine.model.named_parameters())))
     ep.close(engine, "sync")
+
+
+def sharded_checker(secrets, config, rendezvous, out) -> None:
+    """An engine (rank 1 of every share's group) whose load function refuses every push in its ``check(specs)``
+    (e.g. a model raysync cannot reload): reports (error name, message, version, the names check saw, loads)."""
+    from raysync.core.errors import LayoutError
+    from raysync.core.sharded import ShardedReceiver
+    from raysync.transport.collective import CollectiveReceiver
+
+    seen: list[str] = []
+    loads: list[str] = []
+
+    def load(batch):
+        loads.extend(name for name, _ in batch)
+
+    def check(specs):
+        seen.extend(s.name for s in specs)
+        raise LayoutError("this engine cannot take these weights")
+
+    load.check = check
+    engine = ShardedReceiver(
+        [
+            CollectiveReceiver(s, config, rank=1, rendezvous=r)
+            for s, r in zip(secrets, rendezvous, strict=True)
+        ]
+    )
+    engine.join()
+    try:
+        engine.receive(load_fn=load)
+        out.put(("ok", "", engine.version, sorted(seen), loads))
+    except Exception as e:
+        out.put((type(e).__name__, str(e), engine.version, sorted(seen), loads))
+    finally:
+        engine.close()

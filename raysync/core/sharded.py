@@ -296,11 +296,14 @@ def _join(group: GroupRank, timeout_s: float) -> PushReceiver:
 
 def _one_at_a_time(load_fn: LoadFn) -> LoadFn:
     """The loader, one call at a time, without its ``finish``: ShardedReceiver calls that once every share
-    has landed."""
+    has landed. Its ``check`` stays: each share's accept runs it on that share's tensors, before any byte moves."""
     lock = threading.Lock()
 
     def load(batch: list[tuple[str, torch.Tensor]]) -> object:
         with lock:
             return load_fn(batch)
 
+    check = getattr(load_fn, "check", None)
+    if callable(check):
+        load.check = check
     return load
