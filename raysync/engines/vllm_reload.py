@@ -36,9 +36,9 @@ Used inside vLLM workers by raysync.engines.vllm (imports vllm's internals insid
 # weights into the experts' Parameters but skips the experts' own post-load step
 # (``moe_kernel.fused_experts.process_weights_after_loading``), which on the CPU backend prepacks w13/w2 into
 # the layout its grouped GEMM reads. After vLLM's own reload_weights the experts then hold the checkpoint's
-# layout while the kernel reads them as packed: wrong outputs, silently (found by tests/test_vllm_reload.py:
-# the pushed engine's w13 equalled the checkpoint's gate|up tensors, the engine loaded from disk held them
-# permuted). So after a reload on CPU, raysync runs that step for every fused-MoE layer the push wrote
+# layout while the kernel reads them as packed: wrong outputs, silently (found by tests/test_vllm_reload.py,
+# whose tokens differed; after vLLM's reload_weights alone, w13 held the checkpoint's gate|up rows as they
+# are, and in the engine loaded from disk the same values were permuted by the prepack). So after a reload on CPU, raysync runs that step for every fused-MoE layer the push wrote
 # (``redo_expert_packing``); a layer the push left out keeps its packed weights and is not packed twice. On
 # GPU the step is a no-op for vLLM's default experts and is not run by raysync (untested there).
 """
