@@ -123,10 +123,7 @@ class AdapterVersions:
         self.device = (
             torch.device(device) if device is not None else (first.device if first is not None else "cpu")
         )
-        self._lock = threading.Lock()
-        self._held: dict[int, Adapter] = {}
-        self._requests: dict[int, int] = {}
-        self._latest: int | None = None
+        self._held = HeldVersions()  # version -> Adapter, counted by requests
         self._local = threading.local()  # the adapter of the request running on this thread
         self._hooks: dict[str, object] = {}  # module -> its forward hook's handle
 
@@ -143,14 +140,7 @@ class AdapterVersions:
         """Make ``adapter`` the latest version; the previous latest is dropped unless requests still use it."""
         for module in adapter.weights:
             self._hook(module)
-        with self._lock:
-            if self._latest is not None and adapter.version <= self._latest:
-                raise LayoutError(f"adapter version {adapter.version} is not newer than {self._latest}")
-            previous, self._latest = self._latest, adapter.version
-            self._held[adapter.version] = adapter
-            self._requests.setdefault(adapter.version, 0)
-            if previous is not None:
-                self._drop_if_unused(previous)
+        self._held.install(adapter.version, adapter)
 
     def check_module(self, module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> None:
         name = self.module_name(module)
@@ -174,27 +164,18 @@ class AdapterVersions:
     # --- requests ---------------------------------------------------------------------------------------------
     def request(self, version: int | None = None) -> Lease:
         """A lease on ``version`` (default: the latest) for one request."""
-        with self._lock:
-            version = self._latest if version is None else version
-            adapter = self._held.get(version)
-            if adapter is None:
-                raise LookupError(f"adapter version {version} is not held (held: {sorted(self._held)})")
-            self._requests[version] += 1
-            return Lease(self, adapter)
+        return Lease(self, self._held.acquire(version))
 
     def release(self, version: int) -> None:
-        with self._lock:
-            self._requests[version] -= 1
-            self._drop_if_unused(version)
+        self._held.release(version)
 
     def versions(self) -> dict[int, int]:
         """The adapter versions held -> how many requests run on each (the latest is held with none)."""
-        with self._lock:
-            return dict(sorted(self._requests.items()))
+        return self._held.versions()
 
     @property
     def latest(self) -> int | None:
-        return self._latest
+        return self._held.latest
 
     def run(self, adapter: Adapter, *args, **kwargs):
         """The model's forward with ``adapter`` on every module it adapts (this thread only)."""
@@ -208,10 +189,6 @@ class AdapterVersions:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks = {}
-
-    def _drop_if_unused(self, version: int) -> None:
-        if version != self._latest and self._requests.get(version) == 0:
-            del self._requests[version], self._held[version]
 
     def _hook(self, name: str) -> None:
         if name in self._hooks:
@@ -227,3 +204,51 @@ class AdapterVersions:
             return output + F.linear(F.linear(inputs[0], a), b) * adapter.manifest.config.scaling
 
         self._hooks[name] = module.register_forward_hook(add_delta)
+
+
+class HeldVersions:
+    """The versions an engine holds, each counted by the requests running on it (Note [adapter versions and
+    requests]): ``install`` makes a version the latest, ``acquire`` / ``release`` count a request in and out. Each
+    returns the versions it dropped (with their values), for an engine that must free them itself (vLLM)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[int, object] = {}
+        self._requests: dict[int, int] = {}
+        self.latest: int | None = None
+
+    def install(self, version: int, value: object) -> list[tuple[int, object]]:
+        with self._lock:
+            if self.latest is not None and version <= self.latest:
+                raise LayoutError(
+                    f"adapter version {version} is not newer than the latest held, {self.latest}"
+                )
+            previous, self.latest = self.latest, version
+            self._values[version], self._requests[version] = value, 0
+            return self._drop_if_unused(previous)
+
+    def acquire(self, version: int | None = None) -> object:
+        """The value of ``version`` (default: the latest), counted for one more request."""
+        with self._lock:
+            version = self.latest if version is None else version
+            if version not in self._values:
+                raise LookupError(f"adapter version {version} is not held (held: {sorted(self._values)})")
+            self._requests[version] += 1
+            return self._values[version]
+
+    def release(self, version: int) -> list[tuple[int, object]]:
+        with self._lock:
+            if self._requests.get(version, 0) <= 0:
+                raise LookupError(f"no request holds adapter version {version}")
+            self._requests[version] -= 1
+            return self._drop_if_unused(version)
+
+    def versions(self) -> dict[int, int]:
+        with self._lock:
+            return dict(sorted(self._requests.items()))
+
+    def _drop_if_unused(self, version: int | None) -> list[tuple[int, object]]:
+        if version is None or version == self.latest or self._requests.get(version) != 0:
+            return []
+        del self._requests[version]
+        return [(version, self._values.pop(version))]
