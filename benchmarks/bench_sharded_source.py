@@ -15,6 +15,10 @@ during its first push (CPU: VmHWM - VmRSS from /proc, after resetting the peak; 
 torch.cuda.max_memory_allocated over memory_allocated) next to the bound it must stay under: the ring
 (num_buffers x bucket_bytes) plus one gathered bucket, and the model's size (what materializing it would
 cost). Prints a table, then JSON.
+
+On gloo (CPU) the all-gather allocates a temporary the size of its output at each gather (one more bucket), and
+glibc's per-thread arenas may each keep one: expect the W-rank rows above the bound by up to a few buckets there.
+NCCL gathers in place (the input is the rank's own segment of the output): no temporary.
 """
 
 from __future__ import annotations
@@ -238,6 +242,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['source']:<20} {r['push_ms']:>9.1f} {r['floor_ms']:>9.1f} {r['push_ms'] / r['floor_ms']:>8.2f} "
               f"{r['peak_extra_mb']:>15.1f} {bound_mb:>10.1f} {r['model_mb']:>10.1f} {r['exact']}")  # fmt: skip
+    if args.device == "cpu" and any(w > 1 for w in args.ranks):
+        print(
+            "(gloo: each all-gather allocates a temporary of its output, one more bucket: see the docstring)"
+        )
     emit({"bench": "sharded_source", "layout": args.layout, "dtype": args.dtype, "device": args.device,
           "where": where, "transport": transport, "bucket_mb": args.bucket_mb, "num_buffers": int(config.num_buffers),
           "pushes": args.pushes, "bound_mb": bound_mb, "rows": rows}, args.json)  # fmt: skip

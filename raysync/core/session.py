@@ -112,21 +112,8 @@ class PushSender(OnPlane):
             ahead = 0
         if not ahead:
             ahead = stream.pack_ahead(self.abort)
-        self._push_id += 1
-        selected = time.perf_counter()
-        accept = self._accept(version)
-        accepted = streamed = time.perf_counter()
-        if not accept.skip:
-            stream.run(self._push_id, version, ahead)
-            streamed = time.perf_counter()
-            self._channel.expect(PushDone, self._push_id, "finish")
-        self.last_stages_s = {
-            "select": selected - start,
-            "accept": accepted - selected,
-            "stream": streamed - accepted,
-            "finish": time.perf_counter() - streamed,
-        }
-        return self._report(version, len(sources), accept.skip, time.perf_counter() - start)
+        skipped = self._deliver(version, ahead, start)
+        return self._report(version, len(sources), skipped, time.perf_counter() - start)
 
     def _push_source(self, source: Source, version: int) -> PushReport:
         """The same stages for a lazy source: the layout from its metadata, each bucket packed by its packer
@@ -141,33 +128,36 @@ class PushSender(OnPlane):
         except Exception as e:  # the receiver is waiting for a push: tell it
             self.abort(e, "source")
             raise
-        stream = self._stream
         try:
-            stream.reset()
-            ahead = stream.pack_ahead(self.abort)
-            self._push_id += 1
-            selected = time.perf_counter()
-            accept = self._accept(version)
-            accepted = streamed = time.perf_counter()
-            if not accept.skip:
-                stream.run(self._push_id, version, ahead)
-                streamed = time.perf_counter()
-                self._channel.expect(PushDone, self._push_id, "finish")
+            self._stream.reset()
+            skipped = self._deliver(version, self._stream.pack_ahead(self.abort), start)
         except BaseException:
             try:
                 packer.finish("failed")
             except Exception as e:  # this push's own error is the one to raise
                 logger.warning("the source's other ranks may not have heard that this push failed: %s", e)
             raise
-        packer.finish("skipped" if accept.skip else "done")
+        packer.finish("skipped" if skipped else "done")
+        tensors = len(self._agreed.layout.tensors)
+        return self._report(version, tensors, skipped, time.perf_counter() - start)
+
+    def _deliver(self, version: int, ahead: int, start: float) -> bool:
+        """accept, stream (the first ``ahead`` buckets packed already) and commit; True when skipped."""
+        self._push_id += 1
+        selected = time.perf_counter()
+        accept = self._accept(version)
+        accepted = streamed = time.perf_counter()
+        if not accept.skip:
+            self._stream.run(self._push_id, version, ahead)
+            streamed = time.perf_counter()
+            self._channel.expect(PushDone, self._push_id, "finish")
         self.last_stages_s = {
             "select": selected - start,
             "accept": accepted - selected,
             "stream": streamed - accepted,
             "finish": time.perf_counter() - streamed,
         }
-        tensors = len(self._agreed.layout.tensors)
-        return self._report(version, tensors, accept.skip, time.perf_counter() - start)
+        return accept.skip
 
     def abort(self, error: BaseException, stage: str = "source") -> None:
         """This push failed here before it started (e.g. the trainer's source raised): tell the receiver, which
