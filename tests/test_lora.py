@@ -4,6 +4,8 @@ a Linear wrapped with A / B matrices, named as PEFT names them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 import torch
@@ -108,12 +110,15 @@ TOKENS = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(7)
 
 
 # --- adapter mode -------------------------------------------------------------------------------------------------
-def test_after_each_push_the_engine_with_the_adapter_computes_what_the_trainer_does(private_tmp, in_thread):
+@pytest.mark.parametrize("verify", [False, True])
+def test_after_each_push_the_engine_with_the_adapter_computes_what_the_trainer_does(
+    private_tmp, in_thread, verify
+):
     trainer, base = models()
     engine = AdapterVersions(base)
     source = LoraSource(trainer.named_parameters(), LORA)
     adapter_bytes = sum(p.nbytes for p in lora_params(trainer))
-    with session_pair(CFG) as (sender, receiver):
+    with session_pair(dataclasses.replace(CFG, verify=verify)) as (sender, receiver):
         for version in (1, 2, 3):
             train(trainer, steps=3, seed=version)
             got = in_thread(engine.receive, receiver)
@@ -128,6 +133,51 @@ def test_after_each_push_the_engine_with_the_adapter_computes_what_the_trainer_d
             assert engine.versions() == {version: 0}
     with torch.no_grad():
         assert not same_bits(base(TOKENS), trainer(TOKENS))  # the base alone is not what the trainer computes
+
+
+def adapter_engine(secret, config, rank, rendezvous, seed, pushes, out) -> None:
+    """A rank of a broadcast group serving a torch engine with adapter versions: after each push, the engine's
+    output with the latest adapter (bytes) to ``out``."""
+    from raysync.transport.collective import CollectiveReceiver
+
+    engine = AdapterVersions(models(seed)[1])
+    group = CollectiveReceiver(secret, config, rank=rank, rendezvous=rendezvous)
+    receiver = group.join()
+    try:
+        for _ in range(pushes):
+            report = engine.receive(receiver)
+            with torch.no_grad(), engine.request() as request:
+                out.put((rank, report.version, request(TOKENS).numpy().tobytes()))
+    finally:
+        group.close()
+
+
+def test_the_adapter_travels_over_the_collective_to_every_rank(spawn):
+    """The adapter is a source like any other: a gloo broadcast group of one trainer and two engine processes."""
+    from raysync import SessionSecret
+    from raysync.transport.collective import CollectiveSender
+
+    config = SyncConfig(bucket_bytes=4096, timeout_s=60, progress=False)
+    trainer, _ = models(5)
+    source = LoraSource(trainer.named_parameters(), LORA)
+    secret = SessionSecret.generate()
+    group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=2, backend="gloo")
+    out = spawn.ctx.Queue()
+    for rank in (1, 2):
+        spawn(adapter_engine, secret, config, rank, group.rendezvous, 5, 2, out)
+    try:
+        sender = group.join()
+        for version in (1, 2):
+            train(trainer, steps=2, seed=version)
+            lora = push_adapter(sender, source, version)
+            assert lora.push.transport == "collective"
+            assert lora.push.bytes == lora.adapter_bytes + lora.manifest_bytes
+            with torch.no_grad():
+                expected = trainer(TOKENS).numpy().tobytes()
+            got = sorted(out.get(timeout=60) for _ in range(2))
+            assert got == [(1, version, expected), (2, version, expected)]
+    finally:
+        group.close()
 
 
 def test_a_request_started_on_version_k_finishes_on_k_while_k_plus_1_is_loaded(private_tmp, in_thread):
