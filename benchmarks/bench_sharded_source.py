@@ -16,9 +16,9 @@ torch.cuda.max_memory_allocated over memory_allocated) next to the bound it must
 (num_buffers x bucket_bytes) plus one gathered bucket, and the model's size (what materializing it would
 cost). Prints a table, then JSON.
 
-On gloo (CPU) the all-gather allocates a temporary the size of its output at each gather (one more bucket), and
-glibc's per-thread arenas may each keep one: expect the W-rank rows above the bound by up to a few buckets there.
-NCCL gathers in place (the input is the rank's own segment of the output): no temporary.
+On gloo (CPU) each all-gather allocates a temporary the size of its output (one more bucket), in whichever of
+gloo's worker threads runs it, and the allocator may keep one per thread: expect the W-rank rows above the bound
+by one or two buckets there. NCCL gathers in place (the input is the rank's own segment of the output).
 """
 
 from __future__ import annotations
