@@ -12,7 +12,7 @@ import torch
 from conftest import same_bits, session_pair
 
 from raysync import LayoutError, SyncConfig
-from raysync.core.errors import PushIncomplete, RaysyncError
+from raysync.core.errors import PushIncomplete, RaysyncError, RemoteError
 from raysync.engines.torch_lora import AdapterVersions
 from raysync.sources.lora import (
     MANIFEST,
@@ -316,7 +316,7 @@ PROMPTS = [list(range(3, 11)), [(7 * i) % 500 + 1 for i in range(40)]]
 QWEN_LORA = LoraConfig(r=4, alpha=16, target_modules=("q_proj", "v_proj"))
 
 
-def lora_qwen2(seed: int):
+def lora_qwen2(seed: int, config: LoraConfig = QWEN_LORA):
     """A tiny transformers Qwen2 with PEFT-style adapters on q_proj / v_proj (the trainer; the reference)."""
     from raysync.tools.models import tiny_qwen2
 
@@ -324,13 +324,13 @@ def lora_qwen2(seed: int):
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in model.model.layers:
-        for key in QWEN_LORA.target_modules:
-            setattr(
-                layer.self_attn,
-                key,
-                LoraLinear(getattr(layer.self_attn, key), QWEN_LORA.r, QWEN_LORA.scaling),
-            )
+        for key in config.target_modules:
+            setattr(layer.self_attn, key, LoraLinear(getattr(layer.self_attn, key), config.r, config.scaling))
     return model
+
+
+def peft_named(model) -> list[tuple[str, torch.Tensor]]:
+    return [("base_model.model." + n, p) for n, p in model.named_parameters()]
 
 
 def train_qwen2(model, steps: int, seed: int) -> None:
@@ -369,7 +369,10 @@ class LoraHost:
         self.adapters.connect(endpoints, secret, config)
 
     def receive(self) -> dict:
-        return self.adapters.receive()
+        try:
+            return self.adapters.receive()
+        except RaysyncError as e:  # raysync's errors do not cross Ray: their name and message do
+            return {"error": type(e).__name__, "message": str(e)}
 
     def generate(self, prompts, tokens: int, adapter: bool = True) -> list[list[int]]:
         from vllm import SamplingParams
@@ -438,7 +441,9 @@ def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keep
 
     tiny_qwen2(seed=1).save_pretrained(tmp_path / "base")
     trainer = lora_qwen2(seed=1)  # the engine's base weights, with an adapter
-    source = LoraSource((("base_model.model." + n, p) for n, p in trainer.named_parameters()), QWEN_LORA)
+    source = LoraSource(peft_named(trainer), QWEN_LORA)
+    wide = LoraConfig(r=16, alpha=16, target_modules=("q_proj", "v_proj"))  # over the engine's max_lora_rank
+    too_wide = LoraSource(peft_named(lora_qwen2(seed=1, config=wide)), wide)
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)
     secret = SessionSecret.generate()
     host = (
@@ -467,6 +472,15 @@ def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keep
             versions, held = ray.get(host.state.remote())
             assert versions == {2: 0} and len(held) == 1
             assert ray.get(host.generate.remote(PROMPTS, 8)) == expected[2] != expected[1]
+            got = host.receive.remote()
+            with pytest.raises(RemoteError, match="max_lora_rank 8"):
+                sender.push(too_wide, 3)
+            refused = ray.get(got)
+            assert refused["error"] == "PushIncomplete" and "max_lora_rank 8" in refused["message"]
+            assert "the destinations were not touched" in refused["message"]
+            versions, held = ray.get(host.state.remote())
+            assert versions == {2: 0} and len(held) == 1  # refused before a byte moved: version 2 serves on
+            assert ray.get(host.generate.remote(PROMPTS, 8)) == expected[2]
     finally:
         ray.get(host.shutdown.remote())
         ray.kill(host)
