@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raysync.core.agreement import SenderLayout
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,16 @@ class PushReport:
     tensors: int
     seconds: float
     skipped: bool = False  # the receiver had this version already
+
+    @classmethod
+    def sent(
+        cls, version: int, transport: str, agreed: SenderLayout, tensors: int, seconds: float, skipped: bool
+    ) -> PushReport:
+        """The sender's report of a push of ``agreed``'s layout (nothing moved when skipped)."""
+        moved = not skipped
+        return cls(
+            version, transport, agreed.nbytes * moved, len(agreed.buckets) * moved, tensors, seconds, skipped
+        )
 
     @property
     def gbps(self) -> float:

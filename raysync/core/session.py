@@ -43,8 +43,8 @@ from raysync.core.control import SenderChannel
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport
-from raysync.core.source import Source, SourceTensor, is_source
-from raysync.core.wire import Accept, Attached, Close, PushDigest, PushDone, PushStart
+from raysync.core.source import Source, is_source
+from raysync.core.wire import Accept, Attached, Close, Hello, PushDigest, PushDone, PushStart
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
 
@@ -103,9 +103,9 @@ class PushSender(OnPlane):
         agreed = self._agreed
         placed = agreed.placed if agreed.is_placed else -1
         ahead = stream.pack_ahead(self.abort) if placed >= 0 and agreed.same_objects(named) else 0
-        sources = self._select_or_abort(named)
+        sources = self._or_abort("select", agreed.select, named)
         self._ensure_session()
-        self._agree_layout_or_abort(sources)
+        self._or_abort("layout", agreed.agree, sources, self._plane, self._channel)
         stream = self._stream
         if agreed.placed != placed:
             stream.reset()
@@ -173,19 +173,14 @@ class PushSender(OnPlane):
         self._push_id += 1  # the receiver raises for an Abort of a push newer than the last it saw start
         self._channel.abort(self._push_id, stage, error)
 
-    def _select_or_abort(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
+    def _or_abort(self, stage: str, fn: Callable, *args: object) -> object:
+        """``fn(*args)``; what it raises is told to the receivers first, once there are any (they wait for
+        this push): e.g. a bad tensor (select) or a layout over the bounds (BadLayout)."""
         try:
-            return self._agreed.select(named)
-        except Exception as e:  # a bad tensor: before the first push nobody waits yet (no handshake needed)
+            return fn(*args)
+        except Exception as e:
             if self._plane is not None:
-                self.abort(e, "select")
-            raise
-
-    def _agree_layout_or_abort(self, sources: list[SourceTensor]) -> None:
-        try:
-            self._agreed.agree(sources, self._plane, self._channel)
-        except Exception as e:  # e.g. a layout over the bounds (BadLayout): the receiver is waiting
-            self.abort(e, "layout")
+                self.abort(e, stage)
             raise
 
     def _accept(self, version: int) -> Accept:
@@ -207,48 +202,17 @@ class PushSender(OnPlane):
             self._channel.send(go, "accept: the go")
         return go
 
-    def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
-        moved = not skipped
-        agreed = self._agreed
-        report = PushReport(
-            version,
-            self._plane.name,
-            agreed.nbytes * moved,
-            len(agreed.buckets) * moved,
-            tensors,
-            seconds,
-            skipped,
-        )
-        logger.info("pushed to %s: %s", self._channel.peer, report)
-        return report
-
     # --- set-up, once per session ------------------------------------------------------------------------------
     def _ensure_session(self) -> None:
-        if self._plane is not None:
-            return
-        hellos = self._channel.accept("handshake: waiting for the receiver's Hello")
-        cfg = self.config
-        try:
-            name = registry.ring_name(cfg.transport, cfg.direct)
-            plane = self._given_plane or registry.sender_plane(name, cfg, self._channel)
-        except Exception as e:  # e.g. not enough memory for the ring: tell the receiver, not let it time out
-            self._channel.abort(0, "handshake: ring", e)
-            raise
-        self._plane = plane
-        self._stream = SenderStream(plane, self._channel, self._agreed, cfg)
-        self._channel.send(plane.describe(), "handshake: ring")
-        for attached in self._channel.expect(
-            Attached, 0, "handshake: waiting for the receiver to map the ring"
-        ):
-            plane.attached(attached)
-        logger.info(
-            "session up with %s (pids %s): %s plane, %d x %d bytes",
-            self._channel.peer,
-            [h.pid for h in hellos],
-            plane.name,
-            plane.slots,
-            cfg.bucket_bytes,
-        )
+        if self._plane is None:
+            self._plane, hellos = open_plane(self._channel, self.config, self._given_plane)
+            self._stream = SenderStream(self._plane, self._channel, self._agreed, self.config)
+            attach_receivers(self._plane, self._channel, self.config, hellos)
+
+    def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
+        report = PushReport.sent(version, self._plane.name, self._agreed, tensors, seconds, skipped)
+        logger.info("pushed to %s: %s", self._channel.peer, report)
+        return report
 
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -258,6 +222,35 @@ class PushSender(OnPlane):
             self._plane.close()
             self._plane = self._stream = None
         self._channel.close()
+
+
+def open_plane(channel: Fanout, config: SyncConfig, given: DataPlane | None) -> tuple[DataPlane, list[Hello]]:
+    """The session's set-up, sender half, first step: every receiver's Hello, then the data plane (the one
+    given, or the ring ``config`` names). A plane that cannot be made is told to the receivers (an Abort), so
+    they raise at once instead of timing out."""
+    hellos = channel.accept("handshake: waiting for the receiver's Hello")
+    try:
+        name = registry.ring_name(config.transport, config.direct)
+        plane = given or registry.sender_plane(name, config, channel)
+    except Exception as e:  # e.g. not enough memory for the ring: tell the receiver, not let it time out
+        channel.abort(0, "handshake: ring", e)
+        raise
+    return plane, hellos
+
+
+def attach_receivers(plane: DataPlane, channel: Fanout, config: SyncConfig, hellos: list[Hello]) -> None:
+    """Second step: describe the plane, wait for every receiver's Attached (they mapped it)."""
+    channel.send(plane.describe(), "handshake: ring")
+    for attached in channel.expect(Attached, 0, "handshake: waiting for the receiver to map the ring"):
+        plane.attached(attached)
+    logger.info(
+        "session up with %s (pids %s): %s plane, %d x %d bytes",
+        channel.peer,
+        [h.pid for h in hellos],
+        plane.name,
+        plane.slots,
+        config.bucket_bytes,
+    )
 
 
 class SenderStream:
