@@ -262,6 +262,43 @@ def test_peft_names_live_and_saved_are_recognised_and_others_refused():
         LoraSource(trainer.named_parameters(), LoraConfig(r=4, alpha=8, target_modules=("q",)))
 
 
+def test_a_push_that_is_not_an_adapter_is_refused_by_the_engine_before_a_byte_moves(private_tmp, in_thread):
+    trainer, base = models(6)
+    engine = AdapterVersions(base)
+    source = LoraSource(trainer.named_parameters(), LORA)
+    stray = [*source, ("layers.0.q.weight", base.layers[0]["q"].weight.detach())]  # a base weight among them
+    headless = [(n, t) for n, t in source if n != MANIFEST]
+    with session_pair(CFG) as (sender, receiver):
+        for push, why in [(stray, "is not a LoRA tensor"), (headless, "carries its manifest")]:
+            got = in_thread(engine.receive, receiver)
+            with pytest.raises(RaysyncError):
+                sender.push(push, 1)
+            with pytest.raises(PushIncomplete, match=why) as refused:
+                got.result(timeout=30)
+            assert refused.value.stage == "accept" and engine.versions() == {}
+        got = in_thread(engine.receive, receiver)
+        assert sender.push(source, 1).version == 1 and got.result(timeout=30).version == 1
+        got = in_thread(engine.receive, receiver)
+        assert sender.push(source, 1).skipped  # the engine has version 1: nothing moves, nothing installed
+        assert got.result(timeout=30).skipped and engine.versions() == {1: 0}
+
+
+def test_the_adapter_bytes_follow_the_wire_dtype_and_one_adapter_of_several_is_named():
+    trainer, _ = models()
+    source = LoraSource(trainer.named_parameters(), LORA)
+    fp32 = sum(p.nbytes for p in lora_params(trainer))
+    assert source.adapter_bytes() == fp32
+    assert source.adapter_bytes(dataclasses.replace(CFG, cast_dtype="bfloat16")) == fp32 // 2
+    second = [(n.replace(".default.", ".other."), p) for n, p in trainer.named_parameters() if ".lora_" in n]
+    both = [*trainer.named_parameters(), *second]
+    pushed = [t for _, t in LoraSource(both, LORA)][1:]
+    assert len(pushed) == 8 and all(a is b for a, b in zip(pushed, lora_params(trainer), strict=True))
+    with pytest.raises(LayoutError, match="several adapters"):
+        list(merged(both, LORA))
+    with pytest.raises(LayoutError, match="only one of lora_A / lora_B"):
+        LoraSource([(n, p) for n, p in trainer.named_parameters() if ".lora_B." not in n or ".1." in n], LORA)
+
+
 @pytest.mark.parametrize(
     "raw",
     [

@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 import torch
@@ -37,6 +38,9 @@ from raysync.core.errors import LayoutError
 from raysync.core.report import PushReport
 from raysync.core.source import selected, wire_dtype
 from raysync.core.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from raysync.core.session import PushSender
 
 MANIFEST = "raysync.lora.manifest"  # the manifest tensor's name (Note [the adapter manifest])
 FORMAT = "raysync-lora/1"
@@ -200,26 +204,21 @@ def adapter_tensors(
     return {m: (ab["A"], ab["B"]) for m, ab in found.items()}
 
 
-@dataclass
 class LoraSource:
     """The adapter of a PEFT-style model as a plain source: iterate it, or hand it to ``PushSender.push``. Built
-    from ``model.named_parameters()`` (or any named set of A / B tensors) and its ``LoraConfig``. Keeps the
-    trainer's tensors (the optimizer updates them in place), so every push sends the same objects."""
+    from ``model.named_parameters()`` (or any named set of A / B tensors; every other tensor is ignored) and its
+    ``LoraConfig``; ``adapter``: which PEFT adapter, when the model holds several. Keeps the trainer's A / B
+    tensors (the optimizer updates them in place), so every push sends the same objects."""
 
-    named_tensors: Iterable[tuple[str, torch.Tensor]]
-    config: LoraConfig
-    adapter: str = "default"
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(init=False)
-    manifest: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.modules = adapter_tensors(self.named_tensors, self.adapter)
-        self.named_tensors = ()  # the adapter's tensors are kept in modules; the rest is not ours to hold
+    def __init__(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: LoraConfig, adapter: str = "default"
+    ):
+        self.config, self.adapter = config, adapter
+        self.modules = adapter_tensors(named_tensors, adapter)
         shapes = {m: (tuple(a.shape), tuple(b.shape)) for m, (a, b) in self.modules.items()}
-        manifest = Manifest(self.config, self.adapter, tuple(self.modules))
+        manifest = Manifest(config, adapter, tuple(self.modules))
         manifest.check(shapes)
-        device = next(iter(self.modules.values()))[0].device
-        self.manifest = manifest.encode(device)
+        self.manifest = manifest.encode(next(iter(self.modules.values()))[0].device)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield MANIFEST, self.manifest
@@ -256,7 +255,7 @@ class LoraReport:
         return f"lora {self.mode} push, adapter {self.adapter_bytes} B + manifest {self.manifest_bytes} B: {self.push}"
 
 
-def push_adapter(sender, source: LoraSource, version: int) -> LoraReport:
+def push_adapter(sender: PushSender, source: LoraSource, version: int) -> LoraReport:
     """Adapter mode: push ``source`` (the adapter and its manifest) as ``version`` through any session."""
     report = sender.push(source, version)
     return LoraReport("adapter", report, source.adapter_bytes(sender.config), source.manifest_bytes)
@@ -287,20 +286,18 @@ def merged(
     weight merged (``merged_weight``, a new tensor per push), the rest as they are. The adapter's own tensors do
     not travel. Push it as a full push: ``sender.push(merged(model.named_parameters(), config), version)``."""
     named = list(named_tensors)
-    modules = adapter_tensors(named, adapter)
+    modules = {m.removeprefix(_WRAPPED): ab for m, ab in adapter_tensors(named, adapter).items()}
     done = set()
     for name, tensor in named:
         if parse(name) is not None:
             continue
-        plain = base_name(name)
-        module = name.removeprefix(_WRAPPED).rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        key = next((m for m in modules if m.removeprefix(_WRAPPED) == module), None)
-        if key is not None and plain.endswith(".weight"):
-            a, b = modules[key]
-            done.add(key)
-            yield plain, merged_weight(tensor, a, b, config.scaling)
+        module, _, param = name.removeprefix(_WRAPPED).rpartition(".base_layer.")
+        if module in modules and param == "weight":
+            a, b = modules[module]
+            done.add(module)
+            yield base_name(name), merged_weight(tensor, a, b, config.scaling)
         else:
-            yield plain, tensor
+            yield base_name(name), tensor
     missing = set(modules) - done
     if missing:
         raise LayoutError(
@@ -309,7 +306,11 @@ def merged(
 
 
 def push_merged(
-    sender, named_tensors: Iterable[tuple[str, torch.Tensor]], config: LoraConfig, version: int, adapter=None
+    sender: PushSender,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    config: LoraConfig,
+    version: int,
+    adapter: str | None = None,
 ) -> LoraReport:
     """Merged mode through any session: a full push of the merged weights (``merged``)."""
     return LoraReport("merged", sender.push(merged(named_tensors, config, adapter), version), 0, 0)
