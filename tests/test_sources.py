@@ -55,7 +55,7 @@ def _gather_by_hand(specs, full, sharded, world, buckets, gathers):
             shares = shard0_shares(t.shape, world) if sharded[p.index] else replica_shares(t.numel(), world)
             local = t.reshape(-1)[shares[p.rank].base :] if sharded[p.index] else t.reshape(-1)  # this rank's
             start = p.rank * seg + HEADER_BYTES + p.offset
-            assert HEADER_BYTES + p.offset + p.count * wire.itemsize <= seg  # inside its rank's segment
+            assert p.rows == 1 and HEADER_BYTES + p.offset + p.count * wire.itemsize <= seg  # in its segment
             dst = gathered[start : start + p.count * wire.itemsize].view(wire)
             dst.copy_(local[p.local_start : p.local_start + p.count])  # the cast happens here
         for p in gather.pieces:
@@ -116,9 +116,9 @@ def test_shares_that_miss_elements_are_refused():
     spec = TensorSpec("w", "float32", (4, 2))
     buckets = plan_buckets([spec], 4096)
     with pytest.raises(ValueError, match="do not cover"):
-        plan_gathers([spec], [[Share(0, 4, 0), Share(5, 8, 5)]], buckets)  # element 4 is nobody's
+        plan_gathers([spec], [[Share(0, 4, 0, 8), Share(5, 8, 5, 8)]], buckets)  # element 4 is nobody's
     with pytest.raises(ValueError, match="do not cover"):
-        plan_gathers([spec], [[Share(0, 8, 0), Share(0, 8, 0)]], buckets)  # twice
+        plan_gathers([spec], [[Share(0, 8, 0, 8), Share(0, 8, 0, 8)]], buckets)  # twice
 
 
 # --- DTensors on a one-rank mesh, in this process -----------------------------------------------------------------

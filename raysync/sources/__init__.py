@@ -1,12 +1,14 @@
 """Lazy sources (raysync.core.source.Source): the layout from metadata, the bytes made bucket by bucket.
 
 lazy.py: LazySource, tensors made when their bucket is packed, from a manifest (a meta-device model, a
-checkpoint's index). The sharded one, in the order of the data flow: dtensor.py (DTensorSource: FSDP2 / DTensor
-parameters, one per trainer rank) -> gather_plan.py (pure: which bytes each rank gathers for each bucket) ->
+checkpoint's index). The sharded one, in the order of the data flow: params.py (what each rank holds: Shard(d),
+Replicate, declared shards) and mapping.py (NameMap: the engine's names and shapes) -> dtensor.py (DTensorSource:
+FSDP2 / tensor-parallel parameters, one per trainer rank) -> gather_plan.py (pure: which bytes each rank gathers for each bucket) ->
 walk.py (the all-gathers of one push on every rank, bounded: Note [every rank walks the same buckets]).
 """
 
 from raysync.sources.dtensor import DTensorSource
 from raysync.sources.lazy import LazySource
+from raysync.sources.mapping import Fuse, NameMap, Rename, Split
 
-__all__ = ["DTensorSource", "LazySource"]
+__all__ = ["DTensorSource", "Fuse", "LazySource", "NameMap", "Rename", "Split"]

@@ -17,52 +17,47 @@ bucket), kept with its copies while the layout stays; on the sending rank the ri
 so the local tensors must stay the same storages between pushes (an optimizer updates them in place; a new
 set of parameters needs a new source).
 
-Placements: ``Shard(0)`` (what FSDP2's ``fully_shard`` makes) and ``Replicate()`` on a one-dimensional mesh; a
-plain tensor in the list counts as replicated (every rank holds it whole and equal). A one-rank mesh gathers
-nothing: its local tensors are whole, packed as the plain source packs them.
+Placements (raysync.sources.params): ``Shard(d)`` for any dim d (FSDP2's ``fully_shard`` makes ``Shard(0)``; a
+tensor-parallel group ``Shard(0)`` or ``Shard(1)``) and ``Replicate()`` on a one-dimensional mesh; a plain tensor
+counts as replicated (every rank holds it whole and equal) unless ``shards`` declares it this rank's shard along
+a dim (Megatron-style, without DTensors: the ranks are those of ``group``). A one-rank mesh gathers nothing: its
+local tensors are whole, packed as the plain source packs them.
+
+``mapping`` (raysync.sources.mapping.NameMap): the engine's names and shapes when they differ from the trainer's
+(a fused ``qkv_proj`` on one side, ``q_proj`` / ``k_proj`` / ``v_proj`` on the other); the layout is the mapped
+one, and the pieces of each bucket are written into their mapped places by the same copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from raysync.core.config import SyncConfig
 from raysync.core.copies import CopyList
-from raysync.core.errors import LayoutError, RemoteError
+from raysync.core.errors import RemoteError
 from raysync.core.plan import Bucket, plan_buckets
 from raysync.core.source import Packer, SourceTensor, selected, wire_dtype
 from raysync.core.wire import DTYPES, TensorSpec, dtype_name
-from raysync.sources.gather_plan import (
-    HEADER_BYTES,
-    BucketGather,
-    plan_gathers,
-    replica_shares,
-    shard0_shares,
-)
+from raysync.sources.gather_plan import HEADER_BYTES, BucketGather, Piece, plan_gathers
+from raysync.sources.mapping import Mapped, NameMap, identity
+from raysync.sources.params import describe, local_part, mesh_of, storages
 from raysync.sources.walk import GatherWalk, group_timeout
 
 
-@dataclass(frozen=True)
-class _Param:
-    name: str
-    shape: tuple[int, ...]  # global
-    dtype: torch.dtype
-    tensor: torch.Tensor  # the DTensor (or plain tensor) handed in; its local part is read at each push
-    sharded: bool  # Shard(0); else whole on every rank
-
-
 class DTensorSource:
-    """The tensors of one trainer rank of a DTensor mesh (FSDP2), as a lazy source (raysync.core.source.Source).
-    Make one on every rank of the mesh, from the same tensors in the same order and the same ``config``.
-    ``group``: the process group to gather on (default: a new one over the mesh's ranks, with a timeout of its
-    own from ``config.timeout_s``); ``store``: where the ranks take their census after a failed gather
-    (default: the default group's store)."""
+    """The tensors of one trainer rank of a DTensor mesh (FSDP2, or a tensor-parallel group), as a lazy source
+    (raysync.core.source.Source). Make one on every rank of the mesh, from the same tensors in the same order and
+    the same ``config`` and ``mapping``. ``group``: the process group to gather on (default: a new one over the
+    mesh's ranks, or over the default group's when no tensor is a DTensor, with a timeout of its own from
+    ``config.timeout_s``); ``store``: where the ranks take their census after a failed gather (default: the
+    default group's store); ``shards``: plain tensors that are this rank's shard, name -> dim;
+    ``mapping``: the engine's names and shapes (raysync.sources.mapping)."""
 
     def __init__(
         self,
@@ -71,17 +66,29 @@ class DTensorSource:
         *,
         group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
+        shards: Mapping[str, int] | None = None,
+        mapping: NameMap | None = None,
     ):
         self.config = config
-        self._params, mesh = _describe(named_tensors)
-        self.world = mesh.size() if mesh is not None else 1
-        self.rank = mesh.get_local_rank() if mesh is not None else 0
+        named = list(named_tensors)
+        mesh = mesh_of(named)
+        if mesh is not None:
+            self.world, self.rank = mesh.size(), mesh.get_local_rank()
+            ranks = mesh.mesh.flatten().tolist()
+        elif shards:
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+            ranks = None
+        else:
+            self.world, self.rank, ranks = 1, 0, None
+        self._params = describe(named, self.world, self.rank, shards or {})
+        meta = [(p.name, p.shape, p.dtype) for p in self._params]
+        self._mapped: list[Mapped] = mapping.apply(meta) if mapping is not None else identity(meta)
+        self._mapping = mapping
         self.device = self._params[0].tensor.device if self._params else torch.device("cpu")
         self._walk: GatherWalk | None = None
         self._own_group = False
         if self.world > 1:
             if group is None:
-                ranks = mesh.mesh.flatten().tolist()
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
                 group = dist.new_group(ranks, timeout=group_timeout(config.timeout_s), backend=backend)
                 self._own_group = True
@@ -92,26 +99,27 @@ class DTensorSource:
         self._packers: dict[tuple, object] = {}  # what follow() packed with, by layout
 
     def specs(self, config: SyncConfig) -> list[TensorSpec]:
-        """Names, global shapes and wire dtypes, from the metadata alone."""
+        """The engine's names, global shapes and wire dtypes (mapped), from the metadata alone."""
         return [
-            TensorSpec(p.name, dtype_name(wire_dtype(p.name, p.dtype, config)), p.shape)
-            for p in self._params
-            if selected(p.name, config)
+            TensorSpec(m.name, dtype_name(wire_dtype(m.name, m.dtype, config)), m.shape)
+            for m in self._mapped
+            if selected(m.name, config)
         ]
 
     def packer(
         self, config: SyncConfig, buckets: Sequence[Bucket], buffers: Sequence[torch.Tensor] | None
     ) -> OneRankPacker | GatheringPacker:
         specs = self.specs(config)
-        params = [p for p in self._params if selected(p.name, config)]
-        if self._walk is None:
+        kept = [m for m in self._mapped if selected(m.name, config)]
+        if self._walk is None and self._mapping is None:
+            params = [self._params[m.parts[0].source] for m in kept]
             return OneRankPacker(specs, params, buckets, buffers, config.cuda_graphs)
-        shares = [
-            shard0_shares(p.shape, self.world) if p.sharded else replica_shares(s.numel, self.world)
-            for p, s in zip(params, specs, strict=True)
-        ]
-        gathers = plan_gathers(specs, shares, buckets)
-        return GatheringPacker(self._walk, specs, params, gathers, buckets, buffers, config.cuda_graphs)
+        shares = [p.shares(self.world) for p in self._params]
+        numels = [math.prod(p.shape) for p in self._params]
+        gathers = plan_gathers(specs, shares, buckets, [m.parts for m in kept], numels)
+        return GatheringPacker(
+            self._walk, self.rank, specs, self._params, gathers, buckets, buffers, config.cuda_graphs
+        )
 
     def follow(self, version: int) -> str:
         """Take part in the push of ``version`` without sending (a rank other than the sending one): the same
@@ -152,9 +160,9 @@ class OneRankPacker:
         self.gathers = buckets
 
     def start(self, version: int) -> None:
-        key = _storages(self._params)
+        key = storages(self._params)
         if key != self._key and self._buffers:
-            locals_ = [_local(p) for p in self._params]
+            locals_ = [local_part(p) for p in self._params]
             sources = [SourceTensor(s, t) for s, t in zip(self._specs, locals_, strict=True)]
             self._packer, self._key = Packer(self._buckets, sources, self._buffers, self._graphs), key
 
@@ -169,24 +177,29 @@ class OneRankPacker:
 
 class GatheringPacker:
     """Packs a bucket from the ranks' shards: this rank's pieces -> its segment of the gather buffer -> the
-    all-gather -> (the sending rank) every piece into the ring buffer. Buffer and copies made once."""
+    all-gather -> (the sending rank) every piece into its place in the ring buffer. Buffer and copies made once.
+    Without a walk (one rank, with a mapping) the pieces go from the local tensors straight into the ring."""
 
     def __init__(
-        self, walk: GatherWalk, specs, params, gathers: list[BucketGather], buckets, buffers, graphs
-    ):
+        self, walk: GatherWalk | None, rank: int, specs, params, gathers: list[BucketGather], buckets, buffers,
+        graphs,
+    ):  # fmt: skip
         # every bucket gathers segments of one size, the largest any bucket needs (only the last buckets need
         # less): a collective that allocates a temporary of its output (gloo does, per gather) then reuses the
         # same block each time, where temporaries of varying sizes left the allocator holding several (~4x the
         # buffer's RSS measured with gloo on the CPU)
         most = max((g.segment_bytes for g in gathers), default=HEADER_BYTES)
         gathers = [dataclasses.replace(g, segment_bytes=most) for g in gathers]
-        self._walk, self._specs, self._params, self.gathers = walk, specs, params, gathers
-        self._graphs, self._key = graphs, None
+        self._walk, self.rank, self._specs, self._params, self.gathers = walk, rank, specs, params, gathers
+        self._graphs, self._key, self._buffers = graphs, None, buffers
         device = params[0].tensor.device if params else torch.device("cpu")
-        self._buffer = torch.zeros(walk.world * most, dtype=torch.uint8, device=device)
+        world = walk.world if walk is not None else 1
+        self._buffer = torch.zeros(world * most if walk else 0, dtype=torch.uint8, device=device)
         self._own: list[CopyList] = []
         self._out = (
-            [self._copies_out(k, buffers[k % len(buffers)]) for k in range(len(gathers))] if buffers else None
+            [self._copies_out(k, buffers[k % len(buffers)]) for k in range(len(gathers))]
+            if buffers and walk
+            else None
         )
         self._host_sync = (
             device if device.type == "cuda" and buffers and buffers[0].device.type == "cpu" else None
@@ -201,10 +214,12 @@ class GatheringPacker:
         return self._buffer.nbytes
 
     def start(self, version: int) -> None:
-        key = _storages(self._params)
+        key = storages(self._params)
         if key != self._key:
-            locals_ = [_local(p) for p in self._params]
-            self._own, self._key = [self._copies_in(g, locals_) for g in self.gathers], key
+            locals_ = [local_part(p) for p in self._params]
+            self._own, self._key = [self._copies_in(k, g, locals_) for k, g in enumerate(self.gathers)], key
+        if self._walk is None:
+            return
         self._walk.bind(self._buffer, [g.segment_bytes for g in self.gathers])
         self._walk.start(version, self._layout_hash)
         if self.gathers:
@@ -212,98 +227,68 @@ class GatheringPacker:
             self._walk.issue(0)
 
     def pack(self, k: int) -> bool:
+        if self._walk is None:  # one rank: straight into the ring
+            self._own[k].run()
+            self._sync()
+            return True
         if not self._walk.wait():
             if self._out is not None:
                 raise RemoteError("a trainer rank", f"bucket {k}", "another rank ended the walk of this push")
             return False
         if self._out is not None:
             self._out[k].run()
-            if self._host_sync is not None:
-                torch.cuda.current_stream(self._host_sync).synchronize()
+            self._sync()
         if k + 1 < len(self.gathers):
             self._own[k + 1].run()
             self._walk.issue(k + 1)
         return True
 
     def finish(self, outcome: str) -> str:
-        return self._walk.end(outcome)
+        return self._walk.end(outcome) if self._walk is not None else outcome
 
-    def _copies_in(self, gather: BucketGather, locals_: list[torch.Tensor]) -> CopyList:
-        """This rank's pieces: its local tensors -> its segment (cast to the wire dtype on the way)."""
-        seg, rank = gather.segment_bytes, self._walk.rank
-        base = rank * seg + HEADER_BYTES
+    def _sync(self) -> None:
+        if self._host_sync is not None:
+            torch.cuda.current_stream(self._host_sync).synchronize()
+
+    def _copies_in(self, k: int, gather: BucketGather, locals_: list[torch.Tensor]) -> CopyList:
+        """This rank's pieces: its local tensors -> its segment, cast to the wire dtype on the way (one rank:
+        -> their places in the ring buffer)."""
+        seg = gather.segment_bytes
+        base = self.rank * seg + HEADER_BYTES
         pairs = []
         for p in gather.pieces:
-            if p.rank != rank:
+            if p.rank != self.rank:
                 continue
             wire = DTYPES[self._specs[p.index].dtype]
-            dst = self._buffer[base + p.offset : base + p.offset + p.count * wire.itemsize].view(wire)
-            pairs.append((dst, locals_[p.index].reshape(-1)[p.local_start : p.local_start + p.count]))
+            flat = locals_[p.source].reshape(-1)
+            src = flat.as_strided(
+                (p.rows, p.cols), (p.local_stride, 1), flat.storage_offset() + p.local_start
+            )
+            if self._walk is None:
+                dst = _ring_view(self._buffers[k % len(self._buffers)], p, wire)
+            else:
+                dst = self._buffer[base + p.offset : base + p.offset + p.count * wire.itemsize]
+                dst = dst.view(wire).view(p.rows, p.cols)
+            pairs.append((dst, src))
         return CopyList(pairs, self._graphs)
 
     def _copies_out(self, k: int, ring_buffer: torch.Tensor) -> CopyList:
-        """Every rank's pieces of bucket k: the gather buffer -> their places in the ring buffer (bytes)."""
+        """Every rank's pieces of bucket k: the gather buffer -> their places in the ring buffer (a Shard(d > 0)
+        piece re-interleaved into the global layout by this one strided copy)."""
         gather, pairs = self.gathers[k], []
         for p in gather.pieces:
-            n = p.count * self._specs[p.index].itemsize
-            src = p.rank * gather.segment_bytes + HEADER_BYTES + p.offset
-            pairs.append((ring_buffer[p.bucket_offset : p.bucket_offset + n], self._buffer[src : src + n]))
+            wire = DTYPES[self._specs[p.index].dtype]
+            n = p.count * wire.itemsize
+            src = self._buffer[p.rank * gather.segment_bytes + HEADER_BYTES + p.offset :][:n]
+            if p.rows == 1 or p.cols == p.ring_stride:  # contiguous in the ring too: a byte copy
+                pairs.append((ring_buffer[p.bucket_offset : p.bucket_offset + n], src))
+            else:
+                pairs.append((_ring_view(ring_buffer, p, wire), src.view(wire).view(p.rows, p.cols)))
         return CopyList(pairs, self._graphs)
 
 
-def _storages(params: list[_Param]) -> tuple:
-    """Where each local part lives, checked at every push: the copies are remade when it changed (FSDP2 may
-    swap a parameter's local tensor, e.g. at its lazy init before the first forward). Reads the DTensor's
-    ``_local_tensor`` (what ``to_local()`` returns), since ``to_local()`` is an autograd call of tens of
-    microseconds per tensor: milliseconds per push for a 7B model."""
-    key = []
-    for p in params:
-        t = getattr(p.tensor, "_local_tensor", None)
-        if t is None:
-            t = _local(p)
-        key.append((t.data_ptr(), t.stride()))
-    return tuple(key)
-
-
-def _local(p: _Param) -> torch.Tensor:
-    """The part of ``p`` this rank holds (checked against the shape the plan expects)."""
-    t = p.tensor.to_local() if p.sharded or hasattr(p.tensor, "to_local") else p.tensor
-    t = t.detach()
-    if not t.is_contiguous():
-        raise LayoutError(f"tensor {p.name!r}: its local part is not contiguous; raysync reads it in place")
-    return t
-
-
-def _describe(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[_Param], object | None]:
-    """Each tensor's global shape, dtype and placement, and the mesh they share (None: no DTensor)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    params, mesh = [], None
-    for name, t in named:
-        if not isinstance(t, DTensor):
-            params.append(_Param(name, tuple(t.shape), t.dtype, t, False))
-            continue
-        if mesh is None:
-            mesh = t.device_mesh
-        if t.device_mesh != mesh or mesh.ndim != 1:
-            raise LayoutError(
-                f"tensor {name!r} is on mesh {t.device_mesh}: a DTensorSource takes tensors of one "
-                f"one-dimensional mesh ({mesh}); tensor-parallel and 2-D meshes are not built yet (issue 16, item 3)"
-            )
-        (placement,) = t.placements
-        if not (placement == Shard(0) or isinstance(placement, Replicate)):
-            raise LayoutError(
-                f"tensor {name!r} is placed {placement}: a DTensorSource gathers Shard(0) (FSDP2) and "
-                f"Replicate() tensors; other placements are not built yet (issue 16, item 3)"
-            )
-        params.append(_Param(name, tuple(t.shape), t.dtype, t, placement == Shard(0)))
-    if mesh is not None:
-        for p in params:
-            expect = shard0_shares(p.shape, mesh.size())[mesh.get_local_rank()] if p.sharded else None
-            local = _local(p)
-            if expect is not None and local.numel() != expect.hi - expect.lo:
-                raise LayoutError(
-                    f"tensor {p.name!r}: this rank holds {tuple(local.shape)} of {p.shape}, not the rows "
-                    f"torch.chunk gives rank {mesh.get_local_rank()} of {mesh.size()}"
-                )
-    return params, mesh
+def _ring_view(ring_buffer: torch.Tensor, p: Piece, wire: torch.dtype) -> torch.Tensor:
+    """Where piece ``p`` goes in the ring buffer: ``rows`` x ``cols`` elements, ``ring_stride`` apart."""
+    span = ((p.rows - 1) * p.ring_stride + p.cols) * wire.itemsize if p.count else 0
+    region = ring_buffer[p.bucket_offset : p.bucket_offset + span].view(wire)
+    return region.as_strided((p.rows, p.cols), (p.ring_stride, 1))
