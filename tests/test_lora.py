@@ -157,7 +157,8 @@ def test_the_adapter_travels_over_the_collective_to_every_rank(spawn):
     from raysync import SessionSecret
     from raysync.transport.collective import CollectiveSender
 
-    config = SyncConfig(bucket_bytes=4096, timeout_s=60, progress=False)
+    # the ranks start (spawn, import torch) while the first push waits for them: bounded, not meant to run out
+    config = SyncConfig(bucket_bytes=4096, timeout_s=300, progress=False)
     trainer, _ = models(5)
     source = LoraSource(trainer.named_parameters(), LORA)
     secret = SessionSecret.generate()
@@ -174,7 +175,7 @@ def test_the_adapter_travels_over_the_collective_to_every_rank(spawn):
             assert lora.push.bytes == lora.adapter_bytes + lora.manifest_bytes
             with torch.no_grad():
                 expected = trainer(TOKENS).numpy().tobytes()
-            got = sorted(out.get(timeout=60) for _ in range(2))
+            got = sorted(out.get(timeout=300) for _ in range(2))
             assert got == [(1, version, expected), (2, version, expected)]
     finally:
         group.close()
@@ -207,6 +208,18 @@ def test_a_request_started_on_version_k_finishes_on_k_while_k_plus_1_is_loaded(p
             engine.request(1)
         with pytest.raises(RuntimeError, match="has finished"):
             running(TOKENS)
+        running = engine.request()  # on version 2
+        expected_2 = trainer(TOKENS).detach()
+        train(trainer, steps=2, seed=3)
+        got = in_thread(engine.receive, receiver)
+        sender.push(source, 1)  # a version number used before: the latest is what was pushed last
+        assert got.result(timeout=30).version == 1 == engine.latest
+        assert engine.versions() == {1: 0, 2: 1}
+        with engine.request() as new:
+            assert new.version == 1 and same_bits(new(TOKENS), trainer(TOKENS).detach())
+        assert same_bits(running(TOKENS), expected_2)
+        running.close()
+        assert engine.versions() == {1: 0}
 
 
 def test_a_manifest_that_disagrees_with_its_tensors_installs_nothing(private_tmp, in_thread):

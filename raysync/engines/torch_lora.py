@@ -103,7 +103,7 @@ class Lease:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._engine.release(self.adapter.version)
+            self._engine.release(self.adapter)
 
     def __enter__(self) -> Lease:
         return self
@@ -123,7 +123,7 @@ class AdapterVersions:
         self.device = (
             torch.device(device) if device is not None else (first.device if first is not None else "cpu")
         )
-        self._held = HeldVersions()  # version -> Adapter, counted by requests
+        self._held = HeldVersions()  # the Adapters, counted by requests
         self._local = threading.local()  # the adapter of the request running on this thread
         self._hooks: dict[str, object] = {}  # module -> its forward hook's handle
 
@@ -137,7 +137,8 @@ class AdapterVersions:
         return report
 
     def install(self, adapter: Adapter) -> None:
-        """Make ``adapter`` the latest version; the previous latest is dropped unless requests still use it."""
+        """Make ``adapter`` the latest version (the one new requests get); the previous latest is dropped unless
+        requests still use it."""
         for module in adapter.weights:
             self._hook(module)
         self._held.install(adapter.version, adapter)
@@ -166,8 +167,8 @@ class AdapterVersions:
         """A lease on ``version`` (default: the latest) for one request."""
         return Lease(self, self._held.acquire(version))
 
-    def release(self, version: int) -> None:
-        self._held.release(version)
+    def release(self, adapter: Adapter) -> None:
+        self._held.release(adapter)
 
     def versions(self) -> dict[int, int]:
         """The adapter versions held -> how many requests run on each (the latest is held with none)."""
@@ -207,48 +208,54 @@ class AdapterVersions:
 
 
 class HeldVersions:
-    """The versions an engine holds, each counted by the requests running on it (Note [adapter versions and
-    requests]): ``install`` makes a version the latest, ``acquire`` / ``release`` count a request in and out. Each
-    returns the versions it dropped (with their values), for an engine that must free them itself (vLLM)."""
+    """The adapter versions an engine holds, each counted by the requests running on it (Note [adapter versions
+    and requests]): ``install`` makes a value the latest, ``acquire`` / ``release`` count a request in and out of
+    the value it runs on. Each returns the values it dropped, for an engine that must free them itself (vLLM).
+    Counted per value, so a version number pushed again while requests run on its earlier value keeps both."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[int, object] = {}
-        self._requests: dict[int, int] = {}
-        self.latest: int | None = None
+        self._held: list[list] = []  # [version, value, requests], oldest first; the last is the latest
 
-    def install(self, version: int, value: object) -> list[tuple[int, object]]:
+    @property
+    def latest(self) -> int | None:
+        return self._held[-1][0] if self._held else None
+
+    def install(self, version: int, value: object) -> list[object]:
+        """``value`` is the latest now, whatever its version's number (the receiver applied it)."""
         with self._lock:
-            if self.latest is not None and version <= self.latest:
-                raise LayoutError(
-                    f"adapter version {version} is not newer than the latest held, {self.latest}"
-                )
-            previous, self.latest = self.latest, version
-            self._values[version], self._requests[version] = value, 0
-            return self._drop_if_unused(previous)
+            self._held.append([version, value, 0])
+            return self._drop_unused()
 
     def acquire(self, version: int | None = None) -> object:
-        """The value of ``version`` (default: the latest), counted for one more request."""
+        """The value of ``version`` (default: the latest; the newest of that number), counted for one more
+        request."""
         with self._lock:
-            version = self.latest if version is None else version
-            if version not in self._values:
-                raise LookupError(f"adapter version {version} is not held (held: {sorted(self._values)})")
-            self._requests[version] += 1
-            return self._values[version]
+            entry = next((e for e in reversed(self._held) if version is None or e[0] == version), None)
+            if entry is None:
+                raise LookupError(f"adapter version {version} is not held (held: {sorted(self._versions())})")
+            entry[2] += 1
+            return entry[1]
 
-    def release(self, version: int) -> list[tuple[int, object]]:
+    def release(self, value: object) -> list[object]:
         with self._lock:
-            if self._requests.get(version, 0) <= 0:
-                raise LookupError(f"no request holds adapter version {version}")
-            self._requests[version] -= 1
-            return self._drop_if_unused(version)
+            entry = next((e for e in self._held if e[1] is value), None)
+            if entry is None or entry[2] <= 0:
+                raise LookupError("no request holds this adapter version")
+            entry[2] -= 1
+            return self._drop_unused()
 
     def versions(self) -> dict[int, int]:
         with self._lock:
-            return dict(sorted(self._requests.items()))
+            return dict(sorted(self._versions().items()))
 
-    def _drop_if_unused(self, version: int | None) -> list[tuple[int, object]]:
-        if version is None or version == self.latest or self._requests.get(version) != 0:
-            return []
-        del self._requests[version]
-        return [(version, self._values.pop(version))]
+    def _versions(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for version, _, requests in self._held:
+            out[version] = out.get(version, 0) + requests
+        return out
+
+    def _drop_unused(self) -> list[object]:
+        dropped = [e[1] for e in self._held[:-1] if e[2] == 0]
+        self._held = [e for e in self._held[:-1] if e[2] > 0] + self._held[-1:]
+        return dropped

@@ -225,7 +225,7 @@ class VllmLease:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._adapters.release(self.held.version)
+            self._adapters.release(self.held)
 
     def __enter__(self) -> VllmLease:
         return self
@@ -264,8 +264,8 @@ class VllmAdapters:
     def request(self, version: int | None = None) -> VllmLease:
         return VllmLease(self, self._held.acquire(version))
 
-    def release(self, version: int) -> None:
-        self._remove(self._held.release(version))
+    def release(self, held: Held) -> None:
+        self._remove(self._held.release(held))
 
     def versions(self) -> dict[int, int]:
         """The adapter versions held -> how many requests run on each."""
@@ -274,6 +274,6 @@ class VllmAdapters:
     def close(self) -> None:
         self.llm.collective_rpc("raysync_lora_close")
 
-    def _remove(self, dropped: list[tuple[int, Held]]) -> None:
-        for _, held in dropped:
+    def _remove(self, dropped: list[Held]) -> None:
+        for held in dropped:
             self.llm.collective_rpc("raysync_lora_remove", args=(held.lora_int_id,))
