@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raysync.core import delta
-from raysync.core.delta import GAP_SPAN, BadDelta, BaseMismatch, Mode
-from raysync.core.errors import LayoutError
+from raysync.core.delta import GAP_SPAN, Mode
+from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import MIXED
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

@@ -46,6 +46,11 @@ class SenderLayout:
         self._key: tuple | None = None
         self._named: list[tuple[str, torch.Tensor]] = []  # what the last push was given
 
+    @property
+    def sources(self) -> list[SourceTensor]:
+        """The tensors selected for the current layout (none for a lazy source)."""
+        return self._sources
+
     def select(self, named: list[tuple[str, torch.Tensor]]) -> list[SourceTensor]:
         """source.select(), skipped while the trainer pushes the same tensors (updated in place)."""
         key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for n, t in named)

@@ -99,6 +99,14 @@ class SyncConfig:
                     Measured on an H200: saves the ~6 us per copy launch (1.5B ring 5.0-5.5 -> 4.0-4.1 ms, 7B
                     2 x 2048 MB 18.3 -> 17.5 ms) but large copies ran ~4% slower from the graph (7B through
                     one 8 GB buffer 16.6 -> 17.3 ms): off for few, large buckets
+    delta           sender: push only the elements whose bits changed since the version the receivers hold
+                    (raysync.core.delta, Note [the delta reference] in raysync.core.delta_push): the sender
+                    keeps one more copy of the model in the wire dtype on its device; a receiver at another
+                    version, or one that cannot take a delta (a load function, a staged sink), gets a full push
+                    in the same round. Rings the session makes only (shm, cuda_ipc); others push full
+    delta_full_every  delta: every N-th push is full (an anchor); 0: only when a receiver needs one
+    delta_max_density delta: a chunk whose fraction of changed elements is above this goes full (it goes full
+                    anyway where the delta would not be smaller than its bytes)
     """
 
     bucket_bytes: int | None = None
@@ -116,6 +124,9 @@ class SyncConfig:
     verify: bool = False
     direct: bool | None = None
     cuda_graphs: bool = True
+    delta: bool = False
+    delta_full_every: int = 0
+    delta_max_density: float = 1.0
 
     def __post_init__(self) -> None:
         self._fill_auto()
@@ -141,6 +152,10 @@ class SyncConfig:
             from raysync.core.wire import check_dtype_name
 
             check_dtype_name(self.cast_dtype)
+        if type(self.delta_full_every) is not int or self.delta_full_every < 0:
+            raise ValueError(f"delta_full_every={self.delta_full_every!r}: an int >= 0 (0: no anchors)")
+        if not 0.0 <= self.delta_max_density <= 1.0:
+            raise ValueError(f"delta_max_density={self.delta_max_density!r}: a fraction of elements, 0 to 1")
         if self.direct not in (None, True, False):
             raise TypeError(f"direct={self.direct!r}: None (the plan chooses), True or False")
 

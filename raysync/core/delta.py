@@ -33,7 +33,7 @@ the session plugs them into its pack and unpack stages (Note [delta pushes]).
 # ``max_density`` (the caller's break-even from the benchmark: where encode + decode stops being faster than
 # moving the full bytes over its transport).
 #
-# How it plugs into the push (next step; the session, sources and sinks are not touched yet):
+# How it plugs into the push (raysync.core.delta_push, Note [the delta reference], says what was built of it):
 # * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
 #   layout, laid out as the buckets are (chunk views of it pair with the source's chunks). On the trainer's GPU
 #   when there is room for it (one more copy of the model in the wire dtype: 2 bytes per parameter in bf16),
@@ -72,7 +72,7 @@ from enum import IntEnum
 
 import torch
 
-from raysync.core.errors import LayoutError
+from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import Version, is_version
 
 MAGIC = int.from_bytes(b"rsdelta1", "little")
@@ -81,6 +81,7 @@ ROW_BYTES = 32
 PAYLOAD_ALIGN = 16
 GAP_SPAN = 1 << 16  # the longest gap a 16-bit field holds (stored as gap - 1)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bits, never values
+WORDS = _BITS  # itemsize -> the integer dtype a chunk is compared (and decoded) as
 
 
 class Mode(IntEnum):
@@ -90,14 +91,6 @@ class Mode(IntEnum):
 
 
 _MODES = {int(m) for m in Mode}
-
-
-class BadDelta(LayoutError):
-    """A delta bucket that cannot be applied as it is: refused before any byte of its bucket is written."""
-
-
-class BaseMismatch(BadDelta):
-    """A delta computed from one version offered to a receiver that holds another (or none, or a mix)."""
 
 
 @dataclass(frozen=True)

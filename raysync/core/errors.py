@@ -116,6 +116,15 @@ class BadLayout(LayoutError, SchemaError):
     where it arrives (a decoded Layout frame): a ValueError there, a WireError here."""
 
 
+class BadDelta(LayoutError):
+    """A delta bucket that cannot be applied as it is: refused before any byte of its bucket is written
+    (raysync.core.delta)."""
+
+
+class BaseMismatch(BadDelta):
+    """A delta computed from one version offered to a receiver that holds another (or none, or a mix)."""
+
+
 class EndpointError(RaysyncError, OSError):
     """A control endpoint could not be used safely (exists already, wrong interface, ...)."""
 

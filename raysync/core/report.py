@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
+    from raysync.core.delta_push import DeltaStats
 
 
 @dataclass(frozen=True)
@@ -18,16 +19,35 @@ class PushReport:
     tensors: int
     seconds: float
     skipped: bool = False  # the receiver had this version already
+    # SyncConfig.delta (raysync.core.delta_push.DeltaStats): ``bytes`` is their sum; a full push is all full
+    sent_as_delta: int = 0  # headers, tables, changed elements with their positions
+    sent_as_full: int = 0  # tensor bytes sent whole
+    density: float | None = None  # changed elements / elements (delta pushes, on the sender)
+    base_version: int | None = None  # the version a delta push was computed from; None for a full push
 
     @classmethod
     def sent(
-        cls, version: int, transport: str, agreed: SenderLayout, tensors: int, seconds: float, skipped: bool
+        cls,
+        version: int,
+        transport: str,
+        agreed: SenderLayout,
+        tensors: int,
+        seconds: float,
+        skipped: bool,
+        stats: DeltaStats | None = None,
     ) -> PushReport:
-        """The sender's report of a push of ``agreed``'s layout (nothing moved when skipped)."""
+        """The sender's report of a push of ``agreed``'s layout (nothing moved when skipped); ``stats``: what a
+        push in delta mode sent."""
         moved = not skipped
+        buckets = len(agreed.buckets) * moved
+        if stats is None or skipped:
+            nbytes = agreed.nbytes * moved
+            return cls(version, transport, nbytes, buckets, tensors, seconds, skipped, 0, nbytes)
+        delta, full = stats.sent_as_delta, stats.sent_as_full
         return cls(
-            version, transport, agreed.nbytes * moved, len(agreed.buckets) * moved, tensors, seconds, skipped
-        )
+            version, transport, delta + full, buckets, tensors, seconds, skipped, delta, full, stats.density,
+            stats.base_version,
+        )  # fmt: skip
 
     @property
     def gbps(self) -> float:
@@ -36,7 +56,14 @@ class PushReport:
     def __str__(self) -> str:
         if self.skipped:
             return f"version {self.version}: skipped (already applied)"
-        return (
+        text = (
             f"version {self.version}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB in {self.buckets} buckets "
             f"over {self.transport}, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s)"
         )
+        if self.base_version is not None:
+            density = "" if self.density is None else f", density {self.density:.2%}"
+            text += (
+                f"; a delta from version {self.base_version}: {self.sent_as_delta / 1e6:.2f} MB as delta, "
+                f"{self.sent_as_full / 1e6:.2f} MB full{density}"
+            )
+        return text

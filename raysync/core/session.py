@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -40,11 +40,12 @@ from raysync.core import digest
 from raysync.core.agreement import SenderLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import SenderChannel
+from raysync.core.delta_push import Reference, ring_config
 from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport
 from raysync.core.source import Source, is_source
-from raysync.core.wire import Accept, Attached, Close, Hello, PushDigest, PushDone, PushStart
+from raysync.core.wire import Accept, Attached, Close, Hello, PushDigest, PushDone, PushStart, TensorSpec
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
 
@@ -76,6 +77,7 @@ class PushSender(OnPlane):
         self._agreed = SenderLayout(config)  # the layout, its buckets, the Packer (raysync.core.agreement)
         self._push_id = 0
         self._stream: SenderStream | None = None  # made with the plane
+        self._delta = Reference(config, ring=plane is None)  # SyncConfig.delta (raysync.core.delta_push)
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
 
     @property
@@ -84,9 +86,13 @@ class PushSender(OnPlane):
         return self._stream.packs if self._stream is not None else 0
 
     # --- the push ----------------------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Source, version: int) -> PushReport:
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Source, version: int, *, full: bool = False
+    ) -> PushReport:
         """Send ``named_tensors`` as ``version``; returns once the receiver has applied all of it. A lazy
-        ``Source`` (raysync.core.source) is packed bucket by bucket by its own packer (``_push_source``)."""
+        ``Source`` (raysync.core.source) is packed bucket by bucket by its own packer (``_push_source``).
+        ``full``: no delta this time (SyncConfig.delta; a push is full anyway when a receiver needs it)."""
+        self._delta.start(full, lazy=is_source(named_tensors))
         if is_source(named_tensors):
             return self._push_source(named_tensors, version)
         start = time.perf_counter()
@@ -104,12 +110,13 @@ class PushSender(OnPlane):
         placed = agreed.placed if agreed.is_placed else -1
         ahead = stream.pack_ahead(self.abort) if placed >= 0 and agreed.same_objects(named) else 0
         sources = self._or_abort("select", agreed.select, named)
-        self._ensure_session()
+        self._ensure_session([s.spec for s in sources])
         self._or_abort("layout", agreed.agree, sources, self._plane, self._channel)
         stream = self._stream
         if agreed.placed != placed:
             stream.reset()
             ahead = 0
+            self._delta.prepare(agreed, self._plane.buffers)
         if not ahead:
             ahead = stream.pack_ahead(self.abort)
         skipped = self._deliver(version, ahead, start)
@@ -147,10 +154,15 @@ class PushSender(OnPlane):
         selected = time.perf_counter()
         accept = self._accept(version)
         accepted = streamed = time.perf_counter()
+        if accept.full:  # a receiver cannot take the delta: a full push, in this round (for all of a Fanout)
+            self._delta.demote()
+            self._stream.reset()
+            ahead = 0
         if not accept.skip:
             self._stream.run(self._push_id, version, ahead)
             streamed = time.perf_counter()
             self._channel.expect(PushDone, self._push_id, "finish")
+        self._delta.finish(version, accept.skip)
         self.last_stages_s = {
             "select": selected - start,
             "accept": accepted - selected,
@@ -188,29 +200,32 @@ class PushSender(OnPlane):
         receiver has the version). A refusal by one is an Abort for all: nothing moved anywhere."""
         pid = self._push_id
         self._plane.begin(pid, self._agreed.buckets)
-        self._channel.send(
-            PushStart(pid, version, self._agreed.layout.layout_id, self.config.verify), "accept"
-        )
+        base, layout_id = self._delta.base, self._agreed.layout.layout_id
+        delta = base is not None
+        self._channel.send(PushStart(pid, version, layout_id, self.config.verify, delta, base or 0), "accept")
         try:
             answers = self._channel.expect(Accept, pid, "accept")
         except RemoteError as e:
             if len(self._channel.channels) > 1:
                 self._channel.abort(pid, "accept", e)
             raise
-        go = Accept(pid, all(a.skip for a in answers))
-        if self._plane.all_or_none:
+        go = Accept(pid, all(a.skip for a in answers), any(a.full for a in answers))
+        if self._plane.all_or_none or delta:
             self._channel.send(go, "accept: the go")
         return go
 
     # --- set-up, once per session ------------------------------------------------------------------------------
-    def _ensure_session(self) -> None:
+    def _ensure_session(self, specs: Sequence[TensorSpec] = ()) -> None:
         if self._plane is None:
-            self._plane, hellos = open_plane(self._channel, self.config, self._given_plane)
-            self._stream = SenderStream(self._plane, self._channel, self._agreed, self.config)
-            attach_receivers(self._plane, self._channel, self.config, hellos)
+            config = ring_config(self.config, specs) if self._delta.enabled else self.config
+            self._plane, hellos = open_plane(self._channel, config, self._given_plane)
+            self._delta.enabled &= not self._plane.reads_in_place
+            self._stream = SenderStream(self._plane, self._channel, self._agreed, self.config, self._delta)
+            attach_receivers(self._plane, self._channel, config, hellos)
 
     def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
-        report = PushReport.sent(version, self._plane.name, self._agreed, tensors, seconds, skipped)
+        stats = self._delta.stats if self._delta.active else None
+        report = PushReport.sent(version, self._plane.name, self._agreed, tensors, seconds, skipped, stats)
         logger.info("pushed to %s: %s", self._channel.peer, report)
         return report
 
@@ -257,8 +272,16 @@ class SenderStream:
     """The stream stage, sender half: bucket k = 0, 1, ... claimed, packed (the first ones ahead of the push),
     published; the digests of what was packed (verify); then every buffer released. Made with the plane."""
 
-    def __init__(self, plane: DataPlane, channel: Fanout, agreed: SenderLayout, config: SyncConfig):
+    def __init__(
+        self,
+        plane: DataPlane,
+        channel: Fanout,
+        agreed: SenderLayout,
+        config: SyncConfig,
+        reference: Reference,
+    ):
         self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
+        self._ref = reference  # SyncConfig.delta: the bytes of the last version pushed (delta_push)
         self.reset()
 
     def reset(self) -> None:
@@ -280,11 +303,18 @@ class SenderStream:
 
     def _pack(self, k: int) -> None:
         """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
-        if self._plane.claim(k) is not None:
-            self._agreed.packer.pack(k)
+        buffer, ref = self._plane.claim(k), self._ref if self._ref.active else None
+        if buffer is not None:
+            if ref is not None and ref.base is not None:  # a delta push: encoded against the reference
+                ref.encode(k, buffer)
+            else:
+                self._agreed.packer.pack(k)
+                if ref is not None:  # a full push in delta mode: the reference takes its bytes
+                    bucket = self._agreed.buckets[k]
+                    ref.keep(k, buffer, bucket.nbytes, sum(c.nbytes for c in bucket.chunks))
             self.packs += 1
-        if self._digests is not None:  # of the bytes as the receiver reads them, wire dtype and all
-            view = self._plane.bucket_view(k)
+        if self._digests is not None:  # of the bytes as the receiver has them, wire dtype and all
+            view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
             for c in self._agreed.buckets[k].chunks:
                 part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
                 self._digests.setdefault(c.index, []).append(part)

@@ -21,6 +21,7 @@ import torch
 from raysync.core.agreement import ReceiverLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel
+from raysync.core.delta import delta_applies
 from raysync.core.errors import (
     IntegrityError,
     LayoutError,
@@ -184,7 +185,7 @@ class PushReceiver(OnPlane, StagedFlips):
         started = time.perf_counter()
         sink = self._accept(start, into, load_fn, ahead)
         ahead = None
-        skip = self._agree(start, area)
+        skip = self._agree(start, area, sink)
         accepted = streamed = time.perf_counter()
         if not skip:
             self._landing(start.version, area)
@@ -201,25 +202,38 @@ class PushReceiver(OnPlane, StagedFlips):
             "stream": streamed - accepted,
             "finish": time.perf_counter() - streamed,
         }
-        return self._report(start.version, skip, time.perf_counter() - started)
+        return self._report(start.version, skip, time.perf_counter() - started, sink)
 
-    def _agree(self, start: PushStart, area: Staging | None) -> bool:
+    def _agree(self, start: PushStart, area: Staging | None, sink: Sink) -> bool:
         """Answer accept (skip: this version is here already, live or staged; never while MIXED, the next push
-        repairs the weights). A plane that moves every receiver together then waits for the sender's go: skip
-        only if all have it, or an Abort when another receiver refused (nothing has moved)."""
+        repairs the weights; full: a delta that does not apply here, raysync.core.delta). A plane that moves
+        every receiver together, and a delta, then wait for the sender's go: skip only if all have it, full
+        when any needs it, or an Abort when another receiver refused (nothing has moved)."""
         skip = start.version in (self.version, area and area.staged_version)
-        self._channel.send(Accept(start.push_id, skip), "accept")
-        if not self._plane.all_or_none:
+        takes = sink.takes_delta and delta_applies(self.version, start.base_version)
+        full = start.delta and not skip and not takes
+        self._channel.send(Accept(start.push_id, skip, full), "accept")
+        sink.delta_base = start.base_version if start.delta and not full else None
+        if not (self._plane.all_or_none or start.delta):
             return skip
         try:
-            return self._channel.expect(Accept, start.push_id, "accept: waiting for the other receivers").skip
+            go = self._channel.expect(Accept, start.push_id, "accept: waiting for the other receivers")
         except RemoteError as e:
             raise self._incomplete(start, f"sender: {e.stage}", e.message, self._agreed.names) from e
+        if go.full:
+            sink.delta_base = None
+        return go.skip
 
-    def _report(self, version: int, skipped: bool, seconds: float) -> PushReport:
+    def _report(self, version: int, skipped: bool, seconds: float, sink: Sink) -> PushReport:
         specs, moved = self._agreed.layout.tensors, not skipped
         nbytes, buckets = total_bytes(specs) * moved, len(self._agreed.buckets) * moved
-        report = PushReport(version, self._plane.name, nbytes, buckets, len(specs), seconds, skipped)
+        base = sink.delta_base if moved else None
+        full = sink.moved_full if base is not None else nbytes  # a delta: the bytes of its buffers
+        nbytes = sink.moved if base is not None else nbytes
+        name = self._plane.name
+        report = PushReport(
+            version, name, nbytes, buckets, len(specs), seconds, skipped, nbytes - full, full, None, base
+        )
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raysync.core import digest
+from raysync.core import delta, digest
 from raysync.core.copies import CopyList
 from raysync.core.errors import LayoutError, WeightsMixed
 from raysync.core.plan import Bucket, Chunk
@@ -48,12 +48,15 @@ class Sink:
     """Unpacks buckets of one push for one destination; tracks which tensors are complete."""
 
     in_place = True  # every write reaches the destinations: a push that fails part-way leaves them mixed
+    takes_delta = False  # can decode a delta push in place (raysync.core.delta): into= tensors, not staged
 
     def __init__(self, specs: Sequence[TensorSpec]):
         self.specs = specs
         self.done: set[int] = set()
         self._devices: set[torch.device] = set()
         self.verify = False  # set by the receiver for a push that asks for digests
+        self.delta_base: int | None = None  # set by the receiver for a delta push: the version it holds
+        self.moved = self.moved_full = 0  # bytes of the buffers a delta push decoded; of them, FULL payloads
 
     def undelivered(self) -> list[str]:
         return [s.name for i, s in enumerate(self.specs) if i not in self.done]
@@ -97,16 +100,19 @@ class IntoTensors(Sink):
         super().__init__(specs)
         final = [byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
-        self.in_place = not staged
+        self.in_place = self.takes_delta = not staged
         self._graphs = graphs  # raysync.core.copies: lists on one GPU replayed from a CUDA graph
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, CopyList] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
 
     def reset(self) -> None:
-        self.done = set()
+        self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
 
     def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        if self.delta_base is not None:
+            self._decode_all(parts)
+            return
         key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
         copies = self._copies.get(key)
         if copies is None:  # made once per buckets and buffers, replayed every push (raysync.core.copies)
@@ -119,6 +125,18 @@ class IntoTensors(Sink):
         copies.run()
         for bucket, buffer in parts:
             self._sync(buffer)
+            self.landed(bucket)
+
+    def _decode_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        """A delta push: each bucket decoded in place into the destinations (everything in a bucket is checked
+        before its first write: BadDelta, BaseMismatch)."""
+        for bucket, buffer in parts:
+            dests = []
+            for c in bucket.chunks:
+                width = min(self.specs[c.index].itemsize, 8)
+                dests.append(self.target(c).view(delta.WORDS[width]))
+            code = delta.decode(buffer, dests, held_version=self.delta_base)
+            self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
             self.landed(bucket)
 
     def digests(self) -> list[int]:
@@ -198,6 +216,7 @@ class StagingSink(IntoTensors):
 
     def __init__(self, specs: Sequence[TensorSpec], staging: Staging, graphs: bool):
         super().__init__(specs, staging.memory.views, staged=False, graphs=graphs)
+        self.takes_delta = False  # the staging memory holds no version the delta is from
         self._staging, self._group_of = staging, staging.memory.plan.group_of
         self._segments: dict[tuple, list[tuple[int, CopyList]]] = {}
         self._group = 0

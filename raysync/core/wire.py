@@ -233,15 +233,26 @@ class PushStart:
     version: int
     layout_id: int
     verify: bool = False  # a PushDigest follows the last bucket (SyncConfig.verify)
+    delta: bool = (
+        False  # the buckets are deltas from ``base_version`` (raysync.core.delta), unless the go says full
+    )
+    base_version: int = 0  # what a delta applies on top of; 0 when not a delta
+
+    def __post_init__(self) -> None:
+        if not self.delta and self.base_version != 0:
+            raise ValueError(f"base_version={self.base_version} in a push that is not a delta")
 
 
 @dataclass(frozen=True)
 class Accept:
-    """receiver -> sender: destinations checked, buffers free. ``skip``: this version is applied already.
-    sender -> receivers of a plane that moves them together (a broadcast): the go; ``skip`` if all have it."""
+    """receiver -> sender: destinations checked, buffers free. ``skip``: this version is applied already;
+    ``full``: a delta was offered and this receiver cannot take it (another version, a load function).
+    sender -> receivers of a plane that moves them together (a broadcast), and of a delta: the go; ``skip``
+    if all have it, ``full`` when the push goes full (for all of them)."""
 
     push_id: int
     skip: bool
+    full: bool = False
 
 
 @dataclass(frozen=True)
