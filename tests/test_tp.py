@@ -6,6 +6,7 @@ declared as shards) pushing to an engine through a real session with a qkv split
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import queue
 import time
@@ -21,7 +22,14 @@ from raysync.core.plan import plan_buckets
 from raysync.core.source import Packer, SourceTensor
 from raysync.core.wire import DTYPES, TensorSpec
 from raysync.sources import DTensorSource, Fuse, NameMap, Rename, Split
-from raysync.sources.gather_plan import HEADER_BYTES, plan_gathers, replica_shares, shard_shares
+from raysync.sources.gather_plan import (
+    HEADER_BYTES,
+    check_cover,
+    mesh_shares,
+    plan_gathers,
+    replica_shares,
+    shard_shares,
+)
 
 CFG = SyncConfig(bucket_bytes=256, timeout_s=20, progress=False)
 
@@ -137,6 +145,36 @@ def test_shard1_shares_are_the_columns_torch_chunk_gives_each_rank():
                 assert block.reshape(-1).tolist() == _local(t, world, r, dim).reshape(-1).tolist()
 
 
+@pytest.mark.parametrize("mesh", [(2,), (3,), (2, 2), (2, 3), (3, 2)])
+def test_mesh_shares_are_the_blocks_dtensor_gives_each_rank_and_cover_the_tensor_once(mesh):
+    """For every placement of a matrix and of a 3-D tensor on 1-D and 2-D meshes (Shard(d) / Replicate per mesh
+    dim): each rank's share, read through its local index formula, is the block nested torch.chunk gives it;
+    the shares cover every element once (replicas split a block); on a 1-D mesh they are shard_shares /
+    replica_shares; a block that is not rows x columns of a matrix view is refused."""
+    for shape in [(6, 5), (7, 3, 2), (4,), (3, 8)]:
+        full = torch.arange(math.prod(shape)).reshape(shape)
+        for placements in itertools.product([None, *range(len(shape))], repeat=len(mesh)):
+            if len(shape) == 3 and sorted(d for d in placements if d is not None) == [1, 2]:
+                with pytest.raises(ValueError, match="not rows x columns"):
+                    mesh_shares(shape, mesh, placements)
+                continue
+            shares = mesh_shares(shape, mesh, placements)
+            check_cover("t", full.numel(), shares)
+            for rank, share in enumerate(shares):
+                local = _block(full, mesh, placements, rank).reshape(-1)
+                view = full.reshape(-1, share.width)
+                for i in range(share.row_lo, share.row_hi):
+                    cols = torch.arange(share.lo, share.hi)
+                    got = local[(i - share.row_lo) * share.stride + cols - share.base]
+                    assert torch.equal(got, view[i, share.lo : share.hi]), (shape, mesh, placements, rank)
+            if len(mesh) == 1:
+                (d,) = placements
+                one_dim = (
+                    replica_shares(full.numel(), mesh[0]) if d is None else shard_shares(shape, mesh[0], d)
+                )
+                assert shares == one_dim
+
+
 # --- the mapping's rules and errors -----------------------------------------------------------------------------
 def test_the_mapping_splits_fuses_and_renames_in_the_trainers_order():
     meta = [
@@ -205,19 +243,20 @@ def test_a_mapped_source_on_one_rank_pushes_the_mapped_tensors_bit_exact(in_thre
                 assert same_bits(dest[name], t.to(torch.bfloat16)), (version, name)
 
 
-# --- two tensor-parallel ranks, spawned, on gloo ------------------------------------------------------------------
+# --- tensor-parallel ranks (and FSDP x TP), spawned, on gloo -----------------------------------------------------
 H = 12
-# name, global shape, placement: ("shard", d) a DTensor Shard(d); ("plain", d) a plain tensor declared a shard
-# along d; ("replicate",) a DTensor Replicate()
-TENSORS = [
-    ("attn.qkv_proj.weight", (16 + 8 + 8, H), ("shard", 0)),  # column-parallel, fused on the trainer
-    ("attn.o_proj.weight", (H, 16), ("shard", 1)),  # row-parallel
-    ("mlp.gate_proj.weight", (20, H), ("shard", 0)),
-    ("mlp.up_proj.weight", (20, H), ("plain", 0)),
-    ("mlp.down_proj.weight", (H, 20), ("plain", 1)),
-    ("odd.weight", (5, 7), ("shard", 1)),  # uneven: 4 and 3 columns
-    ("norm.weight", (H,), ("replicate",)),
+# name, global shape, and per layout its placement per mesh dim: a tensor dim d is Shard(d), None Replicate(),
+# ("plain", d) a plain tensor declared a shard along d (a one-dimensional group only)
+TENSORS = [  # tp2: one TP group of 2; fsdp2xtp2: a (2, 2) mesh, FSDP on the first dim, TP on the second
+    ("attn.qkv_proj.weight", (16 + 8 + 8, H), {"tp2": (0,), "fsdp2xtp2": (0, 0)}),  # fused on the trainer
+    ("attn.o_proj.weight", (H, 16), {"tp2": (1,), "fsdp2xtp2": (0, 1)}),  # row-parallel
+    ("mlp.gate_proj.weight", (20, H), {"tp2": (0,), "fsdp2xtp2": (0, 0)}),
+    ("mlp.up_proj.weight", (20, H), {"tp2": (("plain", 0),), "fsdp2xtp2": (None, 0)}),
+    ("mlp.down_proj.weight", (H, 20), {"tp2": (("plain", 1),), "fsdp2xtp2": (None, 1)}),
+    ("odd.weight", (5, 7), {"tp2": (1,), "fsdp2xtp2": (0, 1)}),  # uneven: 4 and 3 columns (3 and 2 rows)
+    ("norm.weight", (H,), {"tp2": (None,), "fsdp2xtp2": (0, None)}),
 ]
+MESHES = {"tp2": (2,), "fsdp2xtp2": (2, 2)}
 MAPPING = NameMap(
     Split(
         r"(.*)\.qkv_proj\.weight", (r"\1.q_proj.weight", r"\1.k_proj.weight", r"\1.v_proj.weight"), (16, 8, 8)
@@ -232,24 +271,39 @@ def _full(version: int) -> dict[str, torch.Tensor]:
     return {name: random_tensor(torch.float32, shape, gen) for name, shape, _ in TENSORS}
 
 
-def tp_rank(rank, store, secret, versions, endpoints, out) -> None:
+def _block(full: torch.Tensor, mesh: tuple[int, ...], placements, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block as DTensor cuts it: torch.chunk along each mesh dim in turn."""
+    coord = [rank // math.prod(mesh[i + 1 :]) % mesh[i] for i in range(len(mesh))]
+    for d, c, size in zip(placements, coord, mesh, strict=True):
+        d = d[1] if isinstance(d, tuple) else d
+        if d is not None:
+            full = _local(full, size, c, d)
+    return full.contiguous()
+
+
+def tp_rank(rank, layout, store, secret, versions, endpoints, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from raysync import RaysyncError, WeightSender
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh_shape = MESHES[layout]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=math.prod(mesh_shape)
+    )
+    mesh = init_device_mesh("cpu", mesh_shape)
     named, shards = [], {}
-    for name, _, how in TENSORS:
-        full = _full(0)[name]
-        if how[0] == "plain":
-            named.append((name, torch.chunk(full, 2, how[1])[rank].contiguous()))
-            shards[name] = how[1]
+    for name, shape, how in TENSORS:
+        placements, local = how[layout], _block(torch.zeros(shape), mesh_shape, how[layout], rank)
+        if isinstance(placements[0], tuple):
+            named.append((name, local))
+            shards[name] = placements[0][1]
         else:
-            placement = Shard(how[1]) if how[0] == "shard" else Replicate()
-            named.append((name, distribute_tensor(full, mesh, [placement])))
+            dt = [Replicate() if d is None else Shard(d) for d in placements]
+            named.append(
+                (name, DTensor.from_local(local, mesh, dt, shape=shape, stride=torch.zeros(shape).stride()))
+            )
     source = DTensorSource(named, TP_CFG, shards=shards, mapping=MAPPING)
     sender = WeightSender(secret, TP_CFG) if rank == 0 else None
     if sender is not None:
@@ -259,9 +313,7 @@ def tp_rank(rank, store, secret, versions, endpoints, out) -> None:
             with torch.no_grad():  # the new weights, written into each rank's part in place
                 for (name, t), (_, _, how) in zip(named, TENSORS, strict=True):
                     local = t.to_local() if hasattr(t, "to_local") else t
-                    whole = _full(version)[name]
-                    part = whole if how[0] == "replicate" else torch.chunk(whole, 2, how[1])[rank]
-                    local.copy_(part)
+                    local.copy_(_block(_full(version)[name], mesh_shape, how[layout], rank))
             if sender is not None:
                 out.put(("pushed", version, sender.push(source, version=version).version))
             else:
@@ -274,35 +326,22 @@ def tp_rank(rank, store, secret, versions, endpoints, out) -> None:
     dist.destroy_process_group()
 
 
-def test_two_tp_ranks_push_the_unsharded_mapped_weights_bit_exact(spawn, tmp_path, in_thread):
-    """Two TP ranks (Shard(0), Shard(1), uneven Shard(1), Replicate, plain tensors declared as shards), the qkv
-    split and the gate/up fuse: after each of two pushes the engine's weights equal the unsharded trainer
-    weights, mapped and cast, bit-exactly."""
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2xtp2"])
+def test_tp_ranks_push_the_unsharded_mapped_weights_bit_exact(layout, spawn, tmp_path, in_thread):
+    """Two TP ranks (Shard(0), Shard(1), uneven Shard(1), Replicate, plain tensors declared as shards), or a
+    (2, 2) FSDP x TP mesh ((Shard(0), Shard(0)), (Shard(0), Shard(1)), (Replicate, Shard(d)), (Shard(0),
+    Replicate)), with the qkv split and the gate/up fuse: after each of two pushes the engine's weights equal
+    the unsharded trainer weights, mapped and cast, bit-exactly, and every other rank followed both pushes."""
     from raysync import SessionSecret, WeightReceiver
 
     ctx = spawn.ctx
     secret, endpoints, out = SessionSecret.generate(), ctx.Queue(), ctx.Queue()
-    versions = [1, 2]
-    for rank in range(2):
-        spawn(tp_rank, rank, str(tmp_path / "store"), secret, versions, endpoints, out)
-    shapes = {
-        "attn.q_proj.weight": (16, H),
-        "attn.k_proj.weight": (8, H),
-        "attn.v_proj.weight": (8, H),
-        "attn.o_proj.weight": (H, 16),
-        "mlp.gate_up_proj.weight": (40, H),
-        "mlp.down_proj.weight": (H, 20),
-        "odd.weight": (5, 7),
-        "norm.weight": (H,),
-    }
-    dest = {
-        n: torch.zeros(s, dtype=torch.float32 if n == "norm.weight" else torch.bfloat16)
-        for n, s in shapes.items()
-    }
+    versions, world = [1, 2], math.prod(MESHES[layout])
+    for rank in range(world):
+        spawn(tp_rank, rank, layout, str(tmp_path / "store"), secret, versions, endpoints, out)
     with WeightReceiver(endpoints.get(timeout=120), secret, TP_CFG) as receiver:
+        dest = None
         for version in versions:
-            got = in_thread(receiver.receive, into=dest)
-            assert got.result(timeout=120).version == version
             full = _full(version)
             qkv = full["attn.qkv_proj.weight"]
             expect = {
@@ -317,15 +356,22 @@ def test_two_tp_ranks_push_the_unsharded_mapped_weights_bit_exact(spawn, tmp_pat
                 "odd.weight": full["odd.weight"],
                 "norm.weight": full["norm.weight"],
             }
+            expect = {
+                n: t.to(torch.float32 if n == "norm.weight" else torch.bfloat16) for n, t in expect.items()
+            }
+            dest = dest or {n: torch.zeros_like(t) for n, t in expect.items()}
+            got = in_thread(receiver.receive, into=dest)
+            assert got.result(timeout=120).version == version
             for name, t in expect.items():
-                assert same_bits(dest[name], t.to(dest[name].dtype)), (version, name)
+                assert same_bits(dest[name], t), (version, name)
     events = []
     deadline = time.monotonic() + 60
-    while len(events) < 2 * len(versions):
+    while len(events) < world * len(versions):
         try:
             events.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
         except queue.Empty:
             pytest.fail(f"the ranks did not report; so far {events}")
-    assert sorted(events) == sorted(
-        [("pushed", v, v) for v in versions] + [("followed", v, "done") for v in versions]
-    ), events
+    expected = [("pushed", v, v) for v in versions] + [("followed", v, "done") for v in versions] * (
+        world - 1
+    )
+    assert sorted(events) == sorted(expected), events

@@ -18,10 +18,11 @@ so the local tensors must stay the same storages between pushes (an optimizer up
 set of parameters needs a new source).
 
 Placements (raysync.sources.params): ``Shard(d)`` for any dim d (FSDP2's ``fully_shard`` makes ``Shard(0)``; a
-tensor-parallel group ``Shard(0)`` or ``Shard(1)``) and ``Replicate()`` on a one-dimensional mesh; a plain tensor
-counts as replicated (every rank holds it whole and equal) unless ``shards`` declares it this rank's shard along
-a dim (Megatron-style, without DTensors: the ranks are those of ``group``). A one-rank mesh gathers nothing: its
-local tensors are whole, packed as the plain source packs them.
+tensor-parallel group ``Shard(0)`` or ``Shard(1)``) and ``Replicate()``, on a mesh of one dim or two (FSDP x TP:
+every rank of the mesh takes part in one all-gather per bucket); a plain tensor counts as replicated (every rank
+holds it whole and equal) unless ``shards`` declares it this rank's shard along a dim (Megatron-style, without
+DTensors: the ranks are those of ``group``). A one-rank mesh gathers nothing: its local tensors are whole,
+packed as the plain source packs them.
 
 ``mapping`` (raysync.sources.mapping.NameMap): the engine's names and shapes when they differ from the trainer's
 (a fused ``qkv_proj`` on one side, ``q_proj`` / ``k_proj`` / ``v_proj`` on the other); the layout is the mapped
@@ -73,14 +74,14 @@ class DTensorSource:
         named = list(named_tensors)
         mesh = mesh_of(named)
         if mesh is not None:
-            self.world, self.rank = mesh.size(), mesh.get_local_rank()
             ranks = mesh.mesh.flatten().tolist()
+            self.mesh, self.rank = tuple(mesh.shape), ranks.index(dist.get_rank())
         elif shards:
-            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-            ranks = None
+            self.mesh, self.rank, ranks = (dist.get_world_size(group),), dist.get_rank(group), None
         else:
-            self.world, self.rank, ranks = 1, 0, None
-        self._params = describe(named, self.world, self.rank, shards or {})
+            self.mesh, self.rank, ranks = (1,), 0, None
+        self.world = math.prod(self.mesh)
+        self._params = describe(named, self.mesh, self.rank, shards or {})
         meta = [(p.name, p.shape, p.dtype) for p in self._params]
         self._mapped: list[Mapped] = mapping.apply(meta) if mapping is not None else identity(meta)
         self._mapping = mapping
@@ -114,7 +115,7 @@ class DTensorSource:
         if self._walk is None and self._mapping is None:
             params = [self._params[m.parts[0].source] for m in kept]
             return OneRankPacker(specs, params, buckets, buffers, config.cuda_graphs)
-        shares = [p.shares(self.world) for p in self._params]
+        shares = [p.shares(self.mesh) for p in self._params]
         numels = [math.prod(p.shape) for p in self._params]
         gathers = plan_gathers(specs, shares, buckets, [m.parts for m in kept], numels)
         return GatheringPacker(

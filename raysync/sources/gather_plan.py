@@ -37,7 +37,9 @@ elements: chunk cuts fall on multiples of align_bytes and share bounds on elemen
 Shares: ``Shard(d)`` follows torch.chunk (and FSDP2): rank r holds [r * c, (r + 1) * c) of dim d, c = ceil(n / W),
 clipped (the last ranks may hold fewer, or none). A replicated tensor (``Replicate()``, or a plain tensor every
 rank holds whole) is split evenly over its flat elements, each rank sending its part from its own full copy, so
-no rank sends more than its share.
+no rank sends more than its share. On a 2-D mesh (FSDP x TP) the cuts nest, as DTensor nests them (mesh_shares):
+``(Shard(0), Shard(1))`` of a matrix gives rank (a, b) rows chunk a and columns chunk b, one block of the matrix;
+the ranks that hold the same block (a ``Replicate()`` mesh dim) split it by rows, or by columns when it is one row.
 """
 
 from __future__ import annotations
@@ -138,6 +140,78 @@ def shard0_shares(shape: Sequence[int], world: int) -> list[Share]:
 def replica_shares(numel: int, world: int) -> list[Share]:
     """Every rank's share of a tensor each rank holds whole: its flat elements split evenly."""
     return [Share(*chunk_range(numel, world, r), 0, numel, 0, 1, numel) for r in range(world)]
+
+
+def block_ranges(
+    shape: Sequence[int], mesh: Sequence[int], placements: Sequence[int | None], flat: int
+) -> list[tuple[int, int]]:
+    """The block [lo, hi) per tensor dim that rank ``flat`` of the mesh holds (ranks in row-major order of their
+    mesh coordinates, as DeviceMesh flattens them), cut as DTensor cuts it: torch.chunk along each mesh dim in
+    turn, for each ``placements`` entry that is a tensor dim (Shard); None is Replicate."""
+    coord = _coordinate(mesh, flat)
+    ranges = [(0, n) for n in shape]
+    for d, c, size in zip(placements, coord, mesh, strict=True):
+        if d is not None:
+            lo, hi = ranges[d]
+            a, b = chunk_range(hi - lo, size, c)
+            ranges[d] = (lo + a, lo + b)
+    return ranges
+
+
+def mesh_shares(shape: Sequence[int], mesh: Sequence[int], placements: Sequence[int | None]) -> list[Share]:
+    """Every rank's share of a tensor on a mesh (block_ranges); the ranks that hold the same block (a Replicate
+    mesh dim) split it by rows, or by columns when it is one row. ValueError when a block is not rows x columns
+    of a matrix view of the tensor (two sharded dims with a dim of size > 1 before the first)."""
+    out = []
+    replicas = [i for i, d in enumerate(placements) if d is None]
+    for flat in range(math.prod(mesh)):
+        share = _block(shape, block_ranges(shape, mesh, placements, flat))
+        coord, index = _coordinate(mesh, flat), 0
+        for i in replicas:
+            index = index * mesh[i] + coord[i]
+        out.append(_split_among(share, math.prod(mesh[i] for i in replicas), index))
+    return out
+
+
+def _coordinate(mesh: Sequence[int], flat: int) -> list[int]:
+    coord = []
+    for size in reversed(mesh):
+        coord.append(flat % size)
+        flat //= size
+    return coord[::-1]
+
+
+def _block(shape: Sequence[int], ranges: list[tuple[int, int]]) -> Share:
+    """A hyper-rectangle of a tensor as rows x columns of a matrix view [prod(shape[:k]), prod(shape[k:])]."""
+    cut = [d for d, (lo, hi) in enumerate(ranges) if (lo, hi) != (0, shape[d])]
+    numel = math.prod(shape)
+    if not cut:
+        return Share(0, numel, 0, numel, 0, 1, numel)
+    k, (lo, hi) = cut[-1], ranges[cut[-1]]
+    rest = math.prod(shape[k + 1 :])
+    width = shape[k] * rest
+    row_lo, row_hi = 0, math.prod(shape[:k])
+    if len(cut) == 2 and math.prod(shape[: cut[0]]) == 1:
+        mid = math.prod(shape[cut[0] + 1 : k])
+        row_lo, row_hi = ranges[cut[0]][0] * mid, ranges[cut[0]][1] * mid
+    elif len(cut) > 1:
+        raise ValueError(f"a block {ranges} of a tensor of shape {tuple(shape)} is not rows x columns")
+    cols = (hi - lo) * rest
+    return Share(lo * rest, hi * rest, lo * rest, width, row_lo, row_hi, cols)
+
+
+def _split_among(share: Share, group: int, index: int) -> Share:
+    """Part ``index`` of ``group`` ranks that hold the same block: its rows, or its columns when it has one."""
+    if group == 1:
+        return share
+    if share.row_hi - share.row_lo > 1:
+        a, b = chunk_range(share.row_hi - share.row_lo, group, index)
+        base = share.base - a * share.stride  # local rows before the part's first
+        return Share(share.lo, share.hi, base, share.width, share.row_lo + a, share.row_lo + b, share.stride)
+    a, b = chunk_range(share.hi - share.lo, group, index)
+    return Share(
+        share.lo + a, share.lo + b, share.base, share.width, share.row_lo, share.row_hi, share.stride
+    )
 
 
 def check_cover(name: str, numel: int, shares: Sequence[Share]) -> None:
