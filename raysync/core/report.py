@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
     from raysync.core.delta_push import DeltaStats
+    from raysync.core.sink import Sink
+    from raysync.core.wire import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,19 @@ class PushReport:
             version, transport, delta + full, buckets, tensors, seconds, skipped, delta, full, stats.density,
             stats.base_version,
         )  # fmt: skip
+
+    @classmethod
+    def received(
+        cls, version: int, transport: str, specs: Sequence[TensorSpec], buckets: int, seconds: float,
+        skipped: bool, sink: Sink,
+    ) -> PushReport:  # fmt: skip
+        """The receiver's report: a delta's bytes are those of the buffers it decoded."""
+        moved = not skipped
+        base = sink.delta_base if moved else None
+        nbytes = sum(s.nbytes for s in specs) * moved if base is None else sink.moved
+        full = nbytes if base is None else sink.moved_full
+        return cls(version, transport, nbytes, buckets * moved, len(specs), seconds, skipped, nbytes - full, full,
+                   None, base)  # fmt: skip
 
     @property
     def gbps(self) -> float:

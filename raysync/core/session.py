@@ -17,14 +17,14 @@
 | report       | PushReport                                     | PushReport                                     |
 
 A session is one sender and N receivers (control.Fanout: N = 1 for a ring; a collective group's receivers).
-A plane that must move every receiver together (``all_or_none``: a broadcast) gets one more message after
-accept: the sender's own Accept, the go (skip only if every receiver has the version), or an Abort for all
-when any receiver refused.
+A plane that moves every receiver together (``all_or_none``: a broadcast) and a delta push (pack: encode;
+unpack: decode; raysync.core.delta_push) get the sender's go after accept: skip if all have the version,
+full if any cannot take the delta, or an Abort for all when any receiver refused.
 
-Every wait is bounded by ``timeout_s``. A push that fails on this side before it starts (the trainer's
-source raised, a layout over the bounds, a pack ahead of the push) is announced to the receiver with an Abort,
-so it raises at once instead of waiting for a push that never comes. Once it started, a failure here is an
-Abort of that push; the receiver's version then follows Note [versions never lie] (raysync.core.version).
+Every wait is bounded by ``timeout_s``. A push that fails here before it starts (the trainer's source raised,
+a layout over the bounds, a pack ahead) is announced to the receiver with an Abort, so it raises at once.
+Once it started, a failure here is an Abort of that push; the receiver's version then follows Note [versions
+never lie] (raysync.core.version).
 """
 
 from __future__ import annotations
@@ -113,9 +113,8 @@ class PushSender(OnPlane):
         self._ensure_session([s.spec for s in sources])
         self._or_abort("layout", agreed.agree, sources, self._plane, self._channel)
         stream = self._stream
-        if agreed.placed != placed:
-            stream.reset()
-            ahead = 0
+        if agreed.placed != placed:  # new copies: what was packed ahead read other tensors (or nothing)
+            ahead = stream.go_full()
             self._delta.prepare(agreed, self._plane.buffers)
         if not ahead:
             ahead = stream.pack_ahead(self.abort)
@@ -155,9 +154,7 @@ class PushSender(OnPlane):
         accept = self._accept(version)
         accepted = streamed = time.perf_counter()
         if accept.full:  # a receiver cannot take the delta: a full push, in this round (for all of a Fanout)
-            self._delta.demote()
-            self._stream.reset()
-            ahead = 0
+            ahead = self._stream.go_full()
         if not accept.skip:
             self._stream.run(self._push_id, version, ahead)
             streamed = time.perf_counter()
@@ -186,8 +183,7 @@ class PushSender(OnPlane):
         self._channel.abort(self._push_id, stage, error)
 
     def _or_abort(self, stage: str, fn: Callable, *args: object) -> object:
-        """``fn(*args)``; what it raises is told to the receivers first, once there are any (they wait for
-        this push): e.g. a bad tensor (select) or a layout over the bounds (BadLayout)."""
+        """``fn(*args)``; what it raises is told to the receivers first, once there are any (they wait)."""
         try:
             return fn(*args)
         except Exception as e:
@@ -196,23 +192,12 @@ class PushSender(OnPlane):
             raise
 
     def _accept(self, version: int) -> Accept:
-        """Every receiver's Accept; the go for a plane that moves all receivers together (skip only if every
-        receiver has the version). A refusal by one is an Abort for all: nothing moved anywhere."""
-        pid = self._push_id
+        pid, base = self._push_id, self._delta.base
         self._plane.begin(pid, self._agreed.buckets)
-        base, layout_id = self._delta.base, self._agreed.layout.layout_id
-        delta = base is not None
-        self._channel.send(PushStart(pid, version, layout_id, self.config.verify, delta, base or 0), "accept")
-        try:
-            answers = self._channel.expect(Accept, pid, "accept")
-        except RemoteError as e:
-            if len(self._channel.channels) > 1:
-                self._channel.abort(pid, "accept", e)
-            raise
-        go = Accept(pid, all(a.skip for a in answers), any(a.full for a in answers))
-        if self._plane.all_or_none or delta:
-            self._channel.send(go, "accept: the go")
-        return go
+        start = PushStart(
+            pid, version, self._agreed.layout.layout_id, self.config.verify, base is not None, base or 0
+        )
+        return accept_round(self._channel, self._plane, start)
 
     # --- set-up, once per session ------------------------------------------------------------------------------
     def _ensure_session(self, specs: Sequence[TensorSpec] = ()) -> None:
@@ -239,10 +224,27 @@ class PushSender(OnPlane):
         self._channel.close()
 
 
+def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> Accept:
+    """The accept stage, sender half: PushStart, every receiver's Accept, and the go for a plane that moves
+    all receivers together and for a delta (skip if all have the version; full if any cannot take the delta).
+    A refusal by one is an Abort for all: nothing moved anywhere."""
+    pid = start.push_id
+    channel.send(start, "accept")
+    try:
+        answers = channel.expect(Accept, pid, "accept")
+    except RemoteError as e:
+        if len(channel.channels) > 1:
+            channel.abort(pid, "accept", e)
+        raise
+    go = Accept(pid, all(a.skip for a in answers), any(a.full for a in answers))
+    if plane.all_or_none or start.delta:
+        channel.send(go, "accept: the go")
+    return go
+
+
 def open_plane(channel: Fanout, config: SyncConfig, given: DataPlane | None) -> tuple[DataPlane, list[Hello]]:
     """The session's set-up, sender half, first step: every receiver's Hello, then the data plane (the one
-    given, or the ring ``config`` names). A plane that cannot be made is told to the receivers (an Abort), so
-    they raise at once instead of timing out."""
+    given, or the ring ``config`` names; a failure is told to the receivers, which raise at once)."""
     hellos = channel.accept("handshake: waiting for the receiver's Hello")
     try:
         name = registry.ring_name(config.transport, config.direct)
@@ -288,6 +290,12 @@ class SenderStream:
         """A new push (or new tensors): nothing packed counts yet."""
         self._digests: dict[int, list[torch.Tensor]] | None = {} if self._config.verify else None
         self.packs = 0  # buckets packed for this push: one each, whatever the number of receivers
+
+    def go_full(self) -> int:
+        """This push goes full after all: what was packed ahead is packed again as it streams."""
+        self._ref.demote()
+        self.reset()
+        return 0  # buckets packed ahead
 
     def pack_ahead(self, abort: Callable[[BaseException, str], None]) -> int:
         """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
@@ -366,9 +374,8 @@ class SenderStream:
 
 
 class _LazyBar:
-    """A tqdm bar (bytes) that exists only once a push has run for a second. tqdm's first bar in a process
-    creates a multiprocessing lock, a named semaphore in /dev/shm that a SIGKILLed process leaves behind:
-    pushes shorter than a second never make one."""
+    """A tqdm bar (bytes) made only once a push ran for a second: tqdm's first bar in a process makes a named
+    semaphore in /dev/shm that a SIGKILLed process leaves behind, so pushes under a second never make one."""
 
     def __init__(self, total: int, desc: str, enabled: bool):
         self._total, self._desc, self._enabled = total, desc, enabled

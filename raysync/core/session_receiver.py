@@ -21,7 +21,6 @@ import torch
 from raysync.core.agreement import ReceiverLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel
-from raysync.core.delta import delta_applies
 from raysync.core.errors import (
     IntegrityError,
     LayoutError,
@@ -31,7 +30,6 @@ from raysync.core.errors import (
     SchemaError,
     WeightsMixed,
 )
-from raysync.core.plan import total_bytes
 from raysync.core.report import PushReport
 from raysync.core.session import OnPlane
 from raysync.core.sink import LoadFn, Sink
@@ -210,10 +208,8 @@ class PushReceiver(OnPlane, StagedFlips):
         every receiver together, and a delta, then wait for the sender's go: skip only if all have it, full
         when any needs it, or an Abort when another receiver refused (nothing has moved)."""
         skip = start.version in (self.version, area and area.staged_version)
-        takes = sink.takes_delta and delta_applies(self.version, start.base_version)
-        full = start.delta and not skip and not takes
+        full = not sink.offered(start, self.version) and not skip
         self._channel.send(Accept(start.push_id, skip, full), "accept")
-        sink.delta_base = start.base_version if start.delta and not full else None
         if not (self._plane.all_or_none or start.delta):
             return skip
         try:
@@ -225,15 +221,8 @@ class PushReceiver(OnPlane, StagedFlips):
         return go.skip
 
     def _report(self, version: int, skipped: bool, seconds: float, sink: Sink) -> PushReport:
-        specs, moved = self._agreed.layout.tensors, not skipped
-        nbytes, buckets = total_bytes(specs) * moved, len(self._agreed.buckets) * moved
-        base = sink.delta_base if moved else None
-        full = sink.moved_full if base is not None else nbytes  # a delta: the bytes of its buffers
-        nbytes = sink.moved if base is not None else nbytes
-        name = self._plane.name
-        report = PushReport(
-            version, name, nbytes, buckets, len(specs), seconds, skipped, nbytes - full, full, None, base
-        )
+        layout, buckets = self._agreed.layout.tensors, len(self._agreed.buckets)
+        report = PushReport.received(version, self._plane.name, layout, buckets, seconds, skipped, sink)
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 

@@ -34,9 +34,11 @@ import torch
 
 from raysync.core import delta, digest
 from raysync.core.copies import CopyList
+from raysync.core.delta import delta_applies
 from raysync.core.errors import LayoutError, WeightsMixed
 from raysync.core.plan import Bucket, Chunk
-from raysync.core.wire import DTYPES, TensorSpec
+from raysync.core.version import Version
+from raysync.core.wire import DTYPES, PushStart, TensorSpec
 
 if TYPE_CHECKING:
     from raysync.core.staging import Staging
@@ -57,6 +59,13 @@ class Sink:
         self.verify = False  # set by the receiver for a push that asks for digests
         self.delta_base: int | None = None  # set by the receiver for a delta push: the version it holds
         self.moved = self.moved_full = 0  # bytes of the buffers a delta push decoded; of them, FULL payloads
+
+    def offered(self, start: PushStart, held: Version) -> bool:
+        """A push starts here, holding version ``held``: False when it offers a delta this sink cannot take
+        (raysync.core.delta: only in place, on top of exactly its base version), which asks for a full push."""
+        takes = start.delta and self.takes_delta and delta_applies(held, start.base_version)
+        self.delta_base = start.base_version if takes else None  # the sender's go may still say full
+        return takes or not start.delta
 
     def undelivered(self) -> list[str]:
         return [s.name for i, s in enumerate(self.specs) if i not in self.done]
