@@ -23,6 +23,7 @@ WeightSync is the facade over the pieces, each in its module:
     actors.py       SyncActors: the senders and receivers, where they run, how to ask them
     connections.py  PairConnections: the plan, each pair's session, repair of the pairs a push broke
     push_round.py   PushRound: one push across every pair at once, into a SyncReport or a SyncError
+    push_graph.py   PushGraph: the push round as one compiled Ray graph, rebuilt when the connections change
     results.py      what the actors answer the driver (EndpointResult, ...); report.py what push returns
 """
 
@@ -44,6 +45,7 @@ from raysync.core.version import Version
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import SyncActors
 from raysync.ray.connections import PairConnections, Plan
+from raysync.ray.push_graph import GraphKeeper
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import PairReport, SyncReport
 
@@ -75,11 +77,15 @@ class WeightSync:
         setup_timeout_s: float = 300.0,
         push_timeout_s: float = 3600.0,
         shard_sources: bool = False,
+        compiled_graph: bool = False,
     ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
         ``shard_sources``: every sender broadcasts a disjoint share of the tensors to every receiver over its
-        own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks)."""
+        own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks).
+        ``compiled_graph``: push rounds through one compiled Ray graph, a fraction of the ordinary calls' cost
+        per push (raysync.ray.push_graph; what changes for the actors, and why it is not the default, is in its
+        Note); False: one ordinary Ray call per endpoint and round."""
         self._actors = SyncActors(senders, receivers, source, sink)
         self.senders, self.receivers = self._actors.senders, self._actors.receivers
         self.config = config or SyncConfig()
@@ -97,14 +103,17 @@ class WeightSync:
             setup_timeout_s=setup_timeout_s,
         )
         self._closed = False
+        self._graphs = GraphKeeper(self._actors, self._connections, enabled=compiled_graph)
         self._actors.locate(setup_timeout_s)
         self._connections.open()
+        self._graphs.current()  # compiled at setup: the first push starts at once
         logger.info("WeightSync %s set up:\n%s", self._sync_id, self.plan)
 
     @property
     def plan(self) -> Plan:
-        """Who sends to whom, over which transport, and why: one PairPlan per pair; ``str(plan)`` is a table."""
-        return self._connections.plan
+        """Who sends to whom, over which transport, and why: one PairPlan per pair; ``str(plan)`` is a table,
+        followed by how the push rounds reach the actors (a compiled graph, ordinary calls)."""
+        return self._graphs.plan()
 
     def push(self, version: int) -> SyncReport:
         """One round: every sender pushes ``version`` to its receivers, all pairs at once. Raises SyncError
@@ -118,7 +127,7 @@ class WeightSync:
             timeout_s=self._push_timeout_s,
             progress=self.config.progress,
         )
-        report = round_.run()
+        report = round_.run(self._graphs.current())
         logger.info("%s", report)
         return report
 
@@ -152,6 +161,7 @@ class WeightSync:
     def close(self) -> None:
         """End every session (idempotent). Actors that are gone or restarting have none left: not waited for."""
         self._closed = True
+        self._graphs.close()  # the graph's loops first: they hold the sessions' answers
         self._actors.close(self._sync_id, self.config.timeout_s)
 
     def __enter__(self) -> WeightSync:

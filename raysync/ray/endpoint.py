@@ -29,7 +29,8 @@ from raysync.transport.collective import CollectiveReceiver, CollectiveSender
 from raysync.transport.process_group import Rendezvous, default_backend
 
 _STATE = "_raysync_sessions"
-_APPLIED = "_raysync_version"  # what the weights hold, by any session: the last version applied, or MIXED
+_APPLIED = "_raysync_version"
+_ROUNDS = "_raysync_rounds"  # sync_id -> (version, answer) of the last round run in a compiled graph  # what the weights hold, by any session: the last version applied, or MIXED
 
 SourceFn = Callable[[Any], Iterable[tuple[str, torch.Tensor]]]
 SinkFn = Callable[[Any], Any]  # -> dict of destination tensors, or a load_weights-style function
@@ -204,6 +205,31 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
     return {j: r for js, r in results.items() for j in js}
 
 
+# --- a push round in a compiled Ray graph (raysync.ray.push_graph) ---------------------------------------------------
+def sender_round(actor: Any, version: int, sync_id: str, receivers: list[int]) -> dict[int, EndpointResult]:
+    """``sender_push`` as a task of the round's graph (the version is the graph's input); its answer is also kept
+    for ``round_answer``."""
+    return _keep(actor, sync_id, version, sender_push(actor, sync_id, version, receivers))
+
+
+def receiver_round(actor: Any, version: int, sync_id: str, slots: list[int]) -> dict[int, EndpointResult]:
+    """``receiver_receive`` on each slot, as a task of the round's graph; its answer is also kept for
+    ``round_answer``. ``version`` (the graph's input) is what the sender will push."""
+    return _keep(actor, sync_id, version, {slot: _receive(actor, sync_id) for slot in slots})
+
+
+def _keep(actor: Any, sync_id: str, version: int, answer: Any) -> Any:
+    actor.__dict__.setdefault(_ROUNDS, {})[sync_id] = (version, answer)
+    return answer
+
+
+def round_answer(actor: Any, sync_id: str, version: int) -> Any:
+    """What this actor answered the graph's round of ``version``, or None if it ran no such round (restarted by
+    Ray, or the graph was torn down before its task began): the driver asks after a graph failed."""
+    kept = actor.__dict__.get(_ROUNDS, {}).get(sync_id)
+    return kept[1] if kept is not None and kept[0] == version else None
+
+
 def _abort_sessions(senders: list[PushSender], error: Exception) -> None:
     """The source raised: every receiver hears it now (their waits end at once, nothing touched) rather than
     at timeout_s: ring sessions each, a broadcast group once for all its receivers."""
@@ -285,6 +311,7 @@ def receiver_version(actor: Any, sync_id: str) -> Version:
 
 
 def close(actor: Any, sync_id: str) -> None:
+    actor.__dict__.get(_ROUNDS, {}).pop(sync_id, None)
     side = _sessions(actor).pop(sync_id, None)
     if isinstance(side, _SenderSide):
         for sender in side.senders.values():

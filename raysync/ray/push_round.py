@@ -22,6 +22,7 @@ from raysync.core.version import MIXED
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors, first_line
 from raysync.ray.connections import PairConnections
+from raysync.ray.push_graph import GraphTimedOut, PushGraph, receivers_of_senders
 from raysync.ray.report import PairReport, SyncReport
 from raysync.ray.results import EndpointResult, RemoteFailure
 
@@ -42,10 +43,16 @@ class PushRound:
         self._received: dict[int, EndpointResult] = {}  # receiver j -> its result
         self._failures: list[EndpointFailure] = []
 
-    def run(self) -> SyncReport:
-        """Raises SyncError when any endpoint failed, PeerTimeout when the round outlasts push_timeout_s."""
+    def run(self, graph: PushGraph | None = None) -> SyncReport:
+        """Raises SyncError when any endpoint failed, PeerTimeout when the round outlasts push_timeout_s.
+        ``graph``: its members take their part through it, the others through ordinary calls."""
         started = time.perf_counter()
-        self._collect(self._start())
+        deadline = time.monotonic() + self._timeout_s
+        members = set(graph.keys) if graph is not None else set()
+        calls = self._start(members)  # submitted first: they run meanwhile
+        if graph is not None:
+            self._run_graph(graph, deadline)
+        self._collect(calls, deadline)
         pairs = self._read_senders()
         self._read_receivers()
         if self._failures:
@@ -54,28 +61,32 @@ class PushRound:
         by_receiver = tuple(sorted(pairs, key=lambda p: p.receiver))
         return SyncReport(self.version, time.perf_counter() - started, by_receiver)
 
-    def _start(self) -> dict[Any, Key]:
-        """Every call of the round, made: ObjectRef -> who answers it."""
-        sync_id, receivers_of = self.connections.sync_id, self._receivers_of_senders()
+    def _start(self, members: set[Key]) -> dict[Any, Key]:
+        """Every ordinary call of the round (those of endpoints not in the graph), made: ObjectRef -> who answers."""
+        sync_id, receivers_of = self.connections.sync_id, receivers_of_senders(self.connections)
         calls = self.actors.on_senders(
             ep.sender_push, {i: (sync_id, self.version, js) for i, js in receivers_of.items()}
         )
         calls |= self.actors.on_receivers(
             ep.receiver_receive, {j: (sync_id,) for js in receivers_of.values() for j in js}
         )
-        return {make(): key for key, make in calls.items()}
+        return {make(): key for key, make in calls.items() if key not in members}
 
-    def _receivers_of_senders(self) -> dict[int, list[int]]:
-        receivers_of: dict[int, list[int]] = {}
-        for p in self.connections.plan:
-            receivers_of.setdefault(p.sender, []).append(p.receiver)
-        return receivers_of
+    def _run_graph(self, graph: PushGraph, deadline: float) -> None:
+        try:
+            answers = graph.run(self.version, deadline)
+        except GraphTimedOut as e:
+            self._time_out(e.keys)
+        for key, answer in answers.items():
+            if isinstance(answer, Exception):
+                self._lost(key, answer)
+            else:
+                self._take(key, answer, None)
 
-    def _collect(self, refs: dict[Any, Key]) -> None:
+    def _collect(self, refs: dict[Any, Key], deadline: float) -> None:
         import ray
 
         pending = list(refs)
-        deadline = time.monotonic() + self._timeout_s
         bar = tqdm(
             total=sum(self.connections.push_bytes.values()),
             unit="B",
@@ -101,11 +112,12 @@ class PushRound:
         finally:
             bar.close()
 
-    def _take(self, key: Key, answer: Any, bar: tqdm) -> None:
+    def _take(self, key: Key, answer: Any, bar: tqdm | None) -> None:
         role, index = key
         if role == "sender":  # a sender answers when all of its pairs are done
             self._sent[index] = answer
-            bar.update(sum(b for (i, _), b in self.connections.push_bytes.items() if i == index))
+            if bar is not None:
+                bar.update(sum(b for (i, _), b in self.connections.push_bytes.items() if i == index))
         else:
             for j, result in self.actors.by_receiver(index, answer).items():
                 self._received[j] = result

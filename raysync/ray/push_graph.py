@@ -1,0 +1,261 @@
+"""A push round as one compiled Ray graph (Ray Compiled Graphs, ``ray.dag``): every sender's push and every
+receiver's receive bound to one input, the version, compiled once per set of connections.
+
+    version ─┬─> sender #i    endpoint.sender_round(version, sync_id, its receivers)   -> {receiver j: result}
+             └─> receiver e   endpoint.receiver_round(version, sync_id, its slots)     -> {slot: result}
+
+An ordinary Ray call is submitted, scheduled and answered through Ray's task machinery every time; a compiled
+graph's actors wait on shared channels in a loop that Ray started once, so a round costs a channel write and a
+read per actor (benchmarks/bench_weightsync.py measures both ways). The answers are the same typed results
+(raysync.ray.results) as the ordinary calls', read by the same PushRound.
+
+# Note [a push round in a compiled graph]
+# - Only plain actors are in the graph: the senders and the receivers given as Ray actor handles. An engine
+#   adapter (raysync.engines.vllm.VllmEngine) keeps its ordinary call, queued with the engine actor's own calls
+#   (generation must not run beside a load); ``sync.plan`` says who is reached which way.
+# - Ray runs a graph's tasks on a background thread of each actor ("_ray_system"): the actor still serves its
+#   ordinary calls, beside the push, not before it. A push does not wait for calls the driver submitted to the
+#   same actors without waiting for them: wait for the train step (ray.get) before pushing, as the README does,
+#   or leave WeightSync(compiled_graph=False), the default.
+# - Not the default: with Ray 2.60, an actor that took part in a compiled graph is not released when the
+#   user's last handle to it goes (seen here: its resources stay taken after teardown), so actors made and
+#   dropped per job stage would pile up; ray.kill ends them. Opt in where the actors live as long as the job.
+# - An actor runs one compiled graph at a time: a second WeightSync over the same actors cannot compile its
+#   own and pushes through ordinary calls (said in its plan).
+# - Failures: a remote failure is an answer (EndpointResult), as with ordinary calls. An actor that dies makes
+#   Ray tear the whole graph down (ActorDiedError / RayChannelError at ray.get): the driver waits for the
+#   teardown (every task that began has ended and kept its answer: endpoint.round_answer), then asks each
+#   actor for its answer with an ordinary call; a dead actor's call fails as it fails today, and its pairs are
+#   repaired before the next push, which compiles a new graph. A round past push_timeout_s tears the graph
+#   down too (a read that timed out cannot be read again).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from raysync.ray import endpoint as ep
+from raysync.ray.actors import Key, SyncActors, first_line, typed
+from raysync.ray.connections import PairConnections, Plan
+
+logger = logging.getLogger(__name__)
+
+_TEARDOWN_S = (
+    60.0  # at most this long for Ray's teardown (its own waits are bounded by RAY_CGRAPH_teardown_timeout)
+)
+
+
+_HELD: dict[str, str] = {}  # actor id -> the sync_id whose graph it runs (Ray would compile a second one)
+
+
+class GraphTimedOut(Exception):
+    """The graph's round outlasted its deadline: ``keys`` had not answered (the graph is torn down)."""
+
+    def __init__(self, keys: list[Key]):
+        super().__init__(keys)
+        self.keys = keys
+
+
+class PushGraph:
+    """The compiled graph of one set of connections: ``shape`` is what it was compiled for."""
+
+    def __init__(self, actors: SyncActors, sync_id: str, shape: tuple):
+        from ray.dag import InputNode, MultiOutputNode
+
+        self.actors, self.sync_id, self.shape = actors, sync_id, shape
+        senders, receivers = shape
+        self.keys: list[Key] = [("sender", i) for i, _ in senders] + [("receiver", e) for e, _ in receivers]
+        self._ids = [self._handle(key)._actor_id.hex() for key in self.keys]
+        for key, actor_id in zip(self.keys, self._ids, strict=True):
+            if _HELD.get(actor_id, sync_id) != sync_id:
+                raise RuntimeError(
+                    f"{actors.label(key)} runs the push graph of WeightSync {_HELD[actor_id]} (one graph per actor)"
+                )
+        with InputNode() as version:
+            nodes = [
+                actors.senders[i].__ray_call__.bind(ep.sender_round, version, sync_id, list(js))
+                for i, js in senders
+            ]
+            nodes += [
+                actors.receivers[e].actor.__ray_call__.bind(ep.receiver_round, version, sync_id, list(slots))
+                for e, slots in receivers
+            ]
+            dag = MultiOutputNode(nodes)
+        self._compiled = dag.experimental_compile()
+        _HELD.update(dict.fromkeys(self._ids, sync_id))
+        self.alive = True
+
+    @staticmethod
+    def shape_of(actors: SyncActors, receivers_of: dict[int, list[int]]) -> tuple:
+        """What a graph is compiled for: each sender with its receivers, each plain-actor receiver endpoint with
+        its slots. Engine adapters are left out (Note [a push round in a compiled graph])."""
+        slots: dict[int, list[int]] = {}
+        for js in receivers_of.values():
+            for j in js:
+                e, slot = actors.slots[j]
+                if in_graph(actors.receivers[e]):
+                    slots.setdefault(e, []).append(slot)
+        return (
+            tuple((i, tuple(js)) for i, js in sorted(receivers_of.items())),
+            tuple((e, tuple(sorted(s))) for e, s in sorted(slots.items())),
+        )
+
+    def run(self, version: int, deadline: float) -> dict[Key, Any]:
+        """Every member's answer to the round of ``version``, or the error in its place (a RayTaskError, or a
+        typed error for an actor Ray lost). Raises GraphTimedOut past ``deadline``."""
+        import ray
+
+        answers: dict[Key, Any] = {}
+        try:
+            refs = self._compiled.execute(version)
+            for key, ref in zip(self.keys, refs, strict=True):
+                try:
+                    answers[key] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1e-3))
+                except ray.exceptions.RayTaskError as e:  # raised inside the task: the graph goes on
+                    answers[key] = e
+        except ray.exceptions.RayChannelTimeoutError:
+            self.teardown()
+            raise GraphTimedOut([k for k in self.keys if k not in answers]) from None
+        except ray.exceptions.RayError as e:  # an actor died, or a channel broke: Ray tears the graph down
+            logger.warning("the push graph of WeightSync %s failed: %s", self.sync_id, first_line(e))
+            self.teardown()
+            answers |= self._recover(version, e, [k for k in self.keys if k not in answers], deadline)
+        return answers
+
+    def _recover(self, version: int, error: Exception, keys: list[Key], deadline: float) -> dict[Key, Any]:
+        """After the graph failed (torn down: every task that began has ended): each member's kept answer, asked
+        with an ordinary call; a member that ran no such round answers with the graph's error."""
+        import ray
+
+        refs = {
+            self._handle(key).__ray_call__.remote(ep.round_answer, self.sync_id, version): key for key in keys
+        }
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(deadline - time.monotonic(), 1e-3))
+        out: dict[Key, Any] = {}
+        for ref, key in refs.items():
+            name = self.actors.label(key)
+            if ref not in done:
+                out[key] = typed(error, name, f"push v{version}")
+                continue
+            try:
+                answer = ray.get(ref)
+            except ray.exceptions.RayError as e:  # gone, or being restarted by Ray
+                out[key] = typed(e, name, f"push v{version}")
+                continue
+            out[key] = answer if answer is not None else NotRun(error)
+        return out
+
+    def _handle(self, key: Key) -> Any:
+        role, index = key
+        return self.actors.senders[index] if role == "sender" else self.actors.receivers[index].actor
+
+    def teardown(self) -> None:
+        """End the graph's loops in the actors (idempotent); bounded: Ray's teardown runs in a thread of its own."""
+        if not self.alive:
+            return
+        self.alive = False
+        done = threading.Thread(target=self._compiled.teardown, name="raysync-graph-teardown", daemon=True)
+        done.start()
+        done.join(_TEARDOWN_S)
+        if done.is_alive():
+            logger.warning(
+                "the push graph of WeightSync %s was not torn down after %gs", self.sync_id, _TEARDOWN_S
+            )
+            return  # its actors stay held: no other graph is compiled on them
+        for actor_id in self._ids:
+            if _HELD.get(actor_id) == self.sync_id:
+                del _HELD[actor_id]
+
+
+class NotRun(Exception):
+    """A member of a failed graph that ran no part of the round (restarted by Ray, or stopped before it began)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(f"its part of the push was not run: the push graph failed ({first_line(cause)})")
+
+
+def in_graph(endpoint: Any) -> bool:
+    """Whether a receiver endpoint can be a task of the graph: a plain actor (Note [a push round in a compiled
+    graph])."""
+    return isinstance(endpoint, ep.ActorEndpoint)
+
+
+def receivers_of_senders(connections: PairConnections) -> dict[int, list[int]]:
+    """Each sender's receivers, in the plan's order."""
+    receivers_of: dict[int, list[int]] = {}
+    for p in connections.plan:
+        receivers_of.setdefault(p.sender, []).append(p.receiver)
+    return receivers_of
+
+
+class GraphKeeper:
+    """A WeightSync's push graph: compiled for its connections as they are, again when their shape changed or
+    the graph was lost; None (ordinary calls) when disabled or when Ray could not compile it."""
+
+    def __init__(self, actors: SyncActors, connections: PairConnections, *, enabled: bool):
+        self._actors, self._connections = actors, connections
+        self._graph: PushGraph | None = None
+        self._refused: tuple | None = None  # the shape Ray would not compile: not tried again
+        self._why_not = "" if enabled else "WeightSync(compiled_graph=False)"
+
+    def current(self) -> PushGraph | None:
+        """The graph for the connections as they are now, compiled if need be (at setup, after a repair)."""
+        if self._why_not.startswith("WeightSync("):
+            return None
+        shape = PushGraph.shape_of(self._actors, receivers_of_senders(self._connections))
+        graph = self._graph
+        if graph is not None and graph.alive and graph.shape == shape:
+            return graph
+        self.close()
+        if shape == self._refused:
+            return None
+        try:
+            started = time.perf_counter()
+            self._graph = PushGraph(self._actors, self._connections.sync_id, shape)
+            logger.debug("push graph compiled in %.3fs", time.perf_counter() - started)
+            self._why_not = ""
+        except Exception as e:  # e.g. an actor already runs another WeightSync's graph: ordinary calls then
+            self._refused, self._why_not = shape, f"Ray did not compile the push graph: {first_line(e)}"
+            logger.warning(
+                "WeightSync %s pushes through ordinary Ray calls: %s", self._connections.sync_id, e
+            )
+        return self._graph
+
+    def describe(self) -> str:
+        """How push rounds reach the actors, for ``sync.plan``."""
+        graph = self._graph if self._graph is not None and self._graph.alive else None
+        if graph is None:
+            why = self._why_not or "none compiled yet"
+            return f"push rounds: one ordinary Ray call per endpoint ({why})"
+        outside = [
+            j for j, (e, _) in enumerate(self._actors.slots) if not in_graph(self._actors.receivers[e])
+        ]
+        line = f"push rounds: one compiled Ray graph ({len(graph.keys)} actors)"
+        if outside:
+            line += (
+                f"; receiver(s) {', '.join(f'#{j}' for j in outside)} (engine adapters) through ordinary Ray "
+                f"calls, queued with the engine actor's own"
+            )
+        return line
+
+    def plan(self) -> Plan:
+        return RoundPlan(list(self._connections.plan), self._actors, self.describe())
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.teardown()
+            self._graph = None
+
+
+class RoundPlan(Plan):
+    """The per-pair plan, then how the push rounds reach the actors."""
+
+    def __init__(self, plans: list, actors: SyncActors, rounds: str):
+        super().__init__(plans, actors.sender_at, actors.receiver_at)
+        self.rounds = rounds
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.rounds}"
