@@ -474,8 +474,10 @@ class LoraHost:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", ["one", "vllm's default"])
 def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keeps_its_version(
-    ray_local, private_tmp, tmp_path
+    ray_local, private_tmp, processes
 ):
     """vLLM's CPU build, LoRA enabled: after each push the engine's greedy tokens with the adapter equal the
     trainer's (transformers, the PEFT-style adapter unmerged); a request started on version 1 finishes on version
@@ -489,18 +491,18 @@ def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keep
     from raysync import SessionSecret, WeightSender
     from raysync.tools.models import tiny_qwen2
 
-    tiny_qwen2(seed=1).save_pretrained(tmp_path / "base")
+    base_dir = (
+        f"{private_tmp}/base"  # (tmp_path would lie under the first test's private_tmp, removed by now)
+    )
+    tiny_qwen2(seed=1).save_pretrained(base_dir)
     trainer = lora_qwen2(seed=1)  # the engine's base weights, with an adapter
     source = LoraSource(peft_named(trainer), QWEN_LORA)
     wide = LoraConfig(r=16, alpha=16, target_modules=("q_proj", "v_proj"))  # over the engine's max_lora_rank
     too_wide = LoraSource(peft_named(lora_qwen2(seed=1, config=wide)), wide)
     config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)
     secret = SessionSecret.generate()
-    host = (
-        ray.remote(num_cpus=0.5)(LoraHost)
-        .options(runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
-        .remote(str(tmp_path / "base"))
-    )
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if processes == "one" else {}  # default: EngineCore, worker
+    host = ray.remote(num_cpus=0.5)(LoraHost).options(runtime_env={"env_vars": env}).remote(base_dir)
     try:
         with WeightSender(secret, config) as sender:
             ray.get(host.connect.remote(sender.endpoints, secret, config))
@@ -526,7 +528,11 @@ def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keep
             with pytest.raises(RemoteError, match="max_lora_rank 8"):
                 sender.push(too_wide, 3)
             refused = ray.get(got)
-            assert refused["error"] == "PushIncomplete" and "max_lora_rank 8" in refused["message"]
+            assert (
+                refused["error"] == "RemoteError"
+                and "vLLM worker 0 failed at stage 'accept'" in refused["message"]
+            )
+            assert "PushIncomplete" in refused["message"] and "max_lora_rank 8" in refused["message"]
             assert "the destinations were not touched" in refused["message"]
             versions, held = ray.get(host.state.remote())
             assert versions == {2: 0} and len(held) == 1  # refused before a byte moved: version 2 serves on

@@ -32,6 +32,7 @@ Where the requests are made (the process that holds ``llm``):
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from raysync.core.config import SyncConfig
-from raysync.core.errors import LayoutError
+from raysync.core.errors import LayoutError, RaysyncError, RemoteError
 from raysync.core.receiver import WeightReceiver
 from raysync.core.wire import SessionSecret, TensorSpec
 from raysync.engines.torch_lora import HeldVersions
@@ -173,10 +174,14 @@ class LoraWorkerExtension:
         load = TensorsLoad(self)
         try:
             report = receiver.receive(load_fn=load, wait_s=wait_s)
-        except BaseException:
+        except BaseException as e:
             if load.lora_int_id is not None:  # registered, then the push failed after all
                 self.raysync_lora_remove(load.lora_int_id)
-            raise
+            if not isinstance(e, RaysyncError):
+                raise
+            # plain values: vLLM's channel (and Ray's) cannot rebuild raysync's errors; the driver raises it
+            stage = getattr(e, "stage", "receive")
+            return {"failed": [type(e).__name__, stage, str(e), traceback.format_exc()], "rank": self.rank}
         return {
             "version": report.version,
             "skipped": report.skipped,
@@ -247,12 +252,19 @@ class VllmAdapters:
         from raysync.engines.vllm import to_plain
 
         self.llm.collective_rpc(
-            "raysync_lora_connect", args=(list(endpoints), to_plain(secret), to_plain(config))
+            "raysync_lora_connect",
+            args=(list(endpoints), to_plain(secret), to_plain(config.resolved())),  # plain values only
         )
 
     def receive(self, wait_s: float | None = None) -> dict[str, Any]:
-        """Serve one adapter push on every worker; the new version is then the latest (what ``request()`` gets)."""
+        """Serve one adapter push on every worker; the new version is then the latest (what ``request()`` gets).
+        A push a worker refused or that failed there raises RemoteError naming the worker, its stage and error;
+        the versions held stay as they were."""
         replies = self.llm.collective_rpc("raysync_lora_receive", args=(wait_s,))
+        for reply in replies:
+            if "failed" in reply:
+                name, stage, message, remote = reply["failed"]
+                raise RemoteError(f"vLLM worker {reply['rank']}", stage, f"{name}: {message}", remote)
         first = replies[0]
         if any((r["version"], r["lora_int_id"]) != (first["version"], first["lora_int_id"]) for r in replies):
             raise LayoutError(f"the engine's workers disagree on the adapter they hold: {replies}")
