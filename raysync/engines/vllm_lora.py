@@ -93,7 +93,12 @@ class TensorsLoad:
             for m in self._modules
         }
         manifest.check(shapes)
-        self.lora_int_id = register(self._worker, self.tensors, manifest)
+        try:
+            self.lora_int_id = register(self._worker, self.tensors, manifest)
+        except LayoutError:
+            raise
+        except (ValueError, RuntimeError, KeyError) as e:  # vLLM's own checks of an adapter
+            raise LayoutError(f"vLLM refused the adapter: {type(e).__name__}: {e}") from e
         self.tensors = {}
 
 
