@@ -3,10 +3,13 @@
     python benchmarks/bench_sharded_source.py                       # CPU: plain, a one-rank mesh, 2 ranks on gloo
     python benchmarks/bench_sharded_source.py --layout qwen2.5-0.5b --bucket-mb 32
     python benchmarks/bench_sharded_source.py --device cuda --layout qwen2.5-7b --bucket-mb 512 --ranks 1
+    python benchmarks/bench_sharded_source.py --shard-dims 0 1      # also tensor-parallel Shard(1) rows (item 3)
 
 Rows: "plain" (whole tensors, the plain path), "dtensor" on a mesh of 1 rank, and on a mesh of W ranks (each rank
 a spawned process holding only its Shard(0) rows, made with DTensor.from_local: no rank ever holds the whole
-model; rank 0 sends, the others follow). One engine process receives into preallocated tensors and checks, after
+model; rank 0 sends, the others follow). With ``--shard-dims 0 1`` the W-rank rows are repeated with every
+matrix placed ``Shard(1)`` (a tensor-parallel row split; vectors stay Shard(0)): the sending rank then
+re-interleaves each gathered piece into the global layout in its copy into the ring. One engine process receives into preallocated tensors and checks, after
 the last push, every byte against the pattern the shards were made from (``exact``).
 
 Per row: the median push; the floor measured in the same run (one copy of every tensor; with W ranks the
@@ -40,7 +43,25 @@ from raysync.tools.models import LAYOUTS
 
 def pattern(i: int, lo: int, hi: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Flat elements [lo, hi) of tensor i: exact in every dtype used here (integers below 256)."""
-    return ((torch.arange(lo, hi, device=device) * 7 + i) % 251).to(dtype)
+    return _at(i, torch.arange(lo, hi, device=device), dtype)
+
+
+def _at(i: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return ((index * 7 + i) % 251).to(dtype)
+
+
+def local_part(i: int, shape, world: int, rank: int, dim: int, dtype, device: str) -> torch.Tensor:
+    """Rank ``rank``'s Shard(dim) part of tensor i (dim 0 for a vector), made without the whole tensor."""
+    dim = dim if len(shape) > 1 else 0
+    a, b = chunk_range(shape[dim], world, rank)
+    if dim == 0:
+        row = torch.Size(shape[1:]).numel()
+        return pattern(i, a * row, b * row, dtype, device).view(b - a, *shape[1:])
+    rows, rest = torch.Size(shape[:dim]).numel(), torch.Size(shape[dim + 1 :]).numel()
+    width = shape[dim] * rest
+    cols = torch.arange(a * rest, b * rest, device=device)
+    index = torch.arange(rows, device=device)[:, None] * width + cols[None, :]
+    return _at(i, index, dtype).view(*shape[:dim], b - a, *shape[dim + 1 :])
 
 
 def peak_extra(device: str, fn) -> int:
@@ -83,7 +104,9 @@ def engine(endpoint_q, secret, config, layout, dtype, device, pushes, out) -> No
     out.put(("engine", exact))
 
 
-def trainer(rank, world, mode, store, endpoint_q, secret, config, layout, dtype, device, pushes, out) -> None:
+def trainer(
+    rank, world, mode, dim, store, endpoint_q, secret, config, layout, dtype, device, pushes, out
+) -> None:
     """One trainer rank: makes its tensors (whole, or its rows only), pushes (rank 0) or follows, measures."""
     import torch.distributed as dist
 
@@ -108,12 +131,11 @@ def trainer(rank, world, mode, store, endpoint_q, secret, config, layout, dtype,
         mesh = init_device_mesh(device, (world,))
         named = []
         for i, (n, s) in enumerate(shapes):
-            a, b = chunk_range(s[0], world, rank)
-            row = torch.Size(s[1:]).numel()
-            local = pattern(i, a * row, b * row, dtype, device).view(b - a, *s[1:])
+            local = local_part(i, s, world, rank, dim, dtype, device)
             stride = torch.empty(s, device="meta").stride()
+            placement = Shard(dim if len(s) > 1 else 0)
             named.append(
-                (n, DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=s, stride=stride))
+                (n, DTensor.from_local(local, mesh, [placement], run_check=False, shape=s, stride=stride))
             )
         source = DTensorSource(named, config)
         locals_ = [t.to_local() for _, t in named]
@@ -188,15 +210,17 @@ def _gather_floor(locals_: list[torch.Tensor], world: int, device: str):
     return once
 
 
-def run(mode: str, world: int, args, config: SyncConfig) -> dict:
+def run(mode: str, world: int, args, config: SyncConfig, dim: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     secret, out, endpoint_q = SessionSecret.generate(), ctx.Queue(), ctx.Queue()
     dtype = getattr(torch, args.dtype)
     common = (secret, config, args.layout, dtype, args.device, args.pushes + 1)
-    store = f"/tmp/raysync-bench-store-{os.getpid()}-{mode}-{world}"
+    store = f"/tmp/raysync-bench-store-{os.getpid()}-{mode}-{world}-{dim}"
     procs = [ctx.Process(target=engine, args=(endpoint_q, *common, out))]
     procs += [
-        ctx.Process(target=trainer, args=(r, world, mode, store, endpoint_q, *common[:-1], args.pushes, out))
+        ctx.Process(
+            target=trainer, args=(r, world, mode, dim, store, endpoint_q, *common[:-1], args.pushes, out)
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -207,7 +231,8 @@ def run(mode: str, world: int, args, config: SyncConfig) -> dict:
     if os.path.exists(store):
         os.unlink(store)
     push_s, floor_s, extra, model_bytes = got["sender"]
-    return {"source": mode if mode == "plain" else f"dtensor, {world} rank(s)", "push_ms": push_s * 1e3,
+    name = mode if mode == "plain" else f"dtensor, {world} rank(s)" + (f", Shard({dim})" if dim else "")
+    return {"source": name, "push_ms": push_s * 1e3,
             "floor_ms": floor_s * 1e3, "peak_extra_mb": extra / 2**20, "model_mb": model_bytes / 2**20,
             "exact": got["engine"][0]}  # fmt: skip
 
@@ -223,12 +248,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="mesh sizes of the dtensor rows")
+    p.add_argument("--shard-dims", type=int, nargs="+", default=[0], help="0: FSDP rows; 1: TP columns too")
     p.add_argument("--pushes", type=int, default=5)
     p.add_argument("--json")
     args = p.parse_args()
     transport = "cuda_ipc" if args.device == "cuda" else "shm"
     config = SyncConfig(bucket_bytes=args.bucket_mb << 20, timeout_s=300, progress=False, transport=transport)
     rows = [run("plain", 1, args, config)] + [run("dtensor", w, args, config) for w in args.ranks]
+    rows += [run("dtensor", w, args, config, d) for d in args.shard_dims if d for w in args.ranks if w > 1]
     bound_mb = (config.num_buffers + 1) * config.bucket_bytes / 2**20
     where = f"{platform.node()}, {os.cpu_count()} CPUs" + (
         f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
@@ -237,10 +264,10 @@ def main() -> None:
         f"{args.layout} ({args.dtype}) on {args.device} ({where}), {transport}, buckets of {args.bucket_mb} MiB x {config.num_buffers}"
     )
     print(
-        f"{'source':<20} {'push ms':>9} {'floor ms':>9} {'x floor':>8} {'peak extra MiB':>15} {'bound MiB':>10} {'model MiB':>10} exact"
+        f"{'source':<30} {'push ms':>9} {'floor ms':>9} {'x floor':>8} {'peak extra MiB':>15} {'bound MiB':>10} {'model MiB':>10} exact"
     )
     for r in rows:
-        print(f"{r['source']:<20} {r['push_ms']:>9.1f} {r['floor_ms']:>9.1f} {r['push_ms'] / r['floor_ms']:>8.2f} "
+        print(f"{r['source']:<30} {r['push_ms']:>9.1f} {r['floor_ms']:>9.1f} {r['push_ms'] / r['floor_ms']:>8.2f} "
               f"{r['peak_extra_mb']:>15.1f} {bound_mb:>10.1f} {r['model_mb']:>10.1f} {r['exact']}")  # fmt: skip
     if args.device == "cpu" and any(w > 1 for w in args.ranks):
         print(

@@ -375,3 +375,37 @@ def test_tp_ranks_push_the_unsharded_mapped_weights_bit_exact(layout, spawn, tmp
         world - 1
     )
     assert sorted(events) == sorted(expected), events
+
+
+def odd_rank(rank, store, out) -> None:
+    """Rank 0 holds its half of "w" (declared a Shard(0)); rank 1 holds the whole "w" (a replica): the same
+    names and global shapes on both, other pieces."""
+    import torch.distributed as dist
+
+    from raysync import RaysyncError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    w, shards = (torch.zeros(2, 4), {"w": 0, "x": 0}) if rank == 0 else (torch.zeros(4, 4), {"x": 0})
+    source = DTensorSource([("w", w), ("x", torch.zeros(2, 4))], CFG, shards=shards)
+    try:
+        out.put(("followed", rank, [(s.name, s.shape) for s in source.specs(CFG)], source.follow(1)))
+    except RaysyncError as e:
+        out.put(("error", rank, [(s.name, s.shape) for s in source.specs(CFG)], type(e).__name__, str(e)))
+    source.close()
+    dist.destroy_process_group()
+
+
+def test_ranks_whose_placements_differ_under_the_same_layout_are_refused_before_any_data_moves(
+    spawn, tmp_path
+):
+    """The walk's start compares the plan's pieces too: two ranks that agree on names and global shapes but
+    not on how "w" is placed each raise a LayoutError at the start of the push, instead of gathering bytes
+    that do not fit together."""
+    out = spawn.ctx.Queue()
+    for rank in range(2):
+        spawn(odd_rank, rank, str(tmp_path / "store"), out)
+    events = sorted(out.get(timeout=120) for _ in range(2))
+    assert [e[:2] for e in events] == [("error", 0), ("error", 1)], events
+    for _, _, specs, kind, text in events:
+        assert specs == [("w", (4, 4)), ("x", (4, 4))] and kind == "LayoutError", events
+        assert "do not walk the same push" in text, events

@@ -205,7 +205,12 @@ class GatheringPacker:
         self._host_sync = (
             device if device.type == "cuda" and buffers and buffers[0].device.type == "cpu" else None
         )
-        shape = (specs, [(b.nbytes, len(b.chunks)) for b in buckets], [g.segment_bytes for g in gathers])
+        # the pieces too: ranks whose placements or mapping differ plan other pieces, refused at the start
+        shape = (
+            specs,
+            [(b.nbytes, len(b.chunks)) for b in buckets],
+            [(g.segment_bytes, g.pieces) for g in gathers],
+        )
         digest = hashlib.blake2b(repr(shape).encode(), digest_size=8)
         self._layout_hash = int.from_bytes(digest.digest(), "little", signed=True)
 
@@ -266,6 +271,8 @@ class GatheringPacker:
                 (p.rows, p.cols), (p.local_stride, 1), flat.storage_offset() + p.local_start
             )
             if self._walk is None:
+                if not self._buffers:  # one rank that does not send: nothing to copy
+                    continue
                 dst = _ring_view(self._buffers[k % len(self._buffers)], p, wire)
             else:
                 dst = self._buffer[base + p.offset : base + p.offset + p.count * wire.itemsize]
