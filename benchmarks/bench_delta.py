@@ -4,6 +4,7 @@ with them at least once).
 
     python benchmarks/bench_delta.py                          # CPU: one layer of Qwen2.5-0.5B as the bucket
     python benchmarks/bench_delta.py --device cuda --layout qwen2.5-7b --json out.json
+    python benchmarks/bench_delta.py --push                   # whole pushes over shm: delta vs full (below)
 
 The bucket is every tensor of decoder layer 0 of --layout (--layers for more), in bf16, with the magnitudes
 of a real checkpoint (matrices ~N(0, 0.02), norm weights ~1). A change flips the lowest bit of an element (one
@@ -17,6 +18,11 @@ bf16 step, as an RL update does), at uniformly random positions: --densities say
   numel / 8 + changed * itemsize;
 * floor: a copy of the bucket's full bytes into a buffer.
 
+--push times whole pushes instead (SyncConfig.delta through the push session, sender and receiver as two
+threads of this process over an shm ring): a full push with delta off, then per density a delta push and a
+full push in delta mode (``full=True``, which also copies each bucket into the sender's reference), next to
+the floor of one copy of the model's bytes in the same run; every push is checked bit-exact at the end.
+
 GB/s are of the full bytes (what a full push would move), so the rows compare directly. Times are medians
 over --repeats after a warm-up, on --threads CPU threads (1 by default, as Ray runs its actors; on a busy
 machine more threads than free cores make every row slower and noisier). Prints a table per density, then
@@ -26,6 +32,7 @@ JSON (also written to --json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import time
@@ -60,15 +67,19 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 def bucket(layout: str, layers: int, device: torch.device, seed: int) -> list[torch.Tensor]:
     """Layer 0 .. layers - 1 of ``layout`` as bf16 tensors with a checkpoint's magnitudes."""
+    keep = tuple(f"model.layers.{i}." for i in range(layers))
+    return [t.reshape(-1) for name, t in weights(layout, device, seed) if name.startswith(keep)]
+
+
+def weights(layout: str, device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``layout`` in bf16: matrices ~N(0, 0.02), norm weights ~1."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
     for name, shape in LAYOUTS[layout].named_shapes():
-        if not any(name.startswith(f"model.layers.{i}.") for i in range(layers)):
-            continue
         t = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
         if name.endswith("norm.weight"):
             t += 1.0
-        out.append(t.to(torch.bfloat16).reshape(-1))
+        out.append((name, t.to(torch.bfloat16)))
     return out
 
 
@@ -135,6 +146,86 @@ def run_density(olds: list[torch.Tensor], density: float, device: torch.device, 
     }
 
 
+# --- whole pushes over shm (--push) ---------------------------------------------------------------------------------
+def flip_in_place(named: list[tuple[str, torch.Tensor]], density: float, seed: int) -> None:
+    """One bf16 step (the lowest bit) at ``density`` * numel random positions of each tensor (with repeats:
+    the push reports the density it found)."""
+    gen = torch.Generator(device=named[0][1].device).manual_seed(seed)
+    for _, t in named:
+        bits = t.view(-1).view(torch.int16)
+        index = torch.randint(0, bits.numel(), (int(density * bits.numel()),), generator=gen, device=t.device)
+        bits[index] ^= 1
+
+
+def run_push(
+    layout: str, densities: list[float], device: torch.device, repeats: int, bucket_bytes: int
+) -> dict:
+    """Whole pushes of ``layout`` over shm, sender and receiver in this process (two threads): full pushes
+    with delta off, then in a delta session per density: delta pushes (the trainer's tensors changed in place
+    between pushes, not timed) and full pushes (``full=True``: they also copy every bucket into the
+    reference). Medians of ``repeats`` pushes; the floor is one copy of the model's bytes, in the same run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+
+    named = weights(layout, device, seed=0)
+    dest = {n: torch.zeros_like(t, device="cpu") for n, t in named}
+    nbytes = sum(t.nbytes for _, t in named)
+    pool = ThreadPoolExecutor(1)
+
+    def pushes(config: SyncConfig, density: float | None, full: bool) -> tuple[float, list]:
+        secret = SessionSecret.generate()
+        times, reports = [], []
+        with (
+            WeightSender(secret, config) as sender,
+            WeightReceiver(sender.endpoint, secret, config) as receiver,
+        ):
+            for version in range(repeats + 1):  # push 0: the first, full one
+                if density is not None and version:
+                    flip_in_place(named, density, seed=version)
+                got = pool.submit(receiver.receive, into=dest)
+                t0 = time.perf_counter()
+                report = sender.push(named, version, full=full)
+                got.result(timeout=config.timeout_s)
+                if version:
+                    times.append(time.perf_counter() - t0)
+                    reports.append(report)
+        assert all(torch.equal(dest[n].view(torch.int16), t.cpu().view(torch.int16)) for n, t in named)
+        return statistics.median(times), reports
+
+    base = SyncConfig(bucket_bytes=bucket_bytes, timeout_s=600, progress=False, transport="shm")
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    copy_src = torch.empty(nbytes, dtype=torch.uint8)
+    floor = timed(lambda: flat.copy_(copy_src), torch.device("cpu"), repeats)
+    full_off, _ = pushes(base, None, False)
+    delta_cfg = dataclasses.replace(base, delta=True)
+    runs = []
+    for density in densities:
+        delta_s, reports = pushes(delta_cfg, density, False)
+        full_on, _ = pushes(delta_cfg, density, True)
+        runs.append({
+            "density_asked": density,
+            "density": statistics.median(r.density for r in reports),
+            "delta_bytes": statistics.median(r.bytes for r in reports),
+            "seconds": {"delta push": delta_s, "full push (delta on)": full_on},
+        })  # fmt: skip
+    return {"layout": layout, "model_bytes": nbytes, "bucket_bytes": bucket_bytes, "floor_copy_s": floor,
+            "full_push_delta_off_s": full_off, "runs": runs}  # fmt: skip
+
+
+def print_push(r: dict) -> None:
+    full, floor = r["full_push_delta_off_s"], r["floor_copy_s"]
+    print(f"pushes of {r['layout']} over shm ({r['model_bytes'] / 1e6:.0f} MB, buckets of {r['bucket_bytes'] >> 20} MiB); "
+          f"floor (one copy of the model's bytes) {floor * 1e3:.1f} ms; full push, delta off {full * 1e3:.1f} ms")  # fmt: skip
+    print(f"{'density':>8}  {'':22}  {'ms':>9}  {'x full':>6}  {'x floor':>7}  {'bytes / full':>12}")
+    for run in r["runs"]:
+        for name, s in run["seconds"].items():
+            ratio = f"{run['delta_bytes'] / r['model_bytes']:12.3%}" if name == "delta push" else ""
+            print(
+                f"{run['density']:8.2%}  {name:22}  {s * 1e3:9.1f}  {s / full:6.2f}  {s / floor:7.1f}  {ratio}"
+            )
+
+
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
@@ -150,10 +241,20 @@ def main() -> None:
     p.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.036, 0.09, 0.3])
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (Ray gives its actors one)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--push", action="store_true", help="whole pushes over shm, delta vs full (the trainer on --device)"
+    )
+    p.add_argument("--bucket-mib", type=int, default=64, help="--push: bucket_bytes in MiB")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.push:
+        result = run_push(args.layout, args.densities, device, args.repeats, args.bucket_mib << 20)
+        result["hardware"] = hardware(device)
+        print_push(result)
+        emit(result, args.json)
+        return
     olds = bucket(args.layout, args.layers, device, seed=0)
     full = sum(2 * o.numel() for o in olds)
     result = {
