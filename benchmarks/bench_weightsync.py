@@ -6,16 +6,20 @@
 A trainer actor and an engine actor share one GPU (``num_gpus=0.5`` each) or the CPU; the trainer holds a
 layout's tensors (raysync.tools.models, allocated, not downloaded), the engine preallocated destinations. For
 each layout, each config is a row: ``SyncConfig()`` (the plan's choice) and every forced mode (a forced mode
-the plan refuses here is a row that says why). Each row, after one warm-up push:
+the plan refuses here is a row that says why), and ``SyncConfig()`` again with its push rounds in one compiled Ray
+graph (``WeightSync(compiled_graph=True)``). On a GPU the rows that stage 15 GB through host memory (shm) or need
+two NCCL ranks on one GPU (collective) are left out unless ``--all-rows``: the 7B and 1.5B run is meant to fit in
+4 minutes (not timed on a GPU yet; the JSON's ``wall_s`` says what it took). Each row, after one warm-up push:
 
+    setup        ``WeightSync(...)`` until the first push can start (placement, plan, sessions, rings, the graph)
     WeightSync   ``sync.push(version)`` on the driver, end to end (every pair's answer back on the driver)
     raw session  WeightSender / WeightReceiver in two processes of their own (no Ray), with the config the plan
                  gave the pair: what the transport costs without Ray
     Ray's share  WeightSync minus raw session (medians)
 
 and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
-``--breakdown`` (on by default) splits the default config's WeightSync push into where the driver and the actors
-spend it (Ray's public calls timed in this process; the actors stamp when their source and sink are called).
+``--breakdown`` (on by default) splits the default config's WeightSync push (ordinary calls and compiled graph)
+into where the driver and the actors spend it (Ray's public calls timed in this process; the actors stamp when their source and sink are called).
 The engine's destinations are checked against the trainer's tensors after every row. Prints a table and JSON.
 """
 
@@ -182,18 +186,16 @@ def bare_round_trip(trainer: Any, engine: Any) -> float:
 def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0: int) -> dict[str, float]:
     """Medians (ms) of each stage of a push, on one clock (time.monotonic, shared by the host's processes):
 
-    before calls      push() called -> the first call submitted (repair check, the round's calls built)
-    submit calls      the round's actor calls submitted (ActorMethod.remote, on the driver)
-    sender dispatch   its call submitted -> the sender's source called (Ray's dispatch, __ray_call__, lookup)
-    receiver dispatch its call submitted -> the receiver's sink called
+    sender dispatch   push() called -> the sender's source called (calls built and submitted, or the graph's
+                      input written; Ray's dispatch into the actor, __ray_call__, the session looked up)
+    receiver dispatch push() called -> the receiver's sink called
     session           the sender's push session (its PushReport.seconds)
-    answers back      session end -> the last ray.wait return (result object, transfer, the driver woken)
-    ray.wait          time the driver spent in ray.wait, and how many calls
-    ray.get           time the driver spent in ray.get on the answers
-    after answers     the last answer read -> push() returns (reports read, SyncReport built)
+    answers back      session end -> push() returns (results to the driver, reports read, SyncReport built)
+    submit calls      the round's actor calls submitted (ActorMethod.remote, on the driver; none in a graph)
+    ray.wait, ray.get time the driver spent in them, and how many calls (ray.get: a graph's reads too)
     total             push() on the driver
     bare round trip   next to it, two calls that do nothing (endpoint.applied_version) through __ray_call__ on
-                      both actors at once, both answers got: Ray's least for a round of this shape"""
+                      both actors at once, both answers got: Ray's least for a round of ordinary calls"""
     rows: list[dict[str, float]] = []
     for v in range(version0, version0 + pushes):
         ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
@@ -205,16 +207,15 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
         remote, waits, gets = watch.calls["remote"], watch.calls["wait"], watch.calls["get"]
         session_end = s_stamp["source"] + report.slowest.seconds
         rows.append({
-            "before calls": remote[0][0] - t0,
-            "submit calls": remote[-1][1] - remote[0][0],
-            "sender dispatch": s_stamp["source"] - remote[0][1],
-            "receiver dispatch": r_stamp["sink"] - remote[-1][1],
+            "sender dispatch": s_stamp["source"] - t0,
+            "receiver dispatch": r_stamp["sink"] - t0,
             "session": report.slowest.seconds,
-            "answers back": waits[-1][1] - session_end,
+            "answers back": t_end - session_end,
+            "submit calls": remote[-1][1] - remote[0][0] if remote else 0.0,
             "ray.wait": sum(b - a for a, b in waits),
             "ray.wait count": len(waits),
             "ray.get": sum(b - a for a, b in gets),
-            "after answers": t_end - max(b for _, b in gets + waits),
+            "ray.get count": len(gets),
             "total": t_end - t0,
             "bare round trip": bare_round_trip(trainer, engine),
         })  # fmt: skip
@@ -222,17 +223,21 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
 
 
 # --- one layout, every config ---------------------------------------------------------------------------------------
-def configs(device: str) -> dict[str, SyncConfig]:
+GRAPH_ROW = "default: SyncConfig(), compiled graph"  # the row pushed through WeightSync(compiled_graph=True)
+
+
+def configs(device: str, all_rows: bool) -> dict[str, SyncConfig]:
     base = SyncConfig(timeout_s=120, progress=False)
-    forced = {
-        "default: SyncConfig()": {},
-        "shm, ring 2 x 512 MiB (the old default)": {
-            "transport": "shm",
-            "bucket_bytes": 512 * MiB,
-            "num_buffers": 2,
-        },
-        "collective": {"transport": "collective"},
-    }
+    forced: dict[str, dict[str, Any]] = {"default: SyncConfig()": {}, GRAPH_ROW: {}}
+    if device == "cpu" or all_rows:  # on a GPU: 15 GB through host memory, two NCCL ranks on one GPU
+        forced |= {
+            "shm, ring 2 x 512 MiB (the old default)": {
+                "transport": "shm",
+                "bucket_bytes": 512 * MiB,
+                "num_buffers": 2,
+            },
+            "collective": {"transport": "collective"},
+        }
     if device == "cuda":
         forced |= {
             "cuda_ipc ring, shape by the plan": {"transport": "cuda_ipc", "direct": False},
@@ -241,8 +246,9 @@ def configs(device: str) -> dict[str, SyncConfig]:
             "cuda_ipc ring 2 x 2048 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 2048 * MiB,
                                            "num_buffers": 2},
             "cuda_ipc direct": {"transport": "cuda_ipc", "direct": True},
-            "shm, shape by the plan": {"transport": "shm"},
         }  # fmt: skip
+        if all_rows:
+            forced["shm, shape by the plan"] = {"transport": "shm"}
     else:
         forced |= {"cuda_ipc direct": {"transport": "cuda_ipc", "direct": True}}
     return {name: dataclasses.replace(base, **values) for name, values in forced.items()}
@@ -252,8 +258,11 @@ def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, lay
     trainer, engine = actors
     row: dict[str, Any] = {"config": name}
     ray.get(trainer.bump.remote(len(name) % 50 + 10))
+    graph = name == GRAPH_ROW
     try:
-        sync = WeightSync([trainer], [engine], config, source=source, sink=sink)
+        t0 = time.perf_counter()
+        sync = WeightSync([trainer], [engine], config, source=source, sink=sink, compiled_graph=graph)
+        row["setup_s"] = time.perf_counter() - t0
     except PlanError as e:
         return row | {"refused": str(e)}
     with sync:
@@ -262,6 +271,7 @@ def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, lay
             "transport": pair.transport,
             "mode": pair.mode,
             "why": "; ".join(filter(None, (pair.reason, pair.how))),
+            "rounds": sync.plan.rounds,
         }
         sync.push(0)  # warm-up: sessions, rings, exports
         times = []
@@ -272,7 +282,7 @@ def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, lay
         want, got = ray.get([trainer.checksum.remote(), engine.checksum.remote()])
         assert want == got, f"{name}: the engine holds other bytes than the trainer"
         row |= {"weightsync_median_s": statistics.median(times), "weightsync_min_s": min(times)}
-        if args.breakdown and name.startswith("default"):
+        if args.breakdown and name.startswith("default"):  # both ways: ordinary calls, compiled graph
             row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
         pair_config = pair.config(config)
     if pair.transport == "collective":
@@ -291,7 +301,8 @@ def run_layout(layout: str, args) -> dict[str, Any]:
     floor = ray.get(trainer.floor_s.remote(10))
     nbytes = sum(t.nbytes for t in allocate(layout, device="meta").values())
     rows = [
-        run_config(name, cfg, (trainer, engine), args, layout) for name, cfg in configs(args.device).items()
+        run_config(name, cfg, (trainer, engine), args, layout)
+        for name, cfg in configs(args.device, args.all_rows).items()
     ]
     for a in (trainer, engine):
         ray.kill(a)
@@ -303,14 +314,16 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
     print(f"\n{r['layout']}: {r['bytes'] / 1e9:.3f} GB, {hardware}; floor (one copy per tensor): "
           f"{ms(r['floor_one_copy_s'])} ms")  # fmt: skip
     print(
-        f"{'config':<42}{'transport':<11}{'mode':<20}{'WeightSync ms':>14}{'raw ms':>9}{'Ray ms':>8}{'/floor':>8}"
+        f"{'config':<42}{'transport':<11}{'mode':<20}{'setup ms':>9}{'WeightSync ms':>14}{'raw ms':>9}"
+        f"{'Ray ms':>8}{'/floor':>8}"
     )
     for row in r["rows"]:
         if "refused" in row:
             print(f"{row['config']:<42}refused: {row['refused'][:110]}")
             continue
         raw = (ms(row["raw_median_s"]), ms(row["ray_share_s"])) if "raw_median_s" in row else ("-", "-")
-        print(f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['weightsync_median_s']):>14}"
+        print(f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['setup_s']):>9}"
+              f"{ms(row['weightsync_median_s']):>14}"
               f"{raw[0]:>9}{raw[1]:>8}"
               f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}")  # fmt: skip
     for row in r["rows"]:
@@ -321,7 +334,11 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0]
+        + " On a GPU, the default run (7B and 1.5B layouts, no --all-rows) leaves out the slow rows, meant to fit"
+        " in 4 minutes (not timed on a GPU yet: the JSON's wall_s says what it took)."
+    )
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
@@ -336,8 +353,15 @@ def main() -> None:
         help="torch intra-op threads in every process (the raw session's two, the actors)",
     )
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    ap.add_argument(
+        "--all-rows",
+        action="store_true",
+        help="on a GPU, also the slow rows (shm: the layout through host memory; collective: two NCCL ranks on "
+        "one GPU); left out by default so that a GPU run of 7B and 1.5B fits in 4 minutes",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
+    started = time.perf_counter()
     gpu = args.device == "cuda"
     args.layout = args.layout or (["qwen2.5-7b", "qwen2.5-1.5b"] if gpu else ["qwen2-tiny", "qwen2.5-0.5b"])
     args.pushes = args.pushes or (20 if gpu else 10)
@@ -356,6 +380,8 @@ def main() -> None:
             print_layout(result["layouts"][-1], hardware)
     finally:
         ray.shutdown()
+    result["wall_s"] = time.perf_counter() - started
+    print(f"\nwall time: {result['wall_s']:.0f} s")
     emit(result, args.out)
 
 

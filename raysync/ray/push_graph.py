@@ -37,17 +37,16 @@ import threading
 import time
 from typing import Any
 
+from raysync.core.errors import PeerTimeout
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors, first_line, typed
 from raysync.ray.connections import PairConnections, Plan
 
 logger = logging.getLogger(__name__)
 
-_TEARDOWN_S = (
-    60.0  # at most this long for Ray's teardown (its own waits are bounded by RAY_CGRAPH_teardown_timeout)
+_RAY_TEARDOWN_S = (
+    30.0  # beyond a push's own timeout_s: Ray's wait for the loops (RAY_CGRAPH_teardown_timeout)
 )
-
-
 _HELD: dict[str, str] = {}  # actor id -> the sync_id whose graph it runs (Ray would compile a second one)
 
 
@@ -62,10 +61,11 @@ class GraphTimedOut(Exception):
 class PushGraph:
     """The compiled graph of one set of connections: ``shape`` is what it was compiled for."""
 
-    def __init__(self, actors: SyncActors, sync_id: str, shape: tuple):
+    def __init__(self, actors: SyncActors, sync_id: str, shape: tuple, *, teardown_s: float):
+        """``teardown_s``: how long a teardown may wait for the actors' loops (a push ends within timeout_s)."""
         from ray.dag import InputNode, MultiOutputNode
 
-        self.actors, self.sync_id, self.shape = actors, sync_id, shape
+        self.actors, self.sync_id, self.shape, self._teardown_s = actors, sync_id, shape, teardown_s
         senders, receivers = shape
         self.keys: list[Key] = [("sender", i) for i, _ in senders] + [("receiver", e) for e, _ in receivers]
         self._ids = [self._handle(key)._actor_id.hex() for key in self.keys]
@@ -103,9 +103,10 @@ class PushGraph:
             tuple((e, tuple(sorted(s))) for e, s in sorted(slots.items())),
         )
 
-    def run(self, version: int, deadline: float) -> dict[Key, Any]:
+    def run(self, version: int, deadline: float, timeout_s: float) -> dict[Key, Any]:
         """Every member's answer to the round of ``version``, or the error in its place (a RayTaskError, or a
-        typed error for an actor Ray lost). Raises GraphTimedOut past ``deadline``."""
+        typed error for an actor Ray lost). Raises GraphTimedOut past ``deadline`` (``timeout_s`` after the
+        round began)."""
         import ray
 
         answers: dict[Key, Any] = {}
@@ -122,10 +123,13 @@ class PushGraph:
         except ray.exceptions.RayError as e:  # an actor died, or a channel broke: Ray tears the graph down
             logger.warning("the push graph of WeightSync %s failed: %s", self.sync_id, first_line(e))
             self.teardown()
-            answers |= self._recover(version, e, [k for k in self.keys if k not in answers], deadline)
+            pending = [k for k in self.keys if k not in answers]
+            answers |= self._recover(version, e, pending, deadline, timeout_s)
         return answers
 
-    def _recover(self, version: int, error: Exception, keys: list[Key], deadline: float) -> dict[Key, Any]:
+    def _recover(
+        self, version: int, error: Exception, keys: list[Key], deadline: float, timeout_s: float
+    ) -> dict[Key, Any]:
         """After the graph failed (torn down: every task that began has ended): each member's kept answer, asked
         with an ordinary call; a member that ran no such round answers with the graph's error."""
         import ray
@@ -138,7 +142,7 @@ class PushGraph:
         for ref, key in refs.items():
             name = self.actors.label(key)
             if ref not in done:
-                out[key] = typed(error, name, f"push v{version}")
+                out[key] = PeerTimeout(name, f"push v{version}", timeout_s)
                 continue
             try:
                 answer = ray.get(ref)
@@ -159,10 +163,10 @@ class PushGraph:
         self.alive = False
         done = threading.Thread(target=self._compiled.teardown, name="raysync-graph-teardown", daemon=True)
         done.start()
-        done.join(_TEARDOWN_S)
+        done.join(self._teardown_s)
         if done.is_alive():
             logger.warning(
-                "the push graph of WeightSync %s was not torn down after %gs", self.sync_id, _TEARDOWN_S
+                "the push graph of WeightSync %s was not torn down after %gs", self.sync_id, self._teardown_s
             )
             return  # its actors stay held: no other graph is compiled on them
         for actor_id in self._ids:
@@ -214,7 +218,12 @@ class GraphKeeper:
             return None
         try:
             started = time.perf_counter()
-            self._graph = PushGraph(self._actors, self._connections.sync_id, shape)
+            self._graph = PushGraph(
+                self._actors,
+                self._connections.sync_id,
+                shape,
+                teardown_s=self._connections.config.timeout_s + _RAY_TEARDOWN_S,
+            )
             logger.debug("push graph compiled in %.3fs", time.perf_counter() - started)
             self._why_not = ""
         except Exception as e:  # e.g. an actor already runs another WeightSync's graph: ordinary calls then

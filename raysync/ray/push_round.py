@@ -74,7 +74,7 @@ class PushRound:
 
     def _run_graph(self, graph: PushGraph, deadline: float) -> None:
         try:
-            answers = graph.run(self.version, deadline)
+            answers = graph.run(self.version, deadline, self._timeout_s)
         except GraphTimedOut as e:
             self._time_out(e.keys)
         for key, answer in answers.items():
