@@ -63,6 +63,21 @@ class Engine:
                 self.params[name].copy_(t)
 
 
+class Adapter:
+    """An engine adapter over a plain actor, the way raysync.engines.vllm.VllmEngine is one over a vLLM host (its own
+    ``call``): WeightSync reaches it through ordinary Ray calls, also when the rest of a push is a compiled graph."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def call(self, fn, args=()):
+        return self.actor.__ray_call__.remote(on_slots, fn, args if isinstance(args, dict) else {0: args})
+
+
+def on_slots(actor, fn, args: dict) -> dict:
+    return {slot: fn(actor, *a) for slot, a in args.items()}
+
+
 def engine_load(actor: Engine):
     """A sink that hands each bucket to the engine's own loader."""
     return actor.load

@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from actors import Engine, Trainer, breakable_source, engine_load  # noqa: E402
+from actors import Adapter, Engine, Trainer, breakable_source, engine_load  # noqa: E402
 
 from raysync import PushIncomplete, PushReport, RemoteError, SyncConfig, SyncError, WeightSync  # noqa: E402
 from raysync.core.version import MIXED  # noqa: E402
@@ -107,6 +107,23 @@ def test_trainer_to_two_engines_bit_exact(ray_local, no_leftovers, made, compile
             expected = ray.get(trainer.step.remote(3))
             again.push(3)
             assert all(ray.get(e.digest.remote()) == expected for e in engines)
+
+
+def test_a_graph_round_and_an_adapters_ordinary_call_make_one_push(ray_local, no_leftovers, made):
+    """An engine adapter stays out of the graph (its calls queue with its actor's own): the plan says so, and a
+    push reaches it and the plain actor in the graph alike."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
+    made += [trainer, *engines]
+    with WeightSync([trainer], [engines[0], Adapter(engines[1])], CFG, compiled_graph=True) as sync:
+        assert "one compiled Ray graph (2 actors); receiver(s) #1 (engine adapters) through ordinary" in str(
+            sync.plan
+        )
+        for version in (1, 2):
+            expected = ray.get(trainer.step.remote(version))
+            sync.push(version)
+            assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
+        assert sync.versions() == [2, 2]
 
 
 def test_an_actor_in_another_syncs_graph_is_pushed_to_through_ordinary_calls(ray_local, no_leftovers, made):
