@@ -1,7 +1,7 @@
 """Tensor-parallel sources and the name/shape mapping: the gather plan of Shard(d) tensors against a reference
 that assembles each bucket element run by element run (pure, property test), the mapping's rules and its
 errors, and two TP ranks (spawned processes on gloo: DTensor Shard(0) / Shard(1) / Replicate and plain tensors
-declared as shards) pushing to an engine through a real session with a qkv split and a gate/up fuse."""
+declared as shards) pushing to an engine through a real session with a qkv split, a gate/up fuse and a transpose."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from raysync import LayoutError, SyncConfig
 from raysync.core.plan import plan_buckets
 from raysync.core.source import Packer, SourceTensor
 from raysync.core.wire import DTYPES, TensorSpec
-from raysync.sources import DTensorSource, Fuse, NameMap, Rename, Split
+from raysync.sources import DTensorSource, Fuse, NameMap, Rename, Split, Transpose
 from raysync.sources.gather_plan import (
     HEADER_BYTES,
     check_cover,
@@ -67,9 +67,10 @@ def _assemble(specs, locals_, world, buckets, gathers) -> list[torch.Tensor]:
         for p in gather.pieces:
             size = specs[p.index].itemsize
             for i in range(p.rows):
-                src = p.rank * seg + HEADER_BYTES + p.offset + i * p.cols * size
-                dst = p.bucket_offset + i * p.ring_stride * size
-                ring[dst : dst + p.cols * size] = gathered[src : src + p.cols * size]
+                for j in range(p.cols):  # element by element: a transposed piece's columns are apart
+                    src = p.rank * seg + HEADER_BYTES + p.offset + (i * p.cols + j) * size
+                    dst = p.bucket_offset + (i * p.ring_stride + j * p.ring_step) * size
+                    ring[dst : dst + size] = gathered[src : src + size]
         out.append(ring)
     return out
 
@@ -85,21 +86,24 @@ def _layouts(draw):
         dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int32]))
         tensors.append((f"t{i}", shape, dim, dtype))
     split = draw(st.booleans()) and tensors[0][1][0] >= 2
-    return world, tensors, split, draw(st.sampled_from([64, 256, 1024])), draw(st.booleans())
+    matrices = [name for name, shape, _, _ in tensors[1:] if len(shape) == 2]
+    transpose = draw(st.sampled_from([None, *matrices]))
+    return world, tensors, split, transpose, draw(st.sampled_from([64, 256, 1024])), draw(st.booleans())
 
 
 @settings(max_examples=150, deadline=None)
 @given(_layouts(), st.integers(0, 2**31))
 def test_gathered_buckets_of_sharded_and_mapped_tensors_equal_the_plain_packers(layout, seed):
     """Shard(d) for every d (uneven, empty ranks), Replicate, cast or not, tensors sliced over buckets mid-row,
-    the first tensor split in two along dim 0: the bucket assembled from the ranks' local parts through the
+    the first tensor split in two along dim 0, a matrix transposed: the bucket assembled from the ranks' local parts through the
     plan's pieces equals, byte for byte, the one the plain Packer packs from the whole, mapped tensors."""
-    world, tensors, split, bucket_bytes, cast = layout
+    world, tensors, split, transpose, bucket_bytes, cast = layout
     gen = torch.Generator().manual_seed(seed)
     full = [random_tensor(dtype, shape, gen) for _, shape, _, dtype in tensors]
     meta = [(name, shape, dtype) for name, shape, _, dtype in tensors]
     rows0 = tensors[0][1][0]
-    mapping = NameMap(Split("t0", ("a", "b"), (1, rows0 - 1))) if split else NameMap()
+    rules = [Split("t0", ("a", "b"), (1, rows0 - 1))] if split else []
+    mapping = NameMap(*rules, *([Transpose(transpose, "tr")] if transpose else []))
     mapped = mapping.apply(meta)
     wire = {
         torch.float32: "bfloat16" if cast else "float32",
@@ -115,7 +119,14 @@ def test_gathered_buckets_of_sharded_and_mapped_tensors_equal_the_plain_packers(
     numels = [math.prod(shape) for _, shape, _, _ in tensors]
     gathers = plan_gathers(specs, shares, buckets, [m.parts for m in mapped], numels)
     whole = [  # the engine's tensors, made from the whole trainer tensors
-        torch.cat([full[p.source].reshape(-1)[p.start : p.start + p.count] for p in m.parts]).reshape(m.shape)
+        torch.cat(
+            [
+                full[p.source].reshape(p.rows, -1).T.reshape(-1)
+                if p.rows
+                else full[p.source].reshape(-1)[p.start : p.start + p.count]
+                for p in m.parts
+            ]
+        ).reshape(m.shape)
         for m in mapped
     ]
     rings = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in buckets]
@@ -209,6 +220,9 @@ def test_a_mapping_whose_shapes_do_not_add_up_is_refused_naming_the_tensor():
     half = NameMap(Fuse((r"(.*)\.gate", r"(.*)\.down"), r"\1.gate_down"))
     with pytest.raises(LayoutError, match=r"\['a.gate'\] match the Fuse rule"):
         DTensorSource(ones, CFG, mapping=half)
+    flat = NameMap(Transpose("a.gate", "a.gate_t"))
+    with pytest.raises(LayoutError, match=r"'a.gate' of shape \(3,\) cannot be transposed"):
+        DTensorSource([("a.gate", torch.ones(3))], CFG, mapping=flat)
     twice = NameMap(Rename(r"a\.(gate|up)", "a.same"))
     with pytest.raises(LayoutError, match=r"\['a.same'\] more than once"):
         DTensorSource(ones, CFG, mapping=twice)
@@ -255,6 +269,7 @@ TENSORS = [  # tp2: one TP group of 2; fsdp2xtp2: a (2, 2) mesh, FSDP on the fir
     ("mlp.down_proj.weight", (H, 20), {"tp2": (("plain", 1),), "fsdp2xtp2": (None, 1)}),
     ("odd.weight", (5, 7), {"tp2": (1,), "fsdp2xtp2": (0, 1)}),  # uneven: 4 and 3 columns (3 and 2 rows)
     ("norm.weight", (H,), {"tp2": (None,), "fsdp2xtp2": (0, None)}),
+    ("conv.weight", (6, H), {"tp2": (1,), "fsdp2xtp2": (1, 0)}),  # [in, out] on the trainer: transposed
 ]
 MESHES = {"tp2": (2,), "fsdp2xtp2": (2, 2)}
 MAPPING = NameMap(
@@ -262,6 +277,7 @@ MAPPING = NameMap(
         r"(.*)\.qkv_proj\.weight", (r"\1.q_proj.weight", r"\1.k_proj.weight", r"\1.v_proj.weight"), (16, 8, 8)
     ),
     Fuse((r"(.*)\.gate_proj\.weight", r"(.*)\.up_proj\.weight"), r"\1.gate_up_proj.weight"),
+    Transpose(r"conv\.weight", "linear.weight"),
 )
 TP_CFG = dataclasses.replace(CFG, bucket_bytes=512, cast_dtype="bfloat16", keep_dtype=("norm.*",))
 
@@ -355,11 +371,12 @@ def test_tp_ranks_push_the_unsharded_mapped_weights_bit_exact(layout, spawn, tmp
                 "mlp.down_proj.weight": full["mlp.down_proj.weight"],
                 "odd.weight": full["odd.weight"],
                 "norm.weight": full["norm.weight"],
+                "linear.weight": full["conv.weight"].T,
             }
             expect = {
                 n: t.to(torch.float32 if n == "norm.weight" else torch.bfloat16) for n, t in expect.items()
             }
-            dest = dest or {n: torch.zeros_like(t) for n, t in expect.items()}
+            dest = dest or {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in expect.items()}
             got = in_thread(receiver.receive, into=dest)
             assert got.result(timeout=120).version == version
             for name, t in expect.items():

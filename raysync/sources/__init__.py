@@ -9,6 +9,6 @@ walk.py (the all-gathers of one push on every rank, bounded: Note [every rank wa
 
 from raysync.sources.dtensor import DTensorSource
 from raysync.sources.lazy import LazySource
-from raysync.sources.mapping import Fuse, NameMap, Rename, Split
+from raysync.sources.mapping import Fuse, NameMap, Rename, Split, Transpose
 
-__all__ = ["DTensorSource", "Fuse", "LazySource", "NameMap", "Rename", "Split"]
+__all__ = ["DTensorSource", "Fuse", "LazySource", "NameMap", "Rename", "Split", "Transpose"]

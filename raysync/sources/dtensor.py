@@ -288,7 +288,7 @@ class GatheringPacker:
             wire = DTYPES[self._specs[p.index].dtype]
             n = p.count * wire.itemsize
             src = self._buffer[p.rank * gather.segment_bytes + HEADER_BYTES + p.offset :][:n]
-            if p.rows == 1 or p.cols == p.ring_stride:  # contiguous in the ring too: a byte copy
+            if p.ring_step == 1 and (p.rows == 1 or p.cols == p.ring_stride):  # contiguous in the ring too
                 pairs.append((ring_buffer[p.bucket_offset : p.bucket_offset + n], src))
             else:
                 pairs.append((_ring_view(ring_buffer, p, wire), src.view(wire).view(p.rows, p.cols)))
@@ -296,7 +296,8 @@ class GatheringPacker:
 
 
 def _ring_view(ring_buffer: torch.Tensor, p: Piece, wire: torch.dtype) -> torch.Tensor:
-    """Where piece ``p`` goes in the ring buffer: ``rows`` x ``cols`` elements, ``ring_stride`` apart."""
-    span = ((p.rows - 1) * p.ring_stride + p.cols) * wire.itemsize if p.count else 0
+    """Where piece ``p`` goes in the ring buffer: ``rows`` x ``cols`` elements, rows ``ring_stride`` apart and
+    columns ``ring_step`` apart (a transposed piece)."""
+    span = ((p.rows - 1) * p.ring_stride + (p.cols - 1) * p.ring_step + 1) * wire.itemsize if p.count else 0
     region = ring_buffer[p.bucket_offset : p.bucket_offset + span].view(wire)
-    return region.as_strided((p.rows, p.cols), (p.ring_stride, 1))
+    return region.as_strided((p.rows, p.cols), (p.ring_stride, p.ring_step))

@@ -77,11 +77,13 @@ class Share:
 @dataclass(frozen=True)
 class Part:
     """Elements [start, start + count) of trainer tensor ``source`` (global, flat), in order: one run of an
-    engine tensor (raysync.sources.mapping)."""
+    engine tensor (raysync.sources.mapping). ``rows`` > 0: the whole trainer matrix (``rows`` x
+    count / rows), transposed."""
 
     source: int
     start: int
     count: int
+    rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Piece:
     ring_stride: int
     offset: int
     bucket_offset: int
+    ring_step: int = 1  # elements between columns in the ring (a transposed piece: the matrix's rows)
 
     @property
     def count(self) -> int:
@@ -294,7 +297,11 @@ def _plan_bucket(bucket, specs, shares, parts, world) -> BucketGather:
                 g0 = part.start + a - at  # the trainer tensor's global element at a
                 ring0 = c.bucket_offset + (a - e0) * size
                 for rank, share in enumerate(shares[part.source]):
-                    for piece in _pieces(share, rank, c.index, part.source, g0, g0 + b - a, ring0, size):
+                    if part.rows:
+                        made = _transposed(share, rank, c.index, part, a - at, b - at, ring0, size)
+                    else:
+                        made = _pieces(share, rank, c.index, part.source, g0, g0 + b - a, ring0, size)
+                    for piece in made:
                         offset = align_up(cursors[rank], PIECE_ALIGN)
                         pieces.append(_placed(piece, offset))
                         cursors[rank] = offset + piece.count * size
@@ -316,3 +323,28 @@ def _pieces(share: Share, rank: int, index: int, source: int, g0: int, g1: int, 
         local = (r0 - share.row_lo) * share.stride + c0 - share.base
         ring = ring0 + (r0 * share.width + c0 - g0) * size
         yield Piece(rank, index, source, local, r1 - r0, c1 - c0, share.stride, share.width, 0, ring)
+
+
+def _transposed(share: Share, rank: int, index: int, part: Part, x0: int, x1: int, ring0: int, size: int):
+    """The pieces ``rank`` gives of elements [x0, x1) of the transpose of a matrix of ``part.rows`` rows:
+    each a block of the matrix read row by row, written into the ring one column of the transpose at a time."""
+    rows, cols = part.rows, part.count // part.rows
+    for j0, j1, i0, i1 in row_blocks(x0, x1, rows):  # rows j of the transpose are columns j of the matrix
+        for r0, r1, c0, c1, start, stride in _natural(share, cols):
+            a0, a1, b0, b1 = max(i0, r0), min(i1, r1), max(j0, c0), min(j1, c1)
+            if a0 < a1 and b0 < b1:
+                local = start + (a0 - r0) * stride + b0 - c0
+                ring = ring0 + (b0 * rows + a0 - x0) * size
+                yield Piece(rank, index, part.source, local, a1 - a0, b1 - b0, stride, 1, 0, ring, rows)
+
+
+def _natural(share: Share, cols: int):
+    """A rank's share of a matrix ``cols`` wide as blocks of it: (rows [r0, r1), columns [c0, c1), the local
+    element of (r0, c0), the local row stride)."""
+    if share.numel == 0:
+        return
+    if share.width == cols:
+        yield share.row_lo, share.row_hi, share.lo, share.hi, share.lo - share.base, share.stride
+        return
+    for r0, r1, c0, c1 in row_blocks(share.lo, share.hi, cols):  # one row of the whole matrix: a flat range
+        yield r0, r1, c0, c1, r0 * cols + c0 - share.base, cols

@@ -12,8 +12,8 @@ A ``NameMap`` of rules says so once:
     )
     source = DTensorSource(model.named_parameters(), config, mapping=mapping)
 
-Every rule cuts or joins along dim 0, so each engine tensor is a run of ``Part``s, each a run of flat elements
-of one trainer tensor (raysync.sources.gather_plan): the layout the engine sees (names, shapes) is known from
+Split and Fuse cut or join along dim 0, so each engine tensor is a run of ``Part``s, each a run of flat elements
+of one trainer tensor, or (Transpose) a whole trainer matrix transposed (raysync.sources.gather_plan): the layout the engine sees (names, shapes) is known from
 metadata alone, and the pieces of each bucket are read from the trainer's tensors straight into their places
 in the ring buffer: no extra copy of any tensor. A rule whose shapes do not add up is a LayoutError naming the
 tensor, raised where the source is made.
@@ -38,6 +38,15 @@ from raysync.sources.gather_plan import Part
 @dataclass(frozen=True)
 class Rename:
     """A trainer tensor under another name: ``name`` is a template for ``re.Match.expand`` (``\\1``, ...)."""
+
+    pattern: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Transpose:
+    """A trainer matrix as its transpose on the engine (e.g. a Conv1D-style ``[in, out]`` weight for an
+    ``nn.Linear``'s ``[out, in]``), under the name ``name`` (a template, as Rename's)."""
 
     pattern: str
     name: str
@@ -76,7 +85,7 @@ class Mapped:
 class NameMap:
     """The rules, in order; ``apply`` maps the trainer's (name, global shape, dtype) to the engine's tensors."""
 
-    def __init__(self, *rules: Rename | Split | Fuse):
+    def __init__(self, *rules: Rename | Transpose | Split | Fuse):
         self.rules = rules
         for rule in rules:
             if isinstance(rule, Split) and (len(rule.names) != len(rule.rows) or not rule.rows):
@@ -95,6 +104,8 @@ class NameMap:
                 out.append(
                     Mapped(match.expand(rule.name), tuple(shape), dtype, (Part(index, 0, math.prod(shape)),))
                 )
+            elif isinstance(rule, Transpose):
+                out.append(_transpose(rule, match, index, name, tuple(shape), dtype))
             elif isinstance(rule, Split):
                 out.extend(_split(rule, match, index, name, tuple(shape), dtype))
             else:
@@ -125,6 +136,16 @@ class NameMap:
 def identity(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> list[Mapped]:
     """No mapping: each trainer tensor is the engine tensor of the same name."""
     return [Mapped(n, tuple(s), d, (Part(i, 0, math.prod(s)),)) for i, (n, s, d) in enumerate(tensors)]
+
+
+def _transpose(rule: Transpose, match, index: int, name: str, shape: tuple[int, ...], dtype) -> Mapped:
+    if len(shape) != 2:
+        raise LayoutError(
+            f"tensor {name!r} of shape {shape} cannot be transposed: a Transpose takes a matrix (2 dims); fix "
+            f"the rule {rule.pattern!r}"
+        )
+    part = Part(index, 0, shape[0] * shape[1], rows=shape[0])
+    return Mapped(match.expand(rule.name), (shape[1], shape[0]), dtype, (part,))
 
 
 def _split(rule: Split, match, index: int, name: str, shape: tuple[int, ...], dtype) -> list[Mapped]:
