@@ -14,7 +14,8 @@ two NCCL ranks on one GPU (collective) are left out unless ``--all-rows``: the 7
     setup        ``WeightSync(...)`` until the first push can start (placement, plan, sessions, rings, the graph)
     WeightSync   ``sync.push(version)`` on the driver, end to end (every pair's answer back on the driver)
     raw session  WeightSender / WeightReceiver in two processes of their own (no Ray), with the config the plan
-                 gave the pair: what the transport costs without Ray
+                 gave the pair: what the transport costs without Ray (measured once per pair config and layout:
+                 the compiled-graph row shares the default row's)
     Ray's share  WeightSync minus raw session (medians)
 
 and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
@@ -254,7 +255,11 @@ def configs(device: str, all_rows: bool) -> dict[str, SyncConfig]:
     return {name: dataclasses.replace(base, **values) for name, values in forced.items()}
 
 
-def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, layout: str) -> dict[str, Any]:
+def run_config(
+    name: str, config: SyncConfig, actors: tuple[Any, Any], args, layout: str, raws: dict[str, Any]
+) -> dict[str, Any]:
+    """``raws``: the raw sessions measured so far for this layout, by the pair's config: a row whose pair has the
+    config of an earlier row (the compiled-graph row: the default's) takes that row's raw figure."""
     trainer, engine = actors
     row: dict[str, Any] = {"config": name}
     ray.get(trainer.bump.remote(len(name) % 50 + 10))
@@ -287,7 +292,11 @@ def run_config(name: str, config: SyncConfig, actors: tuple[Any, Any], args, lay
         pair_config = pair.config(config)
     if pair.transport == "collective":
         return row  # a broadcast group, not a WeightSender's ring: benchmarks/bench_collective.py has its raw figure
-    raw = raw_session(pair_config, layout, args.device, args.pushes, args.threads)
+    key = repr(pair_config)
+    if key not in raws:
+        raws[key] = raw_session(pair_config, layout, args.device, args.pushes, args.threads) | {"row": name}
+    raw = raws[key]
+    row["raw_from_row"] = raw["row"]
     row |= {"raw_median_s": raw["median_s"], "raw_min_s": raw["min_s"]}
     row["ray_share_s"] = row["weightsync_median_s"] - raw["median_s"]
     return row
@@ -300,8 +309,9 @@ def run_layout(layout: str, args) -> dict[str, Any]:
     engine = holder.remote(layout, args.device, False, args.threads)
     floor = ray.get(trainer.floor_s.remote(10))
     nbytes = sum(t.nbytes for t in allocate(layout, device="meta").values())
+    raws: dict[str, Any] = {}
     rows = [
-        run_config(name, cfg, (trainer, engine), args, layout)
+        run_config(name, cfg, (trainer, engine), args, layout, raws)
         for name, cfg in configs(args.device, args.all_rows).items()
     ]
     for a in (trainer, engine):
