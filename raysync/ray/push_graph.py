@@ -20,8 +20,7 @@ read per actor (benchmarks/bench_weightsync.py measures both ways). The answers 
 # - Not the default: with Ray 2.60, an actor that took part in a compiled graph is not released when the
 #   user's last handle to it goes (seen here: its resources stay taken after teardown), so actors made and
 #   dropped per job stage would pile up; ray.kill ends them. And Ray's loop in each actor polls its channels
-#   between rounds: an idle actor of a graph keeps part of a core busy (and takes the GIL from the trainer's
-#   Python now and then) for as long as the graph lives. Opt in where the actors live as long as the job and
+#   between rounds: an idle actor of a graph keeps part of a core busy for as long as the graph lives. Opt in where the actors live as long as the job and
 #   that is cheaper than Ray's per-call cost; compare both rows of benchmarks/bench_weightsync.py first.
 # - An actor runs one compiled graph at a time: a second WeightSync over the same actors cannot compile its
 #   own and pushes through ordinary calls (said in its plan).
