@@ -182,9 +182,16 @@ class GatheringPacker:
     Without a walk (one rank, with a mapping) the pieces go from the local tensors straight into the ring."""
 
     def __init__(
-        self, walk: GatherWalk | None, rank: int, specs, params, gathers: list[BucketGather], buckets, buffers,
-        graphs,
-    ):  # fmt: skip
+        self,
+        walk: GatherWalk | None,
+        rank: int,
+        specs: list[TensorSpec],
+        params: list,
+        gathers: list[BucketGather],
+        buckets: Sequence[Bucket],
+        buffers: Sequence[torch.Tensor] | None,
+        graphs: bool,
+    ):
         # every bucket gathers segments of one size, the largest any bucket needs (only the last buckets need
         # less): a collective that allocates a temporary of its output (gloo does, per gather) then reuses the
         # same block each time, where temporaries of varying sizes left the allocator holding several (~4x the

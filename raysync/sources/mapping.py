@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,42 +96,41 @@ class NameMap:
 
     def apply(self, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> list[Mapped]:
         out: list[Mapped | None] = []
-        fused: dict[tuple, tuple[int, list]] = {}  # (rule, groups) -> (position in out, [(part, index)])
+        fused: dict[
+            tuple, tuple[int, list]
+        ] = {}  # (rule, groups) -> (position in out, [(part, index, match)])
         for index, (name, shape, dtype) in enumerate(tensors):
-            rule, match = self._rule(name)
+            number, which, match = self._rule(name)
+            rule, shape = self.rules[number] if match else None, tuple(shape)
             if rule is None:
-                out.append(Mapped(name, tuple(shape), dtype, (Part(index, 0, math.prod(shape)),)))
+                out.append(Mapped(name, shape, dtype, (Part(index, 0, math.prod(shape)),)))
             elif isinstance(rule, Rename):
-                out.append(
-                    Mapped(match.expand(rule.name), tuple(shape), dtype, (Part(index, 0, math.prod(shape)),))
-                )
+                out.append(Mapped(match.expand(rule.name), shape, dtype, (Part(index, 0, math.prod(shape)),)))
             elif isinstance(rule, Transpose):
-                out.append(_transpose(rule, match, index, name, tuple(shape), dtype))
+                out.append(_transpose(rule, match, index, name, shape, dtype))
             elif isinstance(rule, Split):
-                out.extend(_split(rule, match, index, name, tuple(shape), dtype))
-            else:
-                which = next(i for i, p in enumerate(rule.patterns) if re.fullmatch(p, name))
-                key = (id(rule), match.groups())
-                if key not in fused:
-                    fused[key] = (len(out), [])
+                out.extend(_split(rule, match, index, name, shape, dtype))
+            else:  # a part of a Fuse: the fused tensor takes the place of its first part met
+                at, members = fused.setdefault((number, match.groups()), (len(out), []))
+                if at == len(out):
                     out.append(None)
-                fused[key][1].append((which, index, match))
-        for key, (at, members) in fused.items():
-            out[at] = _fuse(next(r for r in self.rules if id(r) == key[0]), members, tensors)
-        names = [m.name for m in out]
-        twice = sorted({n for n in names if names.count(n) > 1})
+                members.append((which, index, match))
+        for (number, _), (at, members) in fused.items():
+            out[at] = _fuse(self.rules[number], members, tensors)
+        twice = sorted(n for n, k in Counter(m.name for m in out).items() if k > 1)
         if twice:
             raise LayoutError(f"the mapping makes engine tensors {twice} more than once")
         return out
 
-    def _rule(self, name: str):
-        for rule in self.rules:
+    def _rule(self, name: str) -> tuple[int, int, re.Match | None]:
+        """The first rule whose pattern (for a Fuse: which of its patterns) matches ``name`` in full."""
+        for number, rule in enumerate(self.rules):
             patterns = rule.patterns if isinstance(rule, Fuse) else (rule.pattern,)
-            for p in patterns:
-                match = re.fullmatch(p, name)
+            for which, pattern in enumerate(patterns):
+                match = re.fullmatch(pattern, name)
                 if match:
-                    return rule, match
-        return None, None
+                    return number, which, match
+        return -1, -1, None
 
 
 def identity(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> list[Mapped]:
