@@ -253,12 +253,23 @@ def _write_payload(
     elif code.mode == Mode.GAPS:
         assert mask is not None
         mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
-        index = mask.nonzero().view(-1)
+        index = _nonzero_sparse(mask) if 32 * code.entries < code.numel else mask.nonzero().view(-1)
         assert index.numel() == code.entries, "the mask changed between count and encode"
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
         split = _align(2 * code.entries)
         region[: 2 * code.entries].view(torch.int16).copy_(gaps)
         region[split:].view(new.dtype).copy_(new[index])
+
+
+def _nonzero_sparse(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.nonzero()`` of a 1-d bool mask with few True (a GAPS chunk's), as increasing int64 indices: first
+    the 8-element words holding any (one pass over numel / 8 words), then the elements of those words only."""
+    pad = -mask.numel() % 8
+    padded = torch.cat([mask, mask.new_zeros(pad)]) if pad or mask.storage_offset() % 8 else mask
+    rows = padded.view(torch.uint8).view(-1, 8)
+    words = rows.view(torch.int64).view(-1).nonzero().view(-1)
+    hits = rows[words].nonzero()  # row-major: increasing
+    return words[hits[:, 0]].mul_(8).add_(hits[:, 1])
 
 
 # --- decode -----------------------------------------------------------------------------------------------------
