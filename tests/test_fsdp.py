@@ -78,6 +78,7 @@ def trainer(rank, world, store, secret, cfg, versions, fault, endpoints, go, rel
     """Trainer rank ``rank`` of ``world``: FSDP2 on gloo, an SGD step before each push. ``fault``: (rank,
     version, what) with what "killed" (SIGKILLs itself instead of joining the gather of bucket 2) or "absent" (never joins)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from raysync import RaysyncError, WeightSender
@@ -85,10 +86,13 @@ def trainer(rank, world, store, secret, cfg, versions, fault, endpoints, go, rel
     from raysync.tools.models import tiny_qwen2
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh(
+        "cpu", (world,)
+    )  # gloo's mesh: without it fully_shard would use a GPU if there is one
     model = tiny_qwen2(seed=0, **MODEL)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     source = DTensorSource(model.named_parameters(), cfg)
     sender = WeightSender(secret, cfg) if rank == 0 else None

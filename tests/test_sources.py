@@ -133,7 +133,8 @@ def one_rank_mesh(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _fsdp_model(seed: int):
+def _fsdp_model(seed: int, mesh):
+    """FSDP2 on the given CPU mesh (without one, fully_shard would put the parameters on a GPU where there is one)."""
     pytest.importorskip("transformers")
     from torch.distributed.fsdp import fully_shard
 
@@ -141,8 +142,8 @@ def _fsdp_model(seed: int):
 
     model = tiny_qwen2(seed)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -167,7 +168,7 @@ def test_a_one_rank_fsdp2_model_pushes_bit_exact_through_a_session_and_the_plain
     three pushes (one cast to bf16, a plain push between them) land bit-exact."""
     from raysync.sources import DTensorSource
 
-    model = _fsdp_model(seed=0)
+    model = _fsdp_model(seed=0, mesh=one_rank_mesh)
     base = dataclasses.replace(CFG, bucket_bytes=64 << 10)
     for cfg in (base, dataclasses.replace(base, cast_dtype="bfloat16", keep_dtype=("*norm*",))):
         source = DTensorSource(model.named_parameters(), cfg)
