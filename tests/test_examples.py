@@ -37,16 +37,20 @@ def test_ray_quickstart_runs_under_ray_job_submit(private_tmp):
     )
     import socket
 
-    with socket.socket() as s:
+    with socket.socket() as s, socket.socket() as a:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        a.bind(("127.0.0.1", 0))
+        port, agent_port = s.getsockname()[1], a.getsockname()[1]
     env = {k: v for k, v in _env(private_tmp, RAY_AUTH_MODE="disabled").items() if k != "RAY_ADDRESS"}
     # the `ray` CLI of this interpreter's Ray, wherever pip put its script (a venv's bin/, or a --target dir)
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    # the job agent's HTTP port is 52365 unless given: another Ray on the machine (an earlier test's) may hold it,
+    # and then no agent ever serves this head ("No available agent"), so it gets a free port of its own.
     # --block: the head's processes are this command's children, and stop with it (`ray stop` would stop
     # every Ray on the machine, other tests' included)
     start = [*ray_cli, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
-             f"--dashboard-port={port}", "--port=0", "--disable-usage-stats"]  # fmt: skip
+             f"--dashboard-port={port}", f"--dashboard-agent-listen-port={agent_port}", "--port=0",
+             "--disable-usage-stats"]  # fmt: skip
     head = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -5,6 +5,7 @@ raysync.engines.vllm_server)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -81,13 +83,30 @@ def server(tmp_path):
         text=True,
         start_new_session=True,
     )
+    said: collections.deque[str] = collections.deque(maxlen=80)
+    reader = None
     try:
         wait_for_line(process, "Application startup complete", START_S)
         ours = set().union(*(mapped_from_dev_shm(p) for p in process_tree(process.pid)))
+        # read what the server says from here on (a full pipe would stall it); shown if it ends on its own
+        reader = threading.Thread(target=lambda: said.extend(process.stdout), daemon=True)
+        reader.start()
         yield f"http://127.0.0.1:{port}", key, model_dir
     finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the server and its EngineCore (its own session)
-        process.communicate(timeout=120)
+        ended = process.poll()
+        if ended is not None:
+            sys.stderr.write(
+                f"the vLLM server ended by itself (code {ended}); it said last:\n{''.join(said)}"
+            )
+        try:
+            os.killpg(process.pid, signal.SIGTERM)  # the server and its EngineCore (its own session)
+        except ProcessLookupError:  # the whole session had ended already
+            pass
+        if reader is None:
+            process.communicate(timeout=120)  # read to its end: it may still be writing
+        else:
+            process.wait(timeout=120)
+            reader.join(timeout=30)
     left = sorted(n for n in ours if n.startswith("psm_") and os.path.exists(f"/dev/shm/{n}"))
     for name in left:
         os.unlink(f"/dev/shm/{name}")
