@@ -10,13 +10,9 @@ import fnmatch
 import os
 
 import pytest
+from vllm_cpu import require_vllm_cpu
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("vllm")
-pytest.importorskip("transformers")
-if not __import__("vllm.platforms", fromlist=["current_platform"]).current_platform.is_cpu():
-    pytest.skip("these tests drive vLLM's CPU build (engines tuned for a CPU, in actors without a GPU)",
-                allow_module_level=True)  # fmt: skip
+ray = require_vllm_cpu()
 
 import torch  # noqa: E402
 from actors import ENGINE_ARGS, Policy, VllmHost, greedy  # noqa: E402

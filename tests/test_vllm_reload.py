@@ -11,13 +11,9 @@ engine started from the same weights does."""
 from __future__ import annotations
 
 import pytest
+from vllm_cpu import require_vllm_cpu
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("vllm")
-pytest.importorskip("transformers")
-if not __import__("vllm.platforms", fromlist=["current_platform"]).current_platform.is_cpu():
-    pytest.skip("these tests drive vLLM's CPU build (engines tuned for a CPU, in actors without a GPU)",
-                allow_module_level=True)  # fmt: skip
+ray = require_vllm_cpu()
 
 import test_vllm  # noqa: E402
 import torch  # noqa: E402

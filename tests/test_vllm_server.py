@@ -20,13 +20,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from vllm_cpu import require_vllm_cpu
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("vllm")
-pytest.importorskip("transformers")
-if not __import__("vllm.platforms", fromlist=["current_platform"]).current_platform.is_cpu():
-    pytest.skip("these tests drive vLLM's CPU build (engines tuned for a CPU, in actors without a GPU)",
-                allow_module_level=True)  # fmt: skip
+ray = require_vllm_cpu()
 
 from actors import Policy  # noqa: E402
 from test_vllm import CFG, PROMPTS, TOKENS, mapped_from_dev_shm, process_tree  # noqa: E402
