@@ -36,33 +36,14 @@ import dataclasses
 import platform
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
-from common import emit
+from common import emit, timed
 
 from raysync.core import delta
 from raysync.tools.models import LAYOUTS
 
 _WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up, the device synchronized around each run."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bucket(layout: str, layers: int, device: torch.device, seed: int) -> list[torch.Tensor]:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
-from common import emit
+from common import emit, timed
 
 from raysync.core import digest
 from raysync.tools.models import allocate
@@ -40,24 +38,6 @@ def old_partial(data: torch.Tensor) -> torch.Tensor:
     if words < data.numel():
         total = total + data[words:].to(torch.int64).sum()
     return total
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up, the device synchronized around each run."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(layout: str, device: torch.device, repeats: int) -> dict:

@@ -10,17 +10,27 @@ from collections.abc import Callable
 import torch
 
 
-def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, the GPU synchronized around each."""
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, a GPU ``device`` synchronized around each."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """``timed`` on the current GPU."""
+    return timed(fn, torch.device("cuda", torch.cuda.current_device()), repeats)
 
 
 def emit(result: dict, path: str | None) -> None:
