@@ -79,9 +79,15 @@ def sender_main(share: int, args, secret, queues, barrier, out) -> None:
             times.append(time.perf_counter() - t0)
             stages.append(side.last_stages_s)
         split = {k: 1e3 * statistics.median(st[k] for st in stages[1:]) for k in stages[0]}
-        results["runs"].append({"bucket_mb": config.bucket_bytes >> 20, "num_buffers": config.num_buffers,
-                                "times_s": times[1:], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                                "stages_ms": split})  # fmt: skip
+        results["runs"].append(
+            {
+                "bucket_mb": config.bucket_bytes >> 20,
+                "num_buffers": config.num_buffers,
+                "times_s": times[1:],
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "stages_ms": split,
+            }
+        )
         group.close()
     out.put((share, "sender", results, None))
 
@@ -109,8 +115,11 @@ def receiver_main(rank: int, args, secret, queues, barrier, out) -> None:
 
 
 def _configs(args) -> list[SyncConfig]:
-    return [SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
-            for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+    return [
+        SyncConfig(bucket_bytes=mb << 20, num_buffers=nb, timeout_s=30, progress=False)
+        for nb in args.num_buffers
+        for mb in args.bucket_mb
+    ]
 
 
 def main() -> None:
@@ -127,17 +136,22 @@ def main() -> None:
     secret = SessionSecret.generate()
     queues = [ctx.Queue() for _ in range(args.gpus - 1)]
     out, barrier = ctx.Queue(), ctx.Barrier(args.shares)
-    procs = [ctx.Process(target=sender_main, args=(k, args, secret, queues, barrier, out))
-             for k in range(args.shares)]  # fmt: skip
-    procs += [ctx.Process(target=receiver_main, args=(r, args, secret, queues, barrier, out))
-              for r in range(1, args.gpus)]  # fmt: skip
+    procs = [
+        ctx.Process(target=sender_main, args=(k, args, secret, queues, barrier, out))
+        for k in range(args.shares)
+    ]
+    procs += [
+        ctx.Process(target=receiver_main, args=(r, args, secret, queues, barrier, out))
+        for r in range(1, args.gpus)
+    ]
     for p in procs:
         p.start()
     got = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    expected = float(sum(t.view(-1).view(torch.uint8)[::4099].double().sum()
-                         for t in allocate(args.layout).values()))  # fmt: skip
+    expected = float(
+        sum(t.view(-1).view(torch.uint8)[::4099].double().sum() for t in allocate(args.layout).values())
+    )
     assert all(c == expected for _, role, _, c in got if role == "receiver"), "a receiver's tensors differ"
     senders = sorted((k, r) for k, role, r, _ in got if role == "sender")
     sender = senders[0][1]
@@ -145,8 +159,10 @@ def main() -> None:
         per_push = [max(times) for times in zip(*(r["runs"][i]["times_s"] for _, r in senders), strict=True)]
         run.update(median_s=statistics.median(per_push), min_s=min(per_push))
     nbytes = sum(math.prod(shape) * 2 for _, shape in LAYOUTS[args.layout].named_shapes())  # bf16
-    print(f"\n{args.layout}: {nbytes / 1e9:.2f} GB bf16, 1 sender GPU -> {args.gpus - 1} receiver GPU(s), "
-          f"{torch.cuda.get_device_name(0)}")  # fmt: skip
+    print(
+        f"\n{args.layout}: {nbytes / 1e9:.2f} GB bf16, 1 sender GPU -> {args.gpus - 1} receiver GPU(s), "
+        f"{torch.cuda.get_device_name(0)}"
+    )
     print(f"{'path':<34}{'bucket':>8}{'median ms':>11}{'GB/s':>8}{'peak GiB':>10}")
     gib = 1 << 30
     for name, sec in sender["floors"].items():
@@ -160,8 +176,15 @@ def main() -> None:
         split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
         line = f"{path:<34}{r['bucket_mb']:>6}MB{r['median_s'] * 1e3:>11.1f}{r['gbps']:>8.1f}{r['peak_gib']:>10.1f}"
         print(f"{line}   ms: {split}")
-    result = {"layout": args.layout, "bytes": nbytes, "gpus": args.gpus, "shares": args.shares, "hardware": torch.cuda.get_device_name(0),
-              "floors_s": sender["floors"], "runs": sender["runs"]}  # fmt: skip
+    result = {
+        "layout": args.layout,
+        "bytes": nbytes,
+        "gpus": args.gpus,
+        "shares": args.shares,
+        "hardware": torch.cuda.get_device_name(0),
+        "floors_s": sender["floors"],
+        "runs": sender["runs"],
+    }
     emit(result, args.json)
 
 

@@ -57,18 +57,20 @@ def run(layout: str, device: torch.device, repeats: int) -> dict:
         )  # as a receiver does: per tensor, one sync
 
     rows = {
-        "floor: sum of the bytes as int64, one buffer": timed(lambda: flat.view(torch.int64).sum().item(),
-                                                              device, repeats),
+        "floor: sum of the bytes as int64, one buffer": timed(
+            lambda: flat.view(torch.int64).sum().item(), device, repeats
+        ),
         "floor: copy of the bytes, one buffer": timed(lambda: copy.copy_(flat), device, repeats),
         "old digest (sum of 64-bit words), per tensor": timed(per_tensor(old_partial), device, repeats),
         "digest, per tensor": timed(per_tensor(lambda b: digest.partial(b, 0)), device, repeats),
         "digest, one buffer": timed(lambda: digest.combine([[digest.partial(flat, 0)]]), device, repeats),
-    }  # fmt: skip
+    }
     fast = digest._fast_int8_product
     try:  # the path of a device where torch has no fast int8 product (Note in raysync.core.digest)
         digest._fast_int8_product = lambda device: False
-        rows["digest, weight table (no fast int8 product), per tensor"] = timed(per_tensor(lambda b: digest.partial(b, 0)), device,
-                                                             repeats)  # fmt: skip
+        rows["digest, weight table (no fast int8 product), per tensor"] = timed(
+            per_tensor(lambda b: digest.partial(b, 0)), device, repeats
+        )
     finally:
         digest._fast_int8_product = fast
     return {"bytes": flat.numel(), "tensors": len(views), "int8_product": fast(device), "seconds": rows}

@@ -64,8 +64,12 @@ def bench(src, layout, device, bucket_mb, readers, pushes) -> dict:
         for p in procs:
             p.join(timeout=60)
     assert all(s == checksum(src) for s in sums), "a receiver's tensors differ from the sender's"
-    return {"readers": readers, "median_s": statistics.median(times), "packs_per_push": max(packs),
-            "buckets": report.buckets}  # fmt: skip
+    return {
+        "readers": readers,
+        "median_s": statistics.median(times),
+        "packs_per_push": max(packs),
+        "buckets": report.buckets,
+    }
 
 
 def main() -> None:
@@ -91,10 +95,21 @@ def main() -> None:
         r = bench(src, args.layout, args.device, args.bucket_mb, n, args.pushes) | {"floor_s": floor}
         rows.append(r)
         base = rows[0]["median_s"]
-        print(f"{n:>7} {r['median_s']:>9.3f} {floor:>8.3f} {r['median_s'] / floor:>8.2f} "
-              f"{r['median_s'] / base:>7.2f} {r['packs_per_push']:>10} {r['buckets']:>7}")  # fmt: skip
-    emit({"layout": args.layout, "device": args.device, "hardware": hardware, "bytes": nbytes,
-          "bucket_mb": args.bucket_mb, "rows": rows}, args.json)  # fmt: skip
+        print(
+            f"{n:>7} {r['median_s']:>9.3f} {floor:>8.3f} {r['median_s'] / floor:>8.2f} "
+            f"{r['median_s'] / base:>7.2f} {r['packs_per_push']:>10} {r['buckets']:>7}"
+        )
+    emit(
+        {
+            "layout": args.layout,
+            "device": args.device,
+            "hardware": hardware,
+            "bytes": nbytes,
+            "bucket_mb": args.bucket_mb,
+            "rows": rows,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

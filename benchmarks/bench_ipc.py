@@ -62,10 +62,12 @@ def floors(
         for b in buckets:
             for c in b.chunks:
                 staging[c.bucket_offset : c.bucket_offset + c.nbytes].copy_(
-                    flat_src[names[c.index]][c.src_offset : c.src_offset + c.nbytes])  # fmt: skip
+                    flat_src[names[c.index]][c.src_offset : c.src_offset + c.nbytes]
+                )
             for c in b.chunks:
                 flat_dst[names[c.index]][c.src_offset : c.src_offset + c.nbytes].copy_(
-                    staging[c.bucket_offset : c.bucket_offset + c.nbytes])  # fmt: skip
+                    staging[c.bucket_offset : c.bucket_offset + c.nbytes]
+                )
 
     out = {
         "one copy per tensor": timed_cuda(one_copy, repeats),
@@ -81,13 +83,21 @@ def floors(
 
 def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes, direct=False) -> dict:
     ctx = mp.get_context("spawn")
-    config = SyncConfig(transport="cuda_ipc", bucket_bytes=bucket_mb << 20, num_buffers=num_buffers,
-                        timeout_s=120, progress=False, direct=direct)  # fmt: skip
+    config = SyncConfig(
+        transport="cuda_ipc",
+        bucket_bytes=bucket_mb << 20,
+        num_buffers=num_buffers,
+        timeout_s=120,
+        progress=False,
+        direct=direct,
+    )
     secret = SessionSecret.generate()
     out = ctx.Queue()
     with WeightSender(secret, config) as sender:
-        proc = ctx.Process(target=receiver_main,
-                           args=(sender.endpoint, secret, config, layout, receiver_gpu, pushes + 1, out))  # fmt: skip
+        proc = ctx.Process(
+            target=receiver_main,
+            args=(sender.endpoint, secret, config, layout, receiver_gpu, pushes + 1, out),
+        )
         proc.start()
         t0 = time.perf_counter()
         sender.push(src.items(), 0)  # warm-up: session set-up (allocate, export, open: once)
@@ -101,11 +111,18 @@ def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes, direct=Fals
         got, receiver_stages = out.get(timeout=300)
         proc.join(timeout=60)
     assert got == checksum(src), "receiver's tensors differ from the sender's"
-    return {"layout": layout, "mode": "direct" if direct else "ring", "bucket_mb": 0 if direct else bucket_mb,
-            "num_buffers": 0 if direct else num_buffers, "first_push_s": setup,
-            "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]},
-            "receiver_stages_ms": receiver_stages}  # fmt: skip
+    return {
+        "layout": layout,
+        "mode": "direct" if direct else "ring",
+        "bucket_mb": 0 if direct else bucket_mb,
+        "num_buffers": 0 if direct else num_buffers,
+        "first_push_s": setup,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "stages_ms": {k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]},
+        "receiver_stages_ms": receiver_stages,
+    }
 
 
 def main() -> None:
@@ -128,8 +145,15 @@ def main() -> None:
         nbytes = sum(t.nbytes for t in src.values())
         floor = floors(src, 512 << 20, args.receiver_gpu, repeats=10)
         torch.cuda.empty_cache()  # the floors' destinations go back before the receiver allocates its own
-        rows = [] if args.no_ring else [bench(src, layout, mb, nb, args.receiver_gpu, args.pushes)
-                                        for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+        rows = (
+            []
+            if args.no_ring
+            else [
+                bench(src, layout, mb, nb, args.receiver_gpu, args.pushes)
+                for nb in args.num_buffers
+                for mb in args.bucket_mb
+            ]
+        )
         if args.direct:
             rows.append(
                 bench(src, layout, 512, 2, args.receiver_gpu, args.pushes, direct=True)
@@ -149,10 +173,13 @@ def main() -> None:
             )
             split = ", ".join(f"{k} {v:.1f}" for k, v in r["stages_ms"].items())
             split += "; receiver " + ", ".join(f"{k} {v:.2f}" for k, v in r["receiver_stages_ms"].items())
-            print(f"{path:<40}{r['bucket_mb'] or '-':>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
-                  f"{r['gbps']:>8.1f}   ms: {split}")  # fmt: skip
-        result["layouts"].append({"layout": layout, "bytes": nbytes, "tensors": len(src),
-                                  "floors_s": floor, "runs": rows})  # fmt: skip
+            print(
+                f"{path:<40}{r['bucket_mb'] or '-':>6}MB{r['median_s'] * 1e3:>11.2f}{r['min_s'] * 1e3:>8.2f}"
+                f"{r['gbps']:>8.1f}   ms: {split}"
+            )
+        result["layouts"].append(
+            {"layout": layout, "bytes": nbytes, "tensors": len(src), "floors_s": floor, "runs": rows}
+        )
         del src
         torch.cuda.empty_cache()
     emit(result, args.json)

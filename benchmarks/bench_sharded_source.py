@@ -232,9 +232,14 @@ def run(mode: str, world: int, args, config: SyncConfig, dim: int = 0) -> dict:
         os.unlink(store)
     push_s, floor_s, extra, model_bytes = got["sender"]
     name = mode if mode == "plain" else f"dtensor, {world} rank(s)" + (f", Shard({dim})" if dim else "")
-    return {"source": name, "push_ms": push_s * 1e3,
-            "floor_ms": floor_s * 1e3, "peak_extra_mb": extra / 2**20, "model_mb": model_bytes / 2**20,
-            "exact": got["engine"][0]}  # fmt: skip
+    return {
+        "source": name,
+        "push_ms": push_s * 1e3,
+        "floor_ms": floor_s * 1e3,
+        "peak_extra_mb": extra / 2**20,
+        "model_mb": model_bytes / 2**20,
+        "exact": got["engine"][0],
+    }
 
 
 def _tagged(event: tuple) -> tuple[str, tuple]:
@@ -267,15 +272,30 @@ def main() -> None:
         f"{'source':<30} {'push ms':>9} {'floor ms':>9} {'x floor':>8} {'peak extra MiB':>15} {'bound MiB':>10} {'model MiB':>10} exact"
     )
     for r in rows:
-        print(f"{r['source']:<30} {r['push_ms']:>9.1f} {r['floor_ms']:>9.1f} {r['push_ms'] / r['floor_ms']:>8.2f} "
-              f"{r['peak_extra_mb']:>15.1f} {bound_mb:>10.1f} {r['model_mb']:>10.1f} {r['exact']}")  # fmt: skip
+        print(
+            f"{r['source']:<30} {r['push_ms']:>9.1f} {r['floor_ms']:>9.1f} {r['push_ms'] / r['floor_ms']:>8.2f} "
+            f"{r['peak_extra_mb']:>15.1f} {bound_mb:>10.1f} {r['model_mb']:>10.1f} {r['exact']}"
+        )
     if args.device == "cpu" and any(w > 1 for w in args.ranks):
         print(
             "(gloo: each all-gather allocates a temporary of its output, one more bucket: see the docstring)"
         )
-    emit({"bench": "sharded_source", "layout": args.layout, "dtype": args.dtype, "device": args.device,
-          "where": where, "transport": transport, "bucket_mb": args.bucket_mb, "num_buffers": int(config.num_buffers),
-          "pushes": args.pushes, "bound_mb": bound_mb, "rows": rows}, args.json)  # fmt: skip
+    emit(
+        {
+            "bench": "sharded_source",
+            "layout": args.layout,
+            "dtype": args.dtype,
+            "device": args.device,
+            "where": where,
+            "transport": transport,
+            "bucket_mb": args.bucket_mb,
+            "num_buffers": int(config.num_buffers),
+            "pushes": args.pushes,
+            "bound_mb": bound_mb,
+            "rows": rows,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -91,18 +91,21 @@ def floors(src: dict[str, torch.Tensor], device: str, repeats: int) -> dict[str,
                 back[k].copy_(v, non_blocking=True)
 
     return {
-        "D2H per tensor, pinned": _timed(lambda: [host[k].copy_(v, non_blocking=True) for k, v in src.items()],
-                                         device, repeats),
-        "H2D per tensor, pinned": _timed(lambda: [back[k].copy_(v, non_blocking=True) for k, v in host.items()],
-                                         device, repeats),
+        "D2H per tensor, pinned": _timed(
+            lambda: [host[k].copy_(v, non_blocking=True) for k, v in src.items()], device, repeats
+        ),
+        "H2D per tensor, pinned": _timed(
+            lambda: [back[k].copy_(v, non_blocking=True) for k, v in host.items()], device, repeats
+        ),
         "D2H and H2D at once (2 streams)": _timed(both_at_once, device, repeats),
-    }  # fmt: skip
+    }
 
 
 def bench_one(src, layout, device, bucket_mb, num_buffers, pushes, threads, verify=False) -> dict:
     ctx = mp.get_context("spawn")
-    config = SyncConfig(bucket_bytes=bucket_mb << 20, num_buffers=num_buffers, timeout_s=120, progress=False,
-                        verify=verify)  # fmt: skip
+    config = SyncConfig(
+        bucket_bytes=bucket_mb << 20, num_buffers=num_buffers, timeout_s=120, progress=False, verify=verify
+    )
     secret = SessionSecret.generate()
     out = ctx.Queue()
     with WeightSender(secret, config) as sender:
@@ -147,12 +150,17 @@ def main() -> None:
     floor = floors(src, args.device, repeats=args.pushes)
     floor_name = next(iter(floor)) if args.device == "cpu" else "D2H and H2D at once (2 streams)"
     bound = floor[floor_name]  # CPU: one copy (a plain memcpy); CUDA: the bound of a pipelined host path
-    rows = [bench_one(src, args.layout, args.device, mb, nb, args.pushes, args.threads, verify)
-            for verify in ([False, True] if args.verify else [False])
-            for nb in args.num_buffers for mb in args.bucket_mb]  # fmt: skip
+    rows = [
+        bench_one(src, args.layout, args.device, mb, nb, args.pushes, args.threads, verify)
+        for verify in ([False, True] if args.verify else [False])
+        for nb in args.num_buffers
+        for mb in args.bucket_mb
+    ]
     hw = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
-    print(f"\n{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB bf16, device={args.device} ({hw}), "
-          f"{torch.get_num_threads()} thread(s)/process")  # fmt: skip
+    print(
+        f"\n{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB bf16, device={args.device} ({hw}), "
+        f"{torch.get_num_threads()} thread(s)/process"
+    )
     print(f"{'path':<36}{'bucket':>8}{'median s':>10}{'GB/s':>8}{'% floor':>9}")
     for name, sec in floor.items():
         print(
@@ -166,9 +174,17 @@ def main() -> None:
             f"{path:<36}{r['bucket_mb']:>6}MB{r['median_s']:>10.3f}{r['gbps']:>8.2f}{r['pct_of_floor']:>8.0f}%"
         )
     result = {
-        "layout": args.layout, "device": args.device, "hardware": hw, "bytes": nbytes, "tensors": len(src),
-        "threads": args.threads, "floors_s": floor, "floor": floor_name, "floor_s": bound, "runs": rows,
-    }  # fmt: skip
+        "layout": args.layout,
+        "device": args.device,
+        "hardware": hw,
+        "bytes": nbytes,
+        "tensors": len(src),
+        "threads": args.threads,
+        "floors_s": floor,
+        "floor": floor_name,
+        "floor_s": bound,
+        "runs": rows,
+    }
     emit(result, args.json)
 
 

@@ -122,10 +122,16 @@ def cycle(transport: str, victim_role: str, config: SyncConfig, rng: random.Rand
     proc.join(timeout=30)
     inbox.close()
     out.close()
-    return {"transport": transport, "killed": victim_role, "error": type(error).__name__,
-            "typed": isinstance(error, RaysyncError), "pushes_before": len(durations),
-            "seconds_to_error": raised_at - killed_at[0] if killed_at else None,
-            "victim_exit": proc.exitcode, "victim_pid": proc.pid}  # fmt: skip
+    return {
+        "transport": transport,
+        "killed": victim_role,
+        "error": type(error).__name__,
+        "typed": isinstance(error, RaysyncError),
+        "pushes_before": len(durations),
+        "seconds_to_error": raised_at - killed_at[0] if killed_at else None,
+        "victim_exit": proc.exitcode,
+        "victim_pid": proc.pid,
+    }
 
 
 def raysync_entries(pids: set[int]) -> set[str]:
@@ -176,15 +182,18 @@ def run(cycles: int, timeout_s: float = 2.0, seed: int = 0) -> dict:
     fds_end = open_fds()
     late = [r["seconds_to_error"] for r in rows if r["seconds_to_error"] is not None]
     return {
-        "cycles": cycles, "timeout_s": timeout_s, "rows": rows,
+        "cycles": cycles,
+        "timeout_s": timeout_s,
+        "rows": rows,
         "untyped": [r for r in rows if not r["typed"]],
         "late": [r for r in rows if r["seconds_to_error"] is None or r["seconds_to_error"] > timeout_s + 1],
         "leftovers": sorted({x for r in rows for x in r["leftovers"]}),
         "max_seconds_to_error": max(late) if late else None,
         "median_seconds_to_error": statistics.median(late) if late else None,
-        "fds_after_first_round": fds_after_first, "fds_at_end": fds_end,
+        "fds_after_first_round": fds_after_first,
+        "fds_at_end": fds_end,
         "clean_session_after": clean_session_works(config),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -205,9 +214,11 @@ def main() -> None:
                 print(
                     f"{t:<12}{v:<10}{len(rows):>6}{sum(x['typed'] for x in rows):>7}{worst:>16.2f}  {errors}"
                 )
-    print(f"timeout_s {r['timeout_s']}: late {len(r['late'])}, untyped {len(r['untyped'])}, leftovers "
-          f"{len(r['leftovers'])}, fds after the first round {r['fds_after_first_round']} -> at the end "
-          f"{r['fds_at_end']}, clean session after: {r['clean_session_after']}")  # fmt: skip
+    print(
+        f"timeout_s {r['timeout_s']}: late {len(r['late'])}, untyped {len(r['untyped'])}, leftovers "
+        f"{len(r['leftovers'])}, fds after the first round {r['fds_after_first_round']} -> at the end "
+        f"{r['fds_at_end']}, clean session after: {r['clean_session_after']}"
+    )
     emit(r, args.json)
 
 

@@ -96,8 +96,16 @@ def inputs(n: int, seed: int) -> Iterator[tuple[str, Callable[[Peer], tuple]]]:
 
     def degenerate(peer: Peer) -> tuple:
         def value() -> int:
-            return rng.choice([0, 1, rng.randrange(2, 4096), 1 << rng.randrange(0, 63), 2**63 - 1,
-                               (1 << rng.randrange(4, 40)) + rng.choice([-16, -1, 1, 16])])  # fmt: skip
+            return rng.choice(
+                [
+                    0,
+                    1,
+                    rng.randrange(2, 4096),
+                    1 << rng.randrange(0, 63),
+                    2**63 - 1,
+                    (1 << rng.randrange(4, 40)) + rng.choice([-16, -1, 1, 16]),
+                ]
+            )
 
         return "frame", peer.layout(value(), value(), [tensor("w", 4096, "float32", rng)])
 
@@ -109,22 +117,27 @@ def inputs(n: int, seed: int) -> Iterator[tuple[str, Callable[[Peer], tuple]]]:
         return "frame", peer.layout(bucket, align, specs)
 
     def bad_schema(peer: Peer) -> tuple:
-        bad = rng.choice([
-            {"name": "", "dtype": "uint8", "shape": [1]},
-            {"name": "x" * 2000, "dtype": "uint8", "shape": [1]},
-            {"name": "w", "dtype": rng.choice(["object", "float128", "", "pickle"]), "shape": [1]},
-            {"name": "w", "dtype": "uint8", "shape": [2] * rng.randrange(17, 64)},
-            {"name": "w", "dtype": "float64", "shape": [1 << 30, 1 << 30]},  # 2**63 bytes
-            {"name": "t0", "dtype": "uint8", "shape": [8]},  # a duplicate of the first name
-        ])  # fmt: skip
+        bad = rng.choice(
+            [
+                {"name": "", "dtype": "uint8", "shape": [1]},
+                {"name": "x" * 2000, "dtype": "uint8", "shape": [1]},
+                {"name": "w", "dtype": rng.choice(["object", "float128", "", "pickle"]), "shape": [1]},
+                {"name": "w", "dtype": "uint8", "shape": [2] * rng.randrange(17, 64)},
+                {"name": "w", "dtype": "float64", "shape": [1 << 30, 1 << 30]},  # 2**63 bytes
+                {"name": "t0", "dtype": "uint8", "shape": [8]},  # a duplicate of the first name
+            ]
+        )
         return "frame", peer.layout(1 << 20, 256, [tensor("t0", 64, "uint8", rng), bad])
 
     def out_of_range(peer: Peer) -> tuple:
         extreme = rng.choice([-1, -(2**63), 2**63, 2**64 - 1, True, 1.5, "256"])
         where = rng.randrange(3)
         dims = [extreme] if where == 2 else [8]
-        return "frame", peer.layout(extreme if where == 0 else 1 << 20, extreme if where == 1 else 256,
-                                    [{"name": "w", "dtype": "uint8", "shape": dims}])  # fmt: skip
+        return "frame", peer.layout(
+            extreme if where == 0 else 1 << 20,
+            extreme if where == 1 else 256,
+            [{"name": "w", "dtype": "uint8", "shape": dims}],
+        )
 
     def direct(peer: Peer) -> tuple:
         """Storages and offsets as a sender would export them (each tensor in its own storage, or several
@@ -150,18 +163,36 @@ def inputs(n: int, seed: int) -> Iterator[tuple[str, Callable[[Peer], tuple]]]:
             storage.pop()  # lists that disagree
         return "direct", (specs, storage, offsets, sizes)
 
-    makers = {"huge tensor, small buckets": huge_tensor, "degenerate geometry": degenerate,
-              "random layout": random_layout, "names, dtypes, shapes": bad_schema,
-              "integers out of range": out_of_range, "direct-mode storages": direct}  # fmt: skip
+    makers = {
+        "huge tensor, small buckets": huge_tensor,
+        "degenerate geometry": degenerate,
+        "random layout": random_layout,
+        "names, dtypes, shapes": bad_schema,
+        "integers out of range": out_of_range,
+        "direct-mode storages": direct,
+    }
     kinds = list(makers)
     for i in range(n):
         kind = kinds[i % len(kinds)]
         yield kind, makers[kind]
-    for count in (1, 1000, 100_000, MAX_LAYOUT_TENSORS - 1, MAX_LAYOUT_TENSORS, MAX_LAYOUT_TENSORS + 1,
-                  2 * MAX_LAYOUT_TENSORS, 3 * MAX_LAYOUT_TENSORS):  # fmt: skip
+    for count in (
+        1,
+        1000,
+        100_000,
+        MAX_LAYOUT_TENSORS - 1,
+        MAX_LAYOUT_TENSORS,
+        MAX_LAYOUT_TENSORS + 1,
+        2 * MAX_LAYOUT_TENSORS,
+        3 * MAX_LAYOUT_TENSORS,
+    ):
         for bucket, align in ((1 << 20, 256), (16, 16)):
-            yield "many tiny tensors", lambda peer, n=count, b=bucket, a=align: ("frame", peer.layout(b, a, [
-                {"name": f"{i:x}", "dtype": "bool", "shape": []} for i in range(n)]))  # fmt: skip
+            yield (
+                "many tiny tensors",
+                lambda peer, n=count, b=bucket, a=align: (
+                    "frame",
+                    peer.layout(b, a, [{"name": f"{i:x}", "dtype": "bool", "shape": []} for i in range(n)]),
+                ),
+            )
 
 
 def attempt(rx: FrameCodec, what: str, value: object, plan_max_chunks: int) -> tuple[str, str, float, int]:
@@ -192,12 +223,21 @@ def attempt(rx: FrameCodec, what: str, value: object, plan_max_chunks: int) -> t
 
 
 def _reason(message: str) -> str:
-    for key, reason in (("buckets and", "buckets / chunks over the bound"), ("tensors is above", "tensor count"),
-                        ("align_bytes=", "geometry"), ("bucket_bytes=", "geometry"), ("beyond any real", "tensor size"),
-                        ("do not fit", "direct: outside its storage"), ("itemsize", "direct: half an element"),
-                        ("offsets for", "direct: lists disagree"), ("storages exported for", "direct: storage count"),
-                        ("more than once", "duplicate name"), ("allowlist", "dtype"), ("shape", "shape"),
-                        ("name must", "name")):  # fmt: skip
+    for key, reason in (
+        ("buckets and", "buckets / chunks over the bound"),
+        ("tensors is above", "tensor count"),
+        ("align_bytes=", "geometry"),
+        ("bucket_bytes=", "geometry"),
+        ("beyond any real", "tensor size"),
+        ("do not fit", "direct: outside its storage"),
+        ("itemsize", "direct: half an element"),
+        ("offsets for", "direct: lists disagree"),
+        ("storages exported for", "direct: storage count"),
+        ("more than once", "duplicate name"),
+        ("allowlist", "dtype"),
+        ("shape", "shape"),
+        ("name must", "name"),
+    ):
         if key in message:
             return reason
     return "other: " + message[:80]
@@ -241,7 +281,7 @@ def sweep(n: int, seed: int, plan_max_chunks: int) -> dict:
             "max": 1e6 * every_refusal[-1],
             "by_kind_median": {k: 1e6 * statistics.median(v) for k, v in refuse_s.items()},
             "by_kind_max": {k: 1e6 * max(v) for k, v in refuse_s.items()},
-        },  # fmt: skip
+        },
         "accept_s": {"median": statistics.median(accept_s), "max": max(accept_s)} if accept_s else {},
         "max_chunks_planned": max_chunks_planned,
         "slowest_refusals": [
@@ -257,15 +297,21 @@ def worst_accepted() -> dict:
         "262,144 tensors in 131,072 buckets": (512, 256, [("uint8", (100,))] * MAX_LAYOUT_TENSORS),
         # one tensor sliced over every bucket the bound allows, then zero-size tensors: the chunk bound
         "1 tensor over 131,071 buckets + 262,143 empty": (
-            256, 256, [("uint8", ((MAX_LAYOUT_BUCKETS - 1) * 256,))] + [("uint8", (0,))] * (MAX_LAYOUT_TENSORS - 1)),
-    }  # fmt: skip
+            256,
+            256,
+            [("uint8", ((MAX_LAYOUT_BUCKETS - 1) * 256,))] + [("uint8", (0,))] * (MAX_LAYOUT_TENSORS - 1),
+        ),
+    }
     secret = SessionSecret.generate()
     peer = Peer(secret)
     out = {}
     for name, (bucket, align, items) in cases.items():
         rx = FrameCodec(secret, "receiver", "sender", MAX_FRAME_BYTES)
-        frame = peer.layout(bucket, align, [{"name": f"{i:x}", "dtype": d, "shape": list(s)}
-                                            for i, (d, s) in enumerate(items)])  # fmt: skip
+        frame = peer.layout(
+            bucket,
+            align,
+            [{"name": f"{i:x}", "dtype": d, "shape": list(s)} for i, (d, s) in enumerate(items)],
+        )
         t0 = time.perf_counter()
         layout = rx.decode(frame)
         t1 = time.perf_counter()
@@ -281,9 +327,17 @@ def worst_accepted() -> dict:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         del plan
-        out[name] = {"frame_bytes": len(frame), "decode_s": t1 - t0, "check_s": t3 - t2, "plan_s": t2 - t1,
-                     "buckets": size.buckets, "chunks": chunks, "plan_peak_bytes": peak,
-                     "plan_bytes_per_chunk": peak / chunks, "plan_s_per_chunk": (t2 - t1) / chunks}  # fmt: skip
+        out[name] = {
+            "frame_bytes": len(frame),
+            "decode_s": t1 - t0,
+            "check_s": t3 - t2,
+            "plan_s": t2 - t1,
+            "buckets": size.buckets,
+            "chunks": chunks,
+            "plan_peak_bytes": peak,
+            "plan_bytes_per_chunk": peak / chunks,
+            "plan_s_per_chunk": (t2 - t1) / chunks,
+        }
     return out
 
 
@@ -292,8 +346,10 @@ def issue_cases(per_chunk_s: float, per_chunk_bytes: float) -> dict:
     out = {}
     secret = SessionSecret.generate()
     peer = Peer(secret)
-    for name, bucket, align, nbytes in (("1 GiB tensor, 16-byte buckets", 16, 16, 1 << 30),
-                                        ("2**47-byte tensor, 4 KiB buckets", 4096, 256, 1 << 47)):  # fmt: skip
+    for name, bucket, align, nbytes in (
+        ("1 GiB tensor, 16-byte buckets", 16, 16, 1 << 30),
+        ("2**47-byte tensor, 4 KiB buckets", 4096, 256, 1 << 47),
+    ):
         rx = FrameCodec(secret, "receiver", "sender", MAX_FRAME_BYTES)
         frame = peer.layout(bucket, align, [{"name": "w", "dtype": "uint8", "shape": [nbytes]}])
         times, sender_times = [], []
@@ -310,11 +366,15 @@ def issue_cases(per_chunk_s: float, per_chunk_bytes: float) -> dict:
             except BadLayout:
                 sender_times.append(time.perf_counter() - t0)
         chunks = math.ceil(nbytes / bucket)
-        out[name] = {"refused_by_receiver": len(times), "refused_by_sender": len(sender_times),
-                     "receiver_refuse_us_median": 1e6 * statistics.median(times),
-                     "sender_refuse_us_median": 1e6 * statistics.median(sender_times),
-                     "chunks_if_planned": chunks, "unbounded_plan_s_estimate": chunks * per_chunk_s,
-                     "unbounded_plan_bytes_estimate": chunks * per_chunk_bytes}  # fmt: skip
+        out[name] = {
+            "refused_by_receiver": len(times),
+            "refused_by_sender": len(sender_times),
+            "receiver_refuse_us_median": 1e6 * statistics.median(times),
+            "sender_refuse_us_median": 1e6 * statistics.median(sender_times),
+            "chunks_if_planned": chunks,
+            "unbounded_plan_s_estimate": chunks * per_chunk_s,
+            "unbounded_plan_bytes_estimate": chunks * per_chunk_bytes,
+        }
     return out
 
 
@@ -330,10 +390,17 @@ def main() -> None:
     worst = worst_accepted()
     per_chunk_s = max(w["plan_s_per_chunk"] for w in worst.values())
     per_chunk_bytes = max(w["plan_bytes_per_chunk"] for w in worst.values())
-    r |= {"worst_accepted": worst, "issue_22": issue_cases(per_chunk_s, per_chunk_bytes),
-          "bounds": {"tensors": MAX_LAYOUT_TENSORS, "buckets": MAX_LAYOUT_BUCKETS, "chunks": MAX_LAYOUT_CHUNKS},
-          "machine": {"cpus": os.cpu_count(), "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
-                      "python": platform.python_version()}}  # fmt: skip
+    r |= {
+        "worst_accepted": worst,
+        "issue_22": issue_cases(per_chunk_s, per_chunk_bytes),
+        "bounds": {"tensors": MAX_LAYOUT_TENSORS, "buckets": MAX_LAYOUT_BUCKETS, "chunks": MAX_LAYOUT_CHUNKS},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_1min_start": load_start,
+            "loadavg_1min_end": os.getloadavg()[0],
+            "python": platform.python_version(),
+        },
+    }
     t = r["totals"]
     print(
         f"{r['inputs']} hostile layouts: {t.get('accepted', 0) + t.get('accepted, counted', 0)} accepted "
@@ -350,13 +417,20 @@ def main() -> None:
     for kind, c in r["outcomes"].items():
         med, top = r["refuse_us"]["by_kind_median"].get(kind, 0), r["refuse_us"]["by_kind_max"].get(kind, 0)
         print(f"{kind:<28}{', '.join(f'{o} {n}' for o, n in sorted(c.items())):<80}{med:.1f} / {top:.1f}")
-    print("slowest refusals: " + "; ".join(f"{s['kind']} ({s['reason']}, {s['frame_bytes']} B) {s['us']:.0f} us"
-                                          for s in r["slowest_refusals"]))  # fmt: skip
+    print(
+        "slowest refusals: "
+        + "; ".join(
+            f"{s['kind']} ({s['reason']}, {s['frame_bytes']} B) {s['us']:.0f} us"
+            for s in r["slowest_refusals"]
+        )
+    )
     print("refusals by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["refusal_reasons"].items())))
     for name, w in worst.items():
-        print(f"worst accepted, {name}: frame {w['frame_bytes'] / 2**20:.1f} MiB, decode {w['decode_s']:.2f} s, "
-              f"check {1e3 * w['check_s']:.0f} ms, plan {w['plan_s']:.2f} s, {w['chunks']} chunks, plan memory "
-              f"{w['plan_peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+        print(
+            f"worst accepted, {name}: frame {w['frame_bytes'] / 2**20:.1f} MiB, decode {w['decode_s']:.2f} s, "
+            f"check {1e3 * w['check_s']:.0f} ms, plan {w['plan_s']:.2f} s, {w['chunks']} chunks, plan memory "
+            f"{w['plan_peak_bytes'] / 2**20:.0f} MiB"
+        )
     for name, c in r["issue_22"].items():
         print(
             f"{name}: refused in {c['receiver_refuse_us_median']:.1f} us (receiver), "

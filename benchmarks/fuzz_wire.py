@@ -58,8 +58,9 @@ def _nested_frame(head: list, depth: int) -> bytes:
     return bytes([0x90 + len(head) + 1]) + prefix[1:] + b"\x91" * depth + b"\x01"
 
 
-def frames(n: int, secret: SessionSecret, valid: list[bytes], bomb_path: str, max_frame_bytes: int,
-           seed: int = 0):  # fmt: skip
+def frames(
+    n: int, secret: SessionSecret, valid: list[bytes], bomb_path: str, max_frame_bytes: int, seed: int = 0
+):
     """``n`` hostile frames as (kind, bytes); ``valid`` are frames the receiver has already accepted."""
     rng = random.Random(seed)
     other = SessionSecret.generate()
@@ -84,27 +85,45 @@ def frames(n: int, secret: SessionSecret, valid: list[bytes], bomb_path: str, ma
         "random bytes": lambda: os.urandom(rng.randrange(0, 512)),
         "truncated": lambda: (v := rng.choice(valid))[: rng.randrange(len(v))],
         "bit flipped": lambda: (lambda v, i: v[:i] + bytes([v[i] ^ (1 << rng.randrange(8))]) + v[i + 1 :])(
-            (v := rng.choice(valid)), rng.randrange(len(v))),
+            (v := rng.choice(valid)), rng.randrange(len(v))
+        ),
         "oversized": lambda: os.urandom(max_frame_bytes + 1 + rng.randrange(1024)),
-        "forged (other key)": lambda: _sign(msgpack.packb([PROTOCOL, sid, 10**6, "Hello", {"pid": 1, "host": "x"}]),
-                                            other.key),
+        "forged (other key)": lambda: _sign(
+            msgpack.packb([PROTOCOL, sid, 10**6, "Hello", {"pid": 1, "host": "x"}]), other.key
+        ),
         "unsigned": lambda: msgpack.packb([PROTOCOL, sid, 10**6, "Hello", {"pid": 1, "host": "x"}]),
         "replayed": lambda: rng.choice(valid),
         "pickle raw": lambda: bomb,
         "pickle, fake MAC": lambda: bomb + os.urandom(32),
-        "pickle, signed": lambda: rng.choice([
-            _sign(bomb, secret.key),
-            signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Hello", {"pid": 1, "host": bomb}]),
-            signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Hello", msgpack.ExtType(0x50, bomb)]),
-        ]),
-        "signed, deeply nested": lambda: _sign(_nested_frame([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Layout"],
-                                                             rng.choice([100, 1000, 100_000])), secret.key),
-        "signed, wrong types": lambda: signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "PushStart",
-                                               {"push_id": "1", "version": -1, "layout_id": 1.5, "verify": 2}]),
-        "signed, unknown kind": lambda: signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Exec", {"cmd": "id"}]),
-        "signed, random msgpack": lambda: signed(rng.choice([random_msgpack(), [PROTOCOL, sid, random_msgpack(),
-                                                                                 "Hello", random_msgpack()]])),
-    }  # fmt: skip
+        "pickle, signed": lambda: rng.choice(
+            [
+                _sign(bomb, secret.key),
+                signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Hello", {"pid": 1, "host": bomb}]),
+                signed([PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Hello", msgpack.ExtType(0x50, bomb)]),
+            ]
+        ),
+        "signed, deeply nested": lambda: _sign(
+            _nested_frame(
+                [PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Layout"], rng.choice([100, 1000, 100_000])
+            ),
+            secret.key,
+        ),
+        "signed, wrong types": lambda: signed(
+            [
+                PROTOCOL,
+                sid,
+                10**7 + rng.getrandbits(20),
+                "PushStart",
+                {"push_id": "1", "version": -1, "layout_id": 1.5, "verify": 2},
+            ]
+        ),
+        "signed, unknown kind": lambda: signed(
+            [PROTOCOL, sid, 10**7 + rng.getrandbits(20), "Exec", {"cmd": "id"}]
+        ),
+        "signed, random msgpack": lambda: signed(
+            rng.choice([random_msgpack(), [PROTOCOL, sid, random_msgpack(), "Hello", random_msgpack()]])
+        ),
+    }
     kinds = list(makers)
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -137,11 +156,20 @@ def run(n: int, max_frame_bytes: int = 1 << 16, seed: int = 0) -> dict:
         bomb_ran = os.path.exists(bomb_path)
     usable = rx.decode(tx.encode(PushStart(99, 1, 1))) == PushStart(99, 1, 1)  # the peer goes on
     times.sort()
-    return {"frames": n, "crashes": crashes, "accepted": accepted, "pickle_side_effect": bomb_ran,
-            "receiver_usable_after": usable, "rss_growth_bytes": rss_growth,
-            "reject_us": {"median": 1e6 * statistics.median(times), "p99": 1e6 * times[int(0.99 * (len(times) - 1))],
-                          "max": 1e6 * times[-1]},
-            "rejections": per_kind}  # fmt: skip
+    return {
+        "frames": n,
+        "crashes": crashes,
+        "accepted": accepted,
+        "pickle_side_effect": bomb_ran,
+        "receiver_usable_after": usable,
+        "rss_growth_bytes": rss_growth,
+        "reject_us": {
+            "median": 1e6 * statistics.median(times),
+            "p99": 1e6 * times[int(0.99 * (len(times) - 1))],
+            "max": 1e6 * times[-1],
+        },
+        "rejections": per_kind,
+    }
 
 
 def main() -> None:
@@ -151,11 +179,15 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     r = run(args.frames, seed=args.seed)
-    print(f"{r['frames']} hostile frames: {len(r['crashes'])} crashes, {len(r['accepted'])} accepted, pickle side "
-          f"effect: {r['pickle_side_effect']}, receiver usable after: {r['receiver_usable_after']}, RSS growth "
-          f"{r['rss_growth_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    print(f"time to reject: median {r['reject_us']['median']:.1f} us, p99 {r['reject_us']['p99']:.1f} us, "
-          f"max {r['reject_us']['max']:.1f} us")  # fmt: skip
+    print(
+        f"{r['frames']} hostile frames: {len(r['crashes'])} crashes, {len(r['accepted'])} accepted, pickle side "
+        f"effect: {r['pickle_side_effect']}, receiver usable after: {r['receiver_usable_after']}, RSS growth "
+        f"{r['rss_growth_bytes'] / 2**20:.1f} MiB"
+    )
+    print(
+        f"time to reject: median {r['reject_us']['median']:.1f} us, p99 {r['reject_us']['p99']:.1f} us, "
+        f"max {r['reject_us']['max']:.1f} us"
+    )
     print(f"{'kind':<26}rejections")
     for kind, by_error in r["rejections"].items():
         print(f"{kind:<26}" + ", ".join(f"{e} {c}" for e, c in sorted(by_error.items())))

@@ -43,10 +43,14 @@ HOSTILE = {
     "garbage 4 KiB": lambda: os.urandom(4096),
     "huge length prefix (ZMTP 1.0)": lambda: b"\xff" + struct.pack(">Q", (1 << 63) - 1) + b"x" * 64,
     "huge value (TCPStore SET)": lambda: b"\x00" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 1 << 40),
-    "NULL greeting + 4 EiB frame": lambda: _GREETING + b"NULL".ljust(52, b"\0") + b"\x06" + struct.pack(">Q", 1 << 62),
-    "CURVE greeting + 4 EiB frame": lambda: _GREETING + b"CURVE".ljust(52, b"\0") + b"\x06" + struct.pack(">Q", 1 << 62),
+    "NULL greeting + 4 EiB frame": lambda: (
+        _GREETING + b"NULL".ljust(52, b"\0") + b"\x06" + struct.pack(">Q", 1 << 62)
+    ),
+    "CURVE greeting + 4 EiB frame": lambda: (
+        _GREETING + b"CURVE".ljust(52, b"\0") + b"\x06" + struct.pack(">Q", 1 << 62)
+    ),
     "garbage 1 MiB": lambda: os.urandom(1 << 20),
-}  # fmt: skip
+}
 
 
 def digest(named) -> str:
@@ -127,8 +131,13 @@ def attacker_main(port: int, server_public: bytes, threads: int, hoard: int, rea
     forged = {"tried": 0, "queued by zmq": 0, "answered": 0}
     sock = zmq.Context.instance().socket(zmq.DEALER)
     public, secret = zmq.curve_keypair()
-    for option, value in ((zmq.LINGER, 0), (zmq.CURVE_SERVERKEY, server_public), (zmq.CURVE_PUBLICKEY, public),
-                          (zmq.CURVE_SECRETKEY, secret), (zmq.SNDHWM, 0)):  # fmt: skip
+    for option, value in (
+        (zmq.LINGER, 0),
+        (zmq.CURVE_SERVERKEY, server_public),
+        (zmq.CURVE_PUBLICKEY, public),
+        (zmq.CURVE_SECRETKEY, secret),
+        (zmq.SNDHWM, 0),
+    ):
         sock.setsockopt(option, value)
     sock.connect(f"tcp://127.0.0.1:{port}")
     workers = [threading.Thread(target=flood, daemon=True) for _ in range(threads)]
@@ -174,10 +183,18 @@ def store_round_trips(repeats: int) -> dict[str, float]:
     secret = SessionSecret.generate()
     server = StoreServer(secret, "127.0.0.1", 1 << 20)
     ours = StoreClient(secret, "127.0.0.1", server.port, timeout_s=10, max_value_bytes=1 << 20)
-    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=False,
-                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
-    theirs = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False, use_libuv=False,
-                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    master = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        2,
+        is_master=True,
+        wait_for_workers=False,
+        use_libuv=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    theirs = dist.TCPStore(
+        "127.0.0.1", master.port, 2, is_master=False, use_libuv=False, timeout=datetime.timedelta(seconds=10)
+    )
 
     def median_us(store) -> float:
         times = []
@@ -228,14 +245,26 @@ def main() -> None:
     group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=args.receivers, backend="gloo")
     ready, stop, attack_out = ctx.Event(), ctx.Event(), ctx.Queue()
     rss_before = rss_bytes()
-    attacker = ctx.Process(target=attacker_main, args=(group.rendezvous.port, CurveKeys.of(secret).server_public,
-                                                        args.attackers, args.hoard, ready, stop, attack_out))  # fmt: skip
+    attacker = ctx.Process(
+        target=attacker_main,
+        args=(
+            group.rendezvous.port,
+            CurveKeys.of(secret).server_public,
+            args.attackers,
+            args.hoard,
+            ready,
+            stop,
+            attack_out,
+        ),
+    )
     attacker.start()
     if not ready.wait(timeout=300):
         raise TimeoutError("the attacker process did not start within 300 s")
     out = ctx.Queue()
-    procs = [ctx.Process(target=receiver_main, args=(secret, config, r, group.rendezvous, 1 << 20, out))
-             for r in range(1, args.receivers + 1)]  # fmt: skip
+    procs = [
+        ctx.Process(target=receiver_main, args=(secret, config, r, group.rendezvous, 1 << 20, out))
+        for r in range(1, args.receivers + 1)
+    ]
     for p in procs:
         p.start()
     sender = group.join()  # under attack
@@ -274,12 +303,16 @@ def main() -> None:
     for kind, s in attack["connections"].items():
         print(f"{kind:40} {s['connections']:7d} {s['closed']:7d} {s['max_open_s']:10.2f}")
     f = attack["forged_requests"]
-    print(f"forged requests from a leaked-key client: {f['tried']} tried, {f['queued by zmq']} queued by zmq, "
-          f"{f['answered']} answered; handshakes refused: {refused}")  # fmt: skip
+    print(
+        f"forged requests from a leaked-key client: {f['tried']} tried, {f['queued by zmq']} queued by zmq, "
+        f"{f['answered']} answered; handshakes refused: {refused}"
+    )
     r = result["pushes"]
-    print(f"pushes: {r['attacked']} under attack (median {r['attacked_median_s']:.3f} s), {r['baseline']} after "
-          f"(median {r['baseline_median_s']:.3f} s); bit-exact: {r['bit_exact']}; "
-          f"sender RSS growth under attack: {rss_growth / 1e6:.1f} MB")  # fmt: skip
+    print(
+        f"pushes: {r['attacked']} under attack (median {r['attacked_median_s']:.3f} s), {r['baseline']} after "
+        f"(median {r['baseline_median_s']:.3f} s); bit-exact: {r['bit_exact']}; "
+        f"sender RSS growth under attack: {rss_growth / 1e6:.1f} MB"
+    )
     print("store set+get: " + ", ".join(f"{k} {v:.0f} us" for k, v in result["store_set_get_us"].items()))
     emit(result, args.json)
 

@@ -50,8 +50,14 @@ from raysync.transport.shm import ShmRingReceiver
 
 BUCKETS = 8
 CONFIG = SyncConfig(bucket_bytes=256 << 10, timeout_s=5, progress=False)  # 8 buckets of 256 KiB, 2 buffers
-SIZES = {"0": 0, "1 byte": 1, "1 page": 4096, "half": CONFIG.bucket_bytes // 2,
-         "1 byte short": CONFIG.bucket_bytes - 1, "1 page longer": CONFIG.bucket_bytes + 4096}  # fmt: skip
+SIZES = {
+    "0": 0,
+    "1 byte": 1,
+    "1 page": 4096,
+    "half": CONFIG.bucket_bytes // 2,
+    "1 byte short": CONFIG.bucket_bytes - 1,
+    "1 page longer": CONFIG.bucket_bytes + 4096,
+}
 
 
 def _source(version: int) -> dict[str, torch.Tensor]:
@@ -136,8 +142,10 @@ def _victims_fd(pid: int, inode: int) -> int:
 
 def _attempts(fd: int, size: int) -> dict[str, Callable[[], object]]:
     cuts = {f"ftruncate to {name}": functools.partial(os.ftruncate, fd, n) for name, n in SIZES.items()}
-    return cuts | {"fallocate past the end": lambda: os.posix_fallocate(fd, size, 4096),
-                   "add F_SEAL_WRITE": lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)}  # fmt: skip
+    return cuts | {
+        "fallocate past the end": lambda: os.posix_fallocate(fd, size, 4096),
+        "add F_SEAL_WRITE": lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE),
+    }
 
 
 def _try_to_resize(ring, slot: int, victim_pid: int, tried: list[str]) -> None:
@@ -286,8 +294,12 @@ def kill_case(point: str, rng: random.Random) -> dict:
     return {"point": point, "left_at_kill": left, "left_after_next_session": after, "survivor_error": error}
 
 
-KILL_POINTS = ("sender: bound, no Hello", "sender: ring made, not fetched", "sender: random point",
-               "receiver: random point")  # fmt: skip
+KILL_POINTS = (
+    "sender: bound, no Hello",
+    "sender: ring made, not fetched",
+    "sender: random point",
+    "receiver: random point",
+)
 
 
 # --- 3. bind guard ----------------------------------------------------------------------------------------------------
@@ -310,8 +322,16 @@ def random_spelling(rng: random.Random) -> tuple[str, int]:
         shift -= 8 * size
         v = (value >> shift) & ((1 << (8 * size)) - 1)
         zeros = "0" * rng.randint(0, 12)
-        parts.append(rng.choice([str(v) if v else zeros + "0", "0" + zeros + format(v, "o"),
-                                 "0x" + zeros + format(v, "x"), "0X" + zeros + format(v, "X")]))  # fmt: skip
+        parts.append(
+            rng.choice(
+                [
+                    str(v) if v else zeros + "0",
+                    "0" + zeros + format(v, "o"),
+                    "0x" + zeros + format(v, "x"),
+                    "0X" + zeros + format(v, "X"),
+                ]
+            )
+        )
     return ".".join(parts), value
 
 
@@ -321,8 +341,13 @@ def guard_sweep(random_inputs: int, seed: int) -> dict:
     for host in spellings:
         t0 = time.perf_counter()
         try:
-            SenderChannel(SessionSecret.generate(), endpoint=f"tcp://{host}:*", allow_any_interface=False,
-                          timeout_s=1, max_frame_bytes=1 << 16).close()  # fmt: skip
+            SenderChannel(
+                SessionSecret.generate(),
+                endpoint=f"tcp://{host}:*",
+                allow_any_interface=False,
+                timeout_s=1,
+                max_frame_bytes=1 << 16,
+            ).close()
             accepted.append(host)
         except EndpointError as e:
             if "every interface" not in str(e):
@@ -336,10 +361,15 @@ def guard_sweep(random_inputs: int, seed: int) -> dict:
         guard_times.append(time.perf_counter() - t0)
         if refused != (value == 0):
             wrong.append(host)
-    return {"spellings_of_every_interface": len(spellings), "accepted": accepted,
-            "channel_refusal_s_median": statistics.median(times), "random_ipv4_spellings": random_inputs,
-            "wrong_decisions": wrong, "guard_s_median": statistics.median(guard_times),
-            "guard_s_max": max(guard_times)}  # fmt: skip
+    return {
+        "spellings_of_every_interface": len(spellings),
+        "accepted": accepted,
+        "channel_refusal_s_median": statistics.median(times),
+        "random_ipv4_spellings": random_inputs,
+        "wrong_decisions": wrong,
+        "guard_s_median": statistics.median(guard_times),
+        "guard_s_max": max(guard_times),
+    }
 
 
 def main() -> None:
@@ -356,8 +386,9 @@ def main() -> None:
     for role in ("sender", "receiver"):
         rows = [r for r in resize if r["victim"] == role]
         got = collections.Counter(t for r in rows for t in r["tried"])
-        outcome = collections.Counter(r["victim_outcome"] + (", bit-exact" if r["bit_exact"] else ", NOT bit-exact")
-                                      for r in rows)  # fmt: skip
+        outcome = collections.Counter(
+            r["victim_outcome"] + (", bit-exact" if r["bit_exact"] else ", NOT bit-exact") for r in rows
+        )
         print(f"{role:<10}{len(rows):>6}{sum(got.values()):>10}  {dict(got)!s:<24}{dict(outcome)}")
     rng = random.Random(args.seed)
     kills = [kill_case(p, rng) for p in KILL_POINTS for _ in range(args.kills)]
@@ -365,15 +396,27 @@ def main() -> None:
     for p in KILL_POINTS:
         rows = [r for r in kills if r["point"] == p]
         errors = sorted({r["survivor_error"] for r in rows if r["survivor_error"]})
-        print(f"{p:<34}{len(rows):>6}{sum(len(r['left_at_kill']) for r in rows):>14}"
-              f"{sum(len(r['left_after_next_session']) for r in rows):>17}  {', '.join(errors)}")  # fmt: skip
+        print(
+            f"{p:<34}{len(rows):>6}{sum(len(r['left_at_kill']) for r in rows):>14}"
+            f"{sum(len(r['left_after_next_session']) for r in rows):>17}  {', '.join(errors)}"
+        )
     guard = guard_sweep(args.random_spellings, args.seed)
-    print(f"\nbind guard: {guard['spellings_of_every_interface']} spellings of every interface, accepted "
-          f"{len(guard['accepted'])}; {guard['random_ipv4_spellings']} random IPv4 spellings, wrong decisions "
-          f"{len(guard['wrong_decisions'])}; guard median {guard['guard_s_median'] * 1e6:.1f} us, max "
-          f"{guard['guard_s_max'] * 1e6:.1f} us")  # fmt: skip
-    emit({"resize": resize, "kills": kills, "guard": guard, "seconds": time.perf_counter() - t0,
-          "machine": f"{os.cpu_count()} cores, torch {torch.__version__}"}, args.json)  # fmt: skip
+    print(
+        f"\nbind guard: {guard['spellings_of_every_interface']} spellings of every interface, accepted "
+        f"{len(guard['accepted'])}; {guard['random_ipv4_spellings']} random IPv4 spellings, wrong decisions "
+        f"{len(guard['wrong_decisions'])}; guard median {guard['guard_s_median'] * 1e6:.1f} us, max "
+        f"{guard['guard_s_max'] * 1e6:.1f} us"
+    )
+    emit(
+        {
+            "resize": resize,
+            "kills": kills,
+            "guard": guard,
+            "seconds": time.perf_counter() - t0,
+            "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,11 @@ def gpu_events(path: str, who: str) -> list[tuple[float, float, str, str]]:
     with open(path) as f:
         data = json.load(f)
     base = data.get("baseTimeNanoseconds", 0) / 1e3
-    return [(base + e["ts"], base + e["ts"] + e["dur"], who, e["name"]) for e in data["traceEvents"]
-            if e.get("cat") in GPU_CATS and e.get("ph") == "X"]  # fmt: skip
+    return [
+        (base + e["ts"], base + e["ts"] + e["dur"], who, e["name"])
+        for e in data["traceEvents"]
+        if e.get("cat") in GPU_CATS and e.get("ph") == "X"
+    ]
 
 
 def runs(events: list[tuple[float, float, str, str]]) -> list[dict]:
@@ -65,15 +68,22 @@ def runs(events: list[tuple[float, float, str, str]]) -> list[dict]:
 
 def one(src, layout, ring: str, gpu: int, warmup: int, out_dir: str) -> dict:
     num_buffers, bucket_mb = (int(x) for x in ring.split("x"))
-    config = SyncConfig(transport="cuda_ipc", bucket_bytes=bucket_mb << 20, num_buffers=num_buffers,
-                        timeout_s=120, progress=False)  # fmt: skip
+    config = SyncConfig(
+        transport="cuda_ipc",
+        bucket_bytes=bucket_mb << 20,
+        num_buffers=num_buffers,
+        timeout_s=120,
+        progress=False,
+    )
     secret = SessionSecret.generate()
     trace_s, trace_r = (os.path.join(out_dir, f"trace_{ring}_{w}.json") for w in ("sender", "receiver"))
     ctx = mp.get_context("spawn")
     profiling = ctx.Event()
     with WeightSender(secret, config) as sender:
-        proc = ctx.Process(target=receiver_main,
-                           args=(sender.endpoint, secret, config, layout, gpu, warmup, trace_r, profiling))  # fmt: skip
+        proc = ctx.Process(
+            target=receiver_main,
+            args=(sender.endpoint, secret, config, layout, gpu, warmup, trace_r, profiling),
+        )
         proc.start()
         for v in range(warmup):
             sender.push(src.items(), v)
@@ -91,16 +101,27 @@ def one(src, layout, ring: str, gpu: int, warmup: int, out_dir: str) -> dict:
     busy = {w: sum(e - s for s, e, who, _ in events if who == w) for w in "SR"}
     gaps = [r["gap_before_us"] for r in merged[1:]]
     return {
-        "ring": ring, "push_ms": (ended - started) * 1e3, "gpu_span_ms": span / 1e3,
+        "ring": ring,
+        "push_ms": (ended - started) * 1e3,
+        "gpu_span_ms": span / 1e3,
         "before_gpu_ms": (merged[0]["start"] - started * 1e6) / 1e3,
         "after_gpu_ms": (ended * 1e6 - merged[-1]["end"]) / 1e3,
-        "sender_copy_ms": busy["S"] / 1e3, "receiver_copy_ms": busy["R"] / 1e3,
-        "hand_overs": len(merged) - 1, "idle_between_ms": sum(g for g in gaps if g > 0) / 1e3,
+        "sender_copy_ms": busy["S"] / 1e3,
+        "receiver_copy_ms": busy["R"] / 1e3,
+        "hand_overs": len(merged) - 1,
+        "idle_between_ms": sum(g for g in gaps if g > 0) / 1e3,
         "overlap_ms": -sum(g for g in gaps if g < 0) / 1e3,
-        "runs": [{"who": r["who"], "at_ms": (r["start"] - merged[0]["start"]) / 1e3,
-                  "ms": (r["end"] - r["start"]) / 1e3, "copies": r["copies"],
-                  "gap_before_us": r["gap_before_us"]} for r in merged],
-    }  # fmt: skip
+        "runs": [
+            {
+                "who": r["who"],
+                "at_ms": (r["start"] - merged[0]["start"]) / 1e3,
+                "ms": (r["end"] - r["start"]) / 1e3,
+                "copies": r["copies"],
+                "gap_before_us": r["gap_before_us"],
+            }
+            for r in merged
+        ],
+    }
 
 
 def main() -> None:
@@ -119,8 +140,18 @@ def main() -> None:
     print(
         f"\n{args.layout}, {torch.cuda.get_device_name()}, receiver on GPU {args.receiver_gpu} (times under the profiler)"
     )
-    cols = ("ring", "push_ms", "before_gpu_ms", "gpu_span_ms", "after_gpu_ms", "sender_copy_ms", "receiver_copy_ms",
-            "hand_overs", "idle_between_ms", "overlap_ms")  # fmt: skip
+    cols = (
+        "ring",
+        "push_ms",
+        "before_gpu_ms",
+        "gpu_span_ms",
+        "after_gpu_ms",
+        "sender_copy_ms",
+        "receiver_copy_ms",
+        "hand_overs",
+        "idle_between_ms",
+        "overlap_ms",
+    )
     print("".join(f"{c:>17}" for c in cols))
     for r in rows:
         print("".join(f"{r[c]:>17.2f}" if isinstance(r[c], float) else f"{r[c]:>17}" for c in cols))

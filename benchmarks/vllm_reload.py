@@ -101,12 +101,28 @@ def main() -> None:
 
     shape = LAYOUTS[args.layout]
     with tempfile.TemporaryDirectory() as model_dir:
-        Qwen2Config(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                    num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                    tie_word_embeddings=shape.tied, torch_dtype="bfloat16").save_pretrained(model_dir)  # fmt: skip
-        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
-                  max_model_len=160, max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20,
-                  worker_extension_cls="raysync.engines.vllm.WorkerExtension")  # fmt: skip
+        Qwen2Config(
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            vocab_size=shape.vocab,
+            tie_word_embeddings=shape.tied,
+            torch_dtype="bfloat16",
+        ).save_pretrained(model_dir)
+        llm = LLM(
+            model_dir,
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=160,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            kv_cache_memory_bytes=32 << 20,
+            worker_extension_cls="raysync.engines.vllm.WorkerExtension",
+        )
         try:
             result = llm.collective_rpc(measure, args=(args.layout,))[0]
         finally:
@@ -116,10 +132,21 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
     }
-    for key in ("tensors", "push_bytes", "check_first_s", "check_again_s", "undo_keep_s", "undo_copy_bytes",
-                "vllm_reload_s", "tied_heads", "tied_head_remake_s", "raysync_apply_s", "layerwise_apply_s",
-                "failed_apply_then_restore_s",
-                "failure"):  # fmt: skip
+    for key in (
+        "tensors",
+        "push_bytes",
+        "check_first_s",
+        "check_again_s",
+        "undo_keep_s",
+        "undo_copy_bytes",
+        "vllm_reload_s",
+        "tied_heads",
+        "tied_head_remake_s",
+        "raysync_apply_s",
+        "layerwise_apply_s",
+        "failed_apply_then_restore_s",
+        "failure",
+    ):
         value = result.get(key)
         shown = (
             f"{value / 1e6:.1f} MB"

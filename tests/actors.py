@@ -83,9 +83,17 @@ def engine_load(actor: Engine):
     return actor.load
 
 
-ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=160, max_num_seqs=4,
-                   max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20, block_size=32,
-                   enable_prefix_caching=True)  # fmt: skip
+ENGINE_ARGS = dict(
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    dtype="float32",
+    max_model_len=160,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    kv_cache_memory_bytes=32 << 20,
+    block_size=32,
+    enable_prefix_caching=True,
+)
 
 
 def greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -243,8 +243,13 @@ def _local_ray(**resources: object) -> Iterator[None]:
     # address="local": always a Ray of this test's own. Without it ray.init joins whatever cluster RAY_ADDRESS or
     # /tmp/ray/ray_current_cluster names (another test's `ray start` or cluster_utils.Cluster on the machine), and
     # refuses num_cpus/num_gpus there ("When connecting to an existing cluster, ... must not be provided").
-    ray.init(address="local", include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": {"PYTHONPATH": path}}, **resources)  # fmt: skip
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level="warning",
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        **resources,
+    )
     yield
     ray.shutdown()
 
@@ -277,8 +282,9 @@ def gloo_warm() -> None:
     ctx = mp.get_context("spawn")
     secret, out = SessionSecret.generate(), ctx.Queue()
     group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="gloo")
-    child = ctx.Process(target=collective_receiver, args=(secret, config, 1, group.rendezvous, 1, out),
-                        daemon=True)  # fmt: skip
+    child = ctx.Process(
+        target=collective_receiver, args=(secret, config, 1, group.rendezvous, 1, out), daemon=True
+    )
     child.start()
     try:
         model = tiny_qwen2(seed=0)

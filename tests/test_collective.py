@@ -256,12 +256,22 @@ _GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00"  # ZMTP 3.0, then the mechanism
 HOSTILE = {  # what a local process can write to the port: nothing of it may stall or grow the store
     "garbage": os.urandom(4096),
     "huge length prefix (ZMTP 1.0 framing)": b"\xff" + struct.pack(">Q", (1 << 63) - 1) + b"x" * 64,
-    "huge value (TCPStore's SET)": b"\x00" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 1 << 40) + b"v" * 64,
-    "NULL greeting, then a 4 EiB frame": _GREETING + b"NULL".ljust(20, b"\0") + bytes(32) + b"\x06"
+    "huge value (TCPStore's SET)": b"\x00"
+    + struct.pack("<Q", 1)
+    + b"k"
+    + struct.pack("<Q", 1 << 40)
+    + b"v" * 64,
+    "NULL greeting, then a 4 EiB frame": _GREETING
+    + b"NULL".ljust(20, b"\0")
+    + bytes(32)
+    + b"\x06"
     + struct.pack(">Q", 1 << 62),
-    "CURVE greeting, then a 4 EiB frame": _GREETING + b"CURVE".ljust(20, b"\0") + bytes(32) + b"\x06"
+    "CURVE greeting, then a 4 EiB frame": _GREETING
+    + b"CURVE".ljust(20, b"\0")
+    + bytes(32)
+    + b"\x06"
     + struct.pack(">Q", 1 << 62),
-}  # fmt: skip
+}
 
 
 def _hit(port: int, payload: bytes) -> str:
@@ -282,8 +292,12 @@ def _stranger_with_a_key(port: int, server_public: bytes) -> zmq.Socket:
     """A zmq client that knows the server's public key (as if it leaked) but not the session's client key."""
     public, secret = zmq.curve_keypair()
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    for option, value in ((zmq.LINGER, 0), (zmq.CURVE_SERVERKEY, server_public), (zmq.CURVE_PUBLICKEY, public),
-                          (zmq.CURVE_SECRETKEY, secret)):  # fmt: skip
+    for option, value in (
+        (zmq.LINGER, 0),
+        (zmq.CURVE_SERVERKEY, server_public),
+        (zmq.CURVE_PUBLICKEY, public),
+        (zmq.CURVE_SECRETKEY, secret),
+    ):
         sock.setsockopt(option, value)
     sock.connect(f"tcp://127.0.0.1:{port}")
     return sock

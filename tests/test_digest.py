@@ -197,8 +197,11 @@ def test_every_swap_of_two_elements_of_up_to_4_bytes_is_detected(size):
 # --- chunks add up to the whole -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bucket_bytes", [256, 4096, 3 * ROWS, 20 * ROWS])
 def test_the_chunks_of_a_plan_add_up_to_the_whole_tensor(product, bucket_bytes):
-    specs = [TensorSpec("a", "bfloat16", (7,)), TensorSpec("big", "float32", (5 * ROWS + 3,)),
-             TensorSpec("c", "uint8", (4099,))]  # fmt: skip
+    specs = [
+        TensorSpec("a", "bfloat16", (7,)),
+        TensorSpec("big", "float32", (5 * ROWS + 3,)),
+        TensorSpec("c", "uint8", (4099,)),
+    ]
     tensors = [random_bytes(s.nbytes, seed=i) for i, s in enumerate(specs)]
     parts: list[list[torch.Tensor]] = [[] for _ in specs]
     for bucket in plan_buckets(specs, bucket_bytes):

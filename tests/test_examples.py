@@ -21,8 +21,14 @@ def _env(private_tmp: str, **extra: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_ray_quickstart_runs_as_a_script(private_tmp):
     # RAY_ADDRESS=local: the script's ray.init() starts a Ray of its own, never joins a running one
-    run = subprocess.run([sys.executable, "examples/ray_quickstart.py"], cwd=ROOT, capture_output=True,
-                         env=_env(private_tmp, RAY_ADDRESS="local"), text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "examples/ray_quickstart.py"],
+        cwd=ROOT,
+        capture_output=True,
+        env=_env(private_tmp, RAY_ADDRESS="local"),
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "engine weights changed: True; equal to the trainer's: True" in run.stdout
 
@@ -48,16 +54,36 @@ def test_ray_quickstart_runs_under_ray_job_submit(private_tmp):
     # and then no agent ever serves this head ("No available agent"), so it gets a free port of its own.
     # --block: the head's processes are this command's children, and stop with it (`ray stop` would stop
     # every Ray on the machine, other tests' included)
-    start = [*ray_cli, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
-             f"--dashboard-port={port}", f"--dashboard-agent-listen-port={agent_port}", "--port=0",
-             "--disable-usage-stats"]  # fmt: skip
-    head = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    start = [
+        *ray_cli,
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        f"--dashboard-port={port}",
+        f"--dashboard-agent-listen-port={agent_port}",
+        "--port=0",
+        "--disable-usage-stats",
+    ]
+    head = subprocess.Popen(
+        start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         said: list[str] = []
         assert _started(head, said).wait(120) and head.poll() is None, "".join(said)
-        submit = [*ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}", "--working-dir", ".", "--",
-                  sys.executable, "examples/ray_quickstart.py"]  # fmt: skip
+        submit = [
+            *ray_cli,
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{port}",
+            "--working-dir",
+            ".",
+            "--",
+            sys.executable,
+            "examples/ray_quickstart.py",
+        ]
         run = _submit_when_the_agent_is_up(submit, env)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "equal to the trainer's: True" in run.stdout and "succeeded" in run.stdout + run.stderr
@@ -117,7 +143,13 @@ def _stop(head: subprocess.Popen) -> None:
 @pytest.mark.vllm
 def test_vllm_cpu_example_runs_as_a_script(private_tmp):
     pytest.importorskip("vllm")
-    run = subprocess.run([sys.executable, "examples/vllm_cpu.py"], cwd=ROOT, capture_output=True,
-                         env=_env(private_tmp, RAY_ADDRESS="local"), text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "examples/vllm_cpu.py"],
+        cwd=ROOT,
+        capture_output=True,
+        env=_env(private_tmp, RAY_ADDRESS="local"),
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "vLLM generates with the pushed weights: True; changed: True" in run.stdout

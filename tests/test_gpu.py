@@ -47,8 +47,12 @@ def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):
     config = SyncConfig(
         bucket_bytes=1 << 20, timeout_s=30, progress=False, cast_dtype="bfloat16", keep_dtype=("w",)
     )
-    dest = {k: torch.zeros(v.shape, dtype=torch.bfloat16 if v.is_floating_point() and k != "w" else v.dtype,
-                           device="cuda") for k, v in src.items()}  # fmt: skip
+    dest = {
+        k: torch.zeros(
+            v.shape, dtype=torch.bfloat16 if v.is_floating_point() and k != "w" else v.dtype, device="cuda"
+        )
+        for k, v in src.items()
+    }
     with session_pair(config) as (sender, receiver):
         for version in (1, 2):
             for t in src.values():
@@ -106,8 +110,16 @@ IPC = SyncConfig(
 )  # 2 x 512 MiB: the 7B embedding is sliced
 
 
-def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None, layout: str, pushes: int,
-             config: SyncConfig = IPC):  # fmt: skip
+def _ipc_push(
+    spawn,
+    *,
+    sender_gpu: int,
+    receiver_gpu: int,
+    visible: str | None,
+    layout: str,
+    pushes: int,
+    config: SyncConfig = IPC,
+):
     """Sender here on ``sender_gpu``, receiver spawned; returns the receiver's messages and the sender's
     reserved memory after each push."""
     from workers import digest, ipc_receiver
@@ -135,8 +147,9 @@ def _ipc_push(spawn, *, sender_gpu: int, receiver_gpu: int, visible: str | None,
 
 
 def test_ipc_same_gpu_7b_bit_exact_memory_flat_over_200_pushes(spawn, no_leftovers):
-    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b",
-                                       pushes=200)  # fmt: skip
+    got, digests, reserved = _ipc_push(
+        spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b", pushes=200
+    )
     received = {i: d for kind, i, d in got[:-1]}
     assert received == digests  # bit-exact after the first and the last push
     _, ring_gpu, receiver_gpu, receiver_reserved = got[-1]
@@ -194,8 +207,9 @@ def test_ipc_probe_and_plan(ray_gpu):
 
 
 def test_ipc_1000_pushes_with_memory_flat(spawn, no_leftovers):
-    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-0.5b",
-                                       pushes=1000)  # fmt: skip
+    got, digests, reserved = _ipc_push(
+        spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-0.5b", pushes=1000
+    )
     assert {i: d for _, i, d in got[:-1]} == digests
     for side in (reserved, got[-1][3]):
         assert max(side[1:]) - min(side[1:]) <= IPC.bucket_bytes, side[:3] + side[-3:]
@@ -253,8 +267,9 @@ DIRECT = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=120, progress=F
 
 
 def test_direct_same_gpu_7b_bit_exact_allocates_nothing_per_push(spawn, no_leftovers):
-    got, digests, reserved = _ipc_push(spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b",
-                                       pushes=200, config=DIRECT)  # fmt: skip
+    got, digests, reserved = _ipc_push(
+        spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-7b", pushes=200, config=DIRECT
+    )
     assert {i: d for _, i, d in got[:-1]} == digests
     _, storage_gpu, receiver_gpu, receiver_reserved = got[-1]
     assert storage_gpu == receiver_gpu
@@ -316,11 +331,13 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_times_
 def test_direct_cross_gpu_and_uuid_matching(spawn, no_leftovers):
     """The receiver on GPU 1 reads the trainer's tensors on GPU 0 over NVLink; then a sender working on
     GPU 1 of "0,1" and a receiver that sees only "1": the same physical GPU, found by UUID."""
-    got, digests, _ = _ipc_push(spawn, sender_gpu=0, receiver_gpu=1, visible=None, layout="qwen2.5-1.5b",
-                                pushes=3, config=DIRECT)  # fmt: skip
+    got, digests, _ = _ipc_push(
+        spawn, sender_gpu=0, receiver_gpu=1, visible=None, layout="qwen2.5-1.5b", pushes=3, config=DIRECT
+    )
     assert {i: d for _, i, d in got[:-1]} == digests
-    got, digests, _ = _ipc_push(spawn, sender_gpu=1, receiver_gpu=0, visible="1", layout="qwen2.5-0.5b",
-                                pushes=1, config=DIRECT)  # fmt: skip
+    got, digests, _ = _ipc_push(
+        spawn, sender_gpu=1, receiver_gpu=0, visible="1", layout="qwen2.5-0.5b", pushes=1, config=DIRECT
+    )
     assert got[0][2] == digests[0]
     assert got[-1][1] == got[-1][2] == str(torch.cuda.get_device_properties(1).uuid)
 

@@ -125,8 +125,12 @@ class HostileSender:
 
 
 def _layout(layout_id: int, specs: list[tuple[str, str, list[int]]], bucket_bytes: int = 4096) -> dict:
-    return {"layout_id": layout_id, "bucket_bytes": bucket_bytes, "align_bytes": 256,
-            "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in specs]}  # fmt: skip
+    return {
+        "layout_id": layout_id,
+        "bucket_bytes": bucket_bytes,
+        "align_bytes": 256,
+        "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in specs],
+    }
 
 
 def _stream_one_bucket(peer: HostileSender, push_id: int, data: bytes) -> None:

@@ -33,8 +33,10 @@ def test_plan_across_nodes_and_bit_exact_pushes(private_tmp, monkeypatch, gloo_w
         )
         on = {n: {"num_cpus": 0.25, "resources": {n: 1}} for n in ("node_a", "node_b")}
         trainer = ray.remote(**on["node_a"])(Trainer).remote()
-        engines = [ray.remote(**on["node_a"])(Engine).remote(),
-                   ray.remote(max_restarts=1, **on["node_b"])(Engine).remote()]  # fmt: skip
+        engines = [
+            ray.remote(**on["node_a"])(Engine).remote(),
+            ray.remote(max_restarts=1, **on["node_b"])(Engine).remote(),
+        ]
         with WeightSync([trainer], engines, CFG, sink=engine_load) as sync:
             local, remote = sync.plan
             assert (local.transport, local.reason) == ("shm", "same node")

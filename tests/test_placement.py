@@ -173,14 +173,20 @@ def plan(s, r, *, source=IN_PLACE, override=None, rings=None, **config):
         (gpu(), gpu("GPU-b"), IN_PLACE, "cuda_ipc", "direct", "read in place"),  # peer access
         (gpu(), gpu(), CAST, "cuda_ipc", "ring 2 x 2048 MiB", "'lm_head.weight' is torch.float32"),  # cast
         (gpu(), gpu("GPU-b"), CAST, "cuda_ipc", "ring 2 x 1024 MiB", "a cast needs the ring"),
-        (gpu(), gpu(), dataclasses.replace(IN_PLACE, stable=False), "cuda_ipc", "ring 2 x 2048 MiB", "new tensors"),
+        (
+            gpu(),
+            gpu(),
+            dataclasses.replace(IN_PLACE, stable=False),
+            "cuda_ipc",
+            "ring 2 x 2048 MiB",
+            "new tensors",
+        ),
         (gpu(), gpu(), None, "cuda_ipc", "ring 2 x 2048 MiB", "not reported"),
         (gpu(ipc=False), gpu(), IN_PLACE, "shm", "ring 2 x 512 MiB", "no CUDA IPC"),  # no IPC
         (at("n1"), at("n1"), IN_PLACE, "shm", "ring 2 x 8 MiB", "shm, CPU endpoints"),  # host tensors
-        (gpu(), at("n2", "GPU-a", host="h2"), IN_PLACE, "collective", "ring 2 x 512 MiB",
-         "other nodes"),
+        (gpu(), at("n2", "GPU-a", host="h2"), IN_PLACE, "collective", "ring 2 x 512 MiB", "other nodes"),
     ],
-)  # fmt: skip
+)
 def test_the_plan_picks_direct_wherever_it_is_correct_and_the_ring_otherwise(
     s, r, source, transport, mode, why
 ):
@@ -264,11 +270,23 @@ def test_the_ring_fits_the_push_and_the_memory_free_where_it_lives():
         (at("n1"), at("n1"), IN_PLACE, {"direct": True}, r"direct=True .* runs shm"),
         (gpu(ipc=False), gpu(), IN_PLACE, {"direct": True}, r"direct=True .* runs shm"),
         (gpu(), gpu(), CAST, {"direct": True}, r"direct=True, but .* 'lm_head.weight' is torch.float32"),
-        (at("n1"), at("n1"), IN_PLACE, {"transport": "cuda_ipc"}, r"override 'cuda_ipc' \(SyncConfig.transport\)"),
+        (
+            at("n1"),
+            at("n1"),
+            IN_PLACE,
+            {"transport": "cuda_ipc"},
+            r"override 'cuda_ipc' \(SyncConfig.transport\)",
+        ),
         (at("n1"), at("n2", host="h2"), IN_PLACE, {"transport": "shm"}, "override 'shm'"),
-        (gpu(free=GiB), gpu(free=GiB), CAST, {"bucket_bytes": GiB}, r"2 x 1024 MiB .* does not fit the 1024 MiB"),
+        (
+            gpu(free=GiB),
+            gpu(free=GiB),
+            CAST,
+            {"bucket_bytes": GiB},
+            r"2 x 1024 MiB .* does not fit the 1024 MiB",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_forced_mode_that_cannot_work_is_refused_by_the_plan(s, r, source, config, match):
     with pytest.raises(PlanError, match=match):
         plan(s, r, source=source, **config)

@@ -90,9 +90,13 @@ sizes_mixed = st.one_of(
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["uint8", "bfloat16", "float32", "complex128"]), sizes_mixed),
-                max_size=10),
-       st.sampled_from([16, 32, 256, 1024]), st.integers(1, 64))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["uint8", "bfloat16", "float32", "complex128"]), sizes_mixed), max_size=10
+    ),
+    st.sampled_from([16, 32, 256, 1024]),
+    st.integers(1, 64),
+)
 def test_layout_size_is_what_plan_buckets_makes(items, align, units):
     specs = [TensorSpec(f"t{i}", d, (n // DTYPES[d].itemsize,)) for i, (d, n) in enumerate(items)]
     size = layout_size(specs, units * align, align)
@@ -102,8 +106,14 @@ def test_layout_size_is_what_plan_buckets_makes(items, align, units):
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(sizes_mixed, max_size=12), st.sampled_from([16, 32, 256]), st.integers(1, 16),
-       st.integers(1, 12), st.integers(1, 24), st.integers(0, 12))  # fmt: skip
+@given(
+    st.lists(sizes_mixed, max_size=12),
+    st.sampled_from([16, 32, 256]),
+    st.integers(1, 16),
+    st.integers(1, 12),
+    st.integers(1, 24),
+    st.integers(0, 12),
+)
 def test_refused_layouts_name_a_bucket_size_that_fits(sizes, align, units, max_tensors, max_buckets, extra):
     """With small bounds, so that both outcomes are common: a layout within them plans within them; a refused
     one raises BadLayout before planning, and the bucket size it names (and any larger) fits."""
@@ -293,8 +303,12 @@ def test_direct_plan_one_bucket_per_storage_and_hostile_offsets_refused():
     from raysync.core.errors import LayoutError
     from raysync.core.plan import direct_buckets
 
-    specs = (TensorSpec("a", "bfloat16", (4, 8)), TensorSpec("b", "float32", (3,)), TensorSpec("e", "int8", (0,)),
-             TensorSpec("c", "bfloat16", (2,)))  # fmt: skip
+    specs = (
+        TensorSpec("a", "bfloat16", (4, 8)),
+        TensorSpec("b", "float32", (3,)),
+        TensorSpec("e", "int8", (0,)),
+        TensorSpec("c", "bfloat16", (2,)),
+    )
     buckets = direct_buckets(specs, (0, 1, 1, 0), (0, 4, 999, 64), (128, 16))
     assert [[(c.index, c.bucket_offset, c.nbytes) for c in b.chunks] for b in buckets] == [
         [(0, 0, 64), (2, 0, 0), (3, 64, 4)],  # the empty tensor rides in bucket 0, wherever it claims to be

@@ -98,8 +98,9 @@ def loader_that_kills(dest: dict[str, torch.Tensor], kill: Killer, staged: bool)
     return in_place
 
 
-def _receive_while_the_sender_dies(receiver: WeightReceiver, dest: dict[str, torch.Tensor], victim: int,
-                                   staged: bool, timeout_s: float) -> None:  # fmt: skip
+def _receive_while_the_sender_dies(
+    receiver: WeightReceiver, dest: dict[str, torch.Tensor], victim: int, staged: bool, timeout_s: float
+) -> None:
     """The second push of a session, the sender SIGKILLed in its second bucket: the receiver's wait for the
     next bucket ends at timeout_s with a PushIncomplete caused by a PeerTimeout naming the sender, and its
     version says what the destinations hold (Note [versions never lie])."""

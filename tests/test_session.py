@@ -127,8 +127,12 @@ def test_layout_change_and_cast(private_tmp, in_thread):
     )
     with session_pair(cfg) as (sender, receiver):
         src = model(1)
-        dest = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() and k != "scale" else v.dtype)
-                for k, v in src.items()}  # fmt: skip
+        dest = {
+            k: torch.zeros_like(
+                v, dtype=torch.bfloat16 if v.is_floating_point() and k != "scale" else v.dtype
+            )
+            for k, v in src.items()
+        }
         got = in_thread(receiver.receive, into=dest)
         sender.push(src.items(), 1)
         assert got.result(timeout=10).version == 1

@@ -47,8 +47,17 @@ def test_shares_are_disjoint_cover_every_tensor_and_balance_bytes():
 def test_an_engine_is_one_version_only_when_every_share_is():
     """An engine's version over every combination of its shares' versions that matters (Note [versions never
     lie]): shares that differ, or one MIXED, make the engine's weights a mix."""
-    table = {(None, None): None, (3, 3): 3, (3, 4): MIXED, (3, MIXED): MIXED, (MIXED, 3): MIXED,
-             (MIXED, MIXED): MIXED, (None, 3): MIXED, (3,): 3, (MIXED,): MIXED}  # fmt: skip
+    table = {
+        (None, None): None,
+        (3, 3): 3,
+        (3, 4): MIXED,
+        (3, MIXED): MIXED,
+        (MIXED, 3): MIXED,
+        (MIXED, MIXED): MIXED,
+        (None, 3): MIXED,
+        (3,): 3,
+        (MIXED,): MIXED,
+    }
     for versions, want in table.items():
         assert combined_version(versions) == want, versions
 
@@ -87,8 +96,15 @@ def _groups(
     groups, secrets = [], []
     for share in shares(model.named_parameters(), 2, base):
         secrets.append(SessionSecret.generate())
-        groups.append(CollectiveSender(secrets[-1], dataclasses.replace(base, include=share), host="127.0.0.1",
-                                       num_receivers=receivers, backend="gloo"))  # fmt: skip
+        groups.append(
+            CollectiveSender(
+                secrets[-1],
+                dataclasses.replace(base, include=share),
+                host="127.0.0.1",
+                num_receivers=receivers,
+                backend="gloo",
+            )
+        )
     return groups, secrets
 
 
@@ -104,8 +120,16 @@ def _setup(spawn, receivers: int, pushes: int, die: dict | None = None):
     groups, secrets = _groups(model, receivers)
     out = spawn.ctx.Queue()
     for rank in range(1, receivers + 1):
-        spawn(sharded_receiver, secrets, CFG, rank, [g.rendezvous for g in groups], pushes, out,
-              (die or {}).get(rank))  # fmt: skip
+        spawn(
+            sharded_receiver,
+            secrets,
+            CFG,
+            rank,
+            [g.rendezvous for g in groups],
+            pushes,
+            out,
+            (die or {}).get(rank),
+        )
     return groups, _join(groups), model, out
 
 

@@ -103,7 +103,7 @@ def test_the_room_under_a_memory_cgroup_limit(private_tmp, files, room):
         (
             "a path that climbs",
             lambda info: dataclasses.replace(info, handles=(info.handles[0] + "/../fds", info.handles[1])),
-        ),  # fmt: skip
+        ),
         ("a short token", lambda info: dataclasses.replace(info, handles=(info.handles[0], "abcd"))),
         ("one handle", lambda info: dataclasses.replace(info, handles=info.handles[:1])),
         ("another transport", lambda info: dataclasses.replace(info, transport="cuda_ipc")),

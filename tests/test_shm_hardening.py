@@ -361,8 +361,12 @@ def test_a_full_dev_shm_does_not_stop_a_ring_larger_than_all_of_it():
         pytest.skip("no user + mount namespace here (unshare -rm): cannot give a child a small /dev/shm")
     code = f"import sys; sys.path.insert(0, {TESTS!r}); import test_shm_hardening as t; t.full_dev_shm_case()"
     script = 'mount -t tmpfs -o size=4m,nr_inodes=64 tmpfs /dev/shm && exec "$0" -c "$1"'
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, sys.executable, code],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, sys.executable, code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {"free_blocks": 0, "free_inodes": 0, "same": True, "left": []}
@@ -479,8 +483,13 @@ def _every_interface_spellings() -> list[str]:
 def _try_bind(host: str, allow: bool = False) -> str:
     """The endpoint a SenderChannel bound for tcp://HOST:*, or the EndpointError's message."""
     try:
-        channel = SenderChannel(SessionSecret.generate(), endpoint=f"tcp://{host}:*", allow_any_interface=allow,
-                                timeout_s=1, max_frame_bytes=1 << 16)  # fmt: skip
+        channel = SenderChannel(
+            SessionSecret.generate(),
+            endpoint=f"tcp://{host}:*",
+            allow_any_interface=allow,
+            timeout_s=1,
+            max_frame_bytes=1 << 16,
+        )
     except EndpointError as e:
         return f"refused: {e}"
     channel.close()

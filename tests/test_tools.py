@@ -60,8 +60,13 @@ def test_doctor_joins_an_existing_cluster_as_it_is(ray_local):
     import ray
 
     env = os.environ | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    run = subprocess.run([sys.executable, "-m", "raysync", "doctor", "--cluster", "--json"], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "raysync", "doctor", "--cluster", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     nodes = json.loads(run.stdout)
     assert [n["node_id"] for n in nodes] == [n["NodeID"] for n in ray.nodes() if n["Alive"]]
@@ -70,8 +75,22 @@ def test_doctor_joins_an_existing_cluster_as_it_is(ray_local):
 def _bench(tmp_path, capsys, device: str, transports: set[str]) -> None:
     """`raysync bench` on ``device`` measures ``transports`` at two bucket sizes, beside a floor, and plots."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["bench", "--device", device, "--layout", "qwen2-tiny", "--bucket-mb", "1", "2", "--pushes", "2",
-            "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    argv = [
+        "bench",
+        "--device",
+        device,
+        "--layout",
+        "qwen2-tiny",
+        "--bucket-mb",
+        "1",
+        "2",
+        "--pushes",
+        "2",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     assert cli(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out_json.read_text())

@@ -47,8 +47,10 @@ SECRET = SessionSecret.generate()
 
 
 def pair(max_frame_bytes: int = 1 << 16, secret: SessionSecret = SECRET) -> tuple[FrameCodec, FrameCodec]:
-    return (FrameCodec(secret, "sender", "receiver", max_frame_bytes),
-            FrameCodec(secret, "receiver", "sender", max_frame_bytes))  # fmt: skip
+    return (
+        FrameCodec(secret, "sender", "receiver", max_frame_bytes),
+        FrameCodec(secret, "receiver", "sender", max_frame_bytes),
+    )
 
 
 def signed(payload_obj: object, secret: SessionSecret = SECRET, role: str = "sender") -> bytes:
@@ -125,19 +127,49 @@ def test_session_and_sequence_checks():
         ("Hello", {"pid": 1, "host": "x", "extra": 1}),  # unknown field
         ("Hello", [1, "x"]),  # not a map
         ("Exec", {"code": "import os"}),  # unknown kind
-        ("Layout", {"layout_id": 1, "bucket_bytes": 256, "align_bytes": 256,
-                    "tensors": [{"name": "w", "dtype": "object", "shape": [1]}]}),  # dtype not allowed
-        ("Layout", {"layout_id": 1, "bucket_bytes": 256, "align_bytes": 256,
-                    "tensors": [{"name": "w", "dtype": "int8", "shape": [2**40, 2**40]}]}),  # absurd size
-        ("Layout", {"layout_id": 1, "bucket_bytes": 256, "align_bytes": 256,
-                    "tensors": [{"name": "w", "dtype": "int8", "shape": [1]}] * 2}),  # duplicate name
-        ("Layout", {"layout_id": 1, "bucket_bytes": 256, "align_bytes": 256,
-                    "tensors": [{"name": "", "dtype": "int8", "shape": [1]}]}),  # empty name
-        ("RingInfo", {"transport": "shm", "num_buffers": 1, "buffer_bytes": 1,
-                      "handles": [msgpack.ExtType(1, b"x")]}),  # ext type
+        (
+            "Layout",
+            {
+                "layout_id": 1,
+                "bucket_bytes": 256,
+                "align_bytes": 256,
+                "tensors": [{"name": "w", "dtype": "object", "shape": [1]}],
+            },
+        ),  # dtype not allowed
+        (
+            "Layout",
+            {
+                "layout_id": 1,
+                "bucket_bytes": 256,
+                "align_bytes": 256,
+                "tensors": [{"name": "w", "dtype": "int8", "shape": [2**40, 2**40]}],
+            },
+        ),  # absurd size
+        (
+            "Layout",
+            {
+                "layout_id": 1,
+                "bucket_bytes": 256,
+                "align_bytes": 256,
+                "tensors": [{"name": "w", "dtype": "int8", "shape": [1]}] * 2,
+            },
+        ),  # duplicate name
+        (
+            "Layout",
+            {
+                "layout_id": 1,
+                "bucket_bytes": 256,
+                "align_bytes": 256,
+                "tensors": [{"name": "", "dtype": "int8", "shape": [1]}],
+            },
+        ),  # empty name
+        (
+            "RingInfo",
+            {"transport": "shm", "num_buffers": 1, "buffer_bytes": 1, "handles": [msgpack.ExtType(1, b"x")]},
+        ),  # ext type
         ("Abort", {"push_id": 1, "stage": "s", "message": pickle.dumps(print), "traceback": ""}),  # bytes
     ],
-)  # fmt: skip
+)
 def test_wrong_schema_is_refused(kind, body):
     _, rx = pair()
     with pytest.raises(SchemaError):
@@ -179,9 +211,17 @@ def test_random_frames_are_refused(frame):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-                    max_leaves=30))  # fmt: skip
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.text(max_size=8)
+        | st.binary(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+        max_leaves=30,
+    )
+)
 def test_signed_garbage_never_crashes(obj):
     """Even with a valid signature (a buggy peer), any msgpack value is a typed WireError or a valid message."""
     _, rx = pair()
@@ -201,8 +241,12 @@ def test_signed_garbage_never_crashes(obj):
 def layout_frame(
     bucket_bytes: int, align_bytes: int, tensors: list[tuple[str, str, list[int]]], seq: int = 1
 ):
-    body = {"layout_id": 1, "bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
-            "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in tensors]}  # fmt: skip
+    body = {
+        "layout_id": 1,
+        "bucket_bytes": bucket_bytes,
+        "align_bytes": align_bytes,
+        "tensors": [{"name": n, "dtype": d, "shape": shape} for n, d, shape in tensors],
+    }
     return signed(["rs1", SECRET.session_id, seq, "Layout", body])
 
 
@@ -264,14 +308,21 @@ def _hostile_tensor(draw_size: int, dtype: str, nd: int) -> list[int]:
 elements = st.one_of(
     st.integers(0, 4096), st.integers(1 << 20, 1 << 30), st.sampled_from([0, 1, 1 << 47, 1 << 49])
 )
-geometry = st.tuples(st.sampled_from([16, 256, 4096, 1 << 20, 1 << 30, 1 << 40, 0, 1 << 41]),
-                     st.sampled_from([16, 256, 4096, 16, 256, 0, 24, 1 << 22]))  # fmt: skip
+geometry = st.tuples(
+    st.sampled_from([16, 256, 4096, 1 << 20, 1 << 30, 1 << 40, 0, 1 << 41]),
+    st.sampled_from([16, 256, 4096, 16, 256, 0, 24, 1 << 22]),
+)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.tuples(elements, st.sampled_from(["uint8", "float32", "complex128"]), st.integers(0, 3)),
-                max_size=8),
-       geometry, st.sampled_from(["unique", "unique", "unique", "duplicate", "empty"]))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(elements, st.sampled_from(["uint8", "float32", "complex128"]), st.integers(0, 3)),
+        max_size=8,
+    ),
+    geometry,
+    st.sampled_from(["unique", "unique", "unique", "duplicate", "empty"]),
+)
 def test_hostile_layouts_off_the_wire_plan_within_bounds_or_are_refused_before_planning(
     items, geometry, names
 ):

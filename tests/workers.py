@@ -11,8 +11,12 @@ from raysync.core.errors import WeightsMixed
 
 
 def digest(named) -> dict[str, str]:
-    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, t in named}  # fmt: skip
+    return {
+        n: hashlib.sha256(
+            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for n, t in named
+    }
 
 
 def perturb(model, version: int) -> None:
@@ -166,8 +170,16 @@ def nccl_receiver(secret, config, rank, rendezvous, pushes, out) -> None:
     group.close()
 
 
-def ipc_receiver(endpoint: str, secret: SessionSecret, config: SyncConfig, gpu: int, visible: str | None,
-                 layout: str, pushes: int, out) -> None:  # fmt: skip
+def ipc_receiver(
+    endpoint: str,
+    secret: SessionSecret,
+    config: SyncConfig,
+    gpu: int,
+    visible: str | None,
+    layout: str,
+    pushes: int,
+    out,
+) -> None:
     """A receiver on ``gpu`` (its own numbering) under its own CUDA_VISIBLE_DEVICES: reports the UUID of the
     GPU it sees the ring on, a digest of its destinations after each push, and its reserved memory."""
     import os

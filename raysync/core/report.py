@@ -48,22 +48,48 @@ class PushReport:
             return cls(version, transport, nbytes, buckets, tensors, seconds, skipped, 0, nbytes)
         delta, full = stats.sent_as_delta, stats.sent_as_full
         return cls(
-            version, transport, delta + full, buckets, tensors, seconds, skipped, delta, full, stats.density,
+            version,
+            transport,
+            delta + full,
+            buckets,
+            tensors,
+            seconds,
+            skipped,
+            delta,
+            full,
+            stats.density,
             stats.base_version,
-        )  # fmt: skip
+        )
 
     @classmethod
     def received(
-        cls, version: int, transport: str, specs: Sequence[TensorSpec], buckets: int, seconds: float,
-        skipped: bool, sink: Sink,
-    ) -> PushReport:  # fmt: skip
+        cls,
+        version: int,
+        transport: str,
+        specs: Sequence[TensorSpec],
+        buckets: int,
+        seconds: float,
+        skipped: bool,
+        sink: Sink,
+    ) -> PushReport:
         """The receiver's report: a delta's bytes are those of the buffers it decoded."""
         moved = not skipped
         base = sink.delta_base if moved else None
         nbytes = sum(s.nbytes for s in specs) * moved if base is None else sink.moved
         full = nbytes if base is None else sink.moved_full
-        return cls(version, transport, nbytes, buckets * moved, len(specs), seconds, skipped, nbytes - full, full,
-                   None, base)  # fmt: skip
+        return cls(
+            version,
+            transport,
+            nbytes,
+            buckets * moved,
+            len(specs),
+            seconds,
+            skipped,
+            nbytes - full,
+            full,
+            None,
+            base,
+        )
 
     @property
     def gbps(self) -> float:

@@ -106,8 +106,11 @@ class GatherWalk:
             if (h.seq, h.version, h.count, h.layout) != (mine.seq, version, mine.count, mine.layout)
         ]
         if odd:
-            shown = "; ".join(f"rank {r}: push {h.seq}, version {h.version}, {h.count} buckets, layout "
-                              f"{h.layout & 0xFFFF:04x}" for r, h in enumerate(rows))  # fmt: skip
+            shown = "; ".join(
+                f"rank {r}: push {h.seq}, version {h.version}, {h.count} buckets, layout "
+                f"{h.layout & 0xFFFF:04x}"
+                for r, h in enumerate(rows)
+            )
             raise LayoutError(
                 f"the trainer ranks do not walk the same push ({shown}): every rank must make its source from "
                 f"the same tensors and SyncConfig, and take part in every push with the same version"
