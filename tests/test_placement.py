@@ -199,17 +199,44 @@ def test_the_plan_picks_direct_wherever_it_is_correct_and_the_ring_otherwise(
 
 
 def test_same_node_other_gpus_by_what_the_receiver_sees_and_reaches():
-    """Issue 20's visibility cases: cuda_ipc only where the receiver sees the sender's GPU and reaches it."""
+    """Issue 20's visibility cases: cuda_ipc only where the receiver sees the sender's GPU and reaches it;
+    NCCL where it cannot see it (Ray's default: each GPU actor sees its own GPU), shm where NCCL is not built."""
     own_only = dataclasses.replace(
         gpu("GPU-b"), gpu_uuids=("GPU-b",), peer_access=((True,),)
     )  # Ray's default
     p = plan(gpu(), own_only)
-    assert (p.transport, p.mode) == ("shm", "ring 2 x 512 MiB") and "not visible to the receiver" in p.reason
+    assert (p.transport, p.mode) == (
+        "collective",
+        "ring 2 x 512 MiB",
+    ) and "not visible to the receiver" in p.reason
+    no_nccl = choose(0, 0, gpu(), own_only, ["cuda_ipc", "shm"], config=SyncConfig(), source=IN_PLACE)
+    assert no_nccl.transport == "shm" and "collective not built yet, shm instead" in no_nccl.reason
     no_peer = dataclasses.replace(gpu("GPU-b"), peer_access=((True, False), (False, True)))
     assert plan(gpu(), no_peer).reason == "same node, no peer access between the GPUs"
     for unreachable in (own_only, no_peer, gpu(ipc=False)):
         with pytest.raises(PlanError, match="override 'cuda_ipc'"):
             plan(gpu(), unreachable, transport="cuda_ipc")
+
+
+def test_engines_that_cannot_see_the_trainers_gpu_get_one_nccl_rank_per_gpu():
+    """Engines on GPUs the trainer's actor cannot see go over NCCL, one rank per GPU in the trainer's group
+    (NCCL refuses two): a second engine on a GPU that already has a rank goes over shm, with the reason; the
+    same placements with the collective forced are refused, naming both ranks."""
+
+    def own_only(uuid: str) -> Placement:
+        return dataclasses.replace(gpu(uuid), gpu_uuids=(uuid,), peer_access=((True,),))
+
+    trainer = own_only("GPU-a")
+    engines = [own_only("GPU-b"), own_only("GPU-b"), own_only("GPU-c"), own_only("GPU-a")]
+    plans = [
+        choose(0, j, trainer, e, ALL, config=SyncConfig(), source=IN_PLACE) for j, e in enumerate(engines)
+    ]
+    check_groups(plans, [trainer], engines)
+    assert [p.transport for p in plans] == ["collective", "shm", "collective", "cuda_ipc"]
+    assert "receiver #0 holds GPU GPU-b in this sender's NCCL group: shm" in plans[1].reason
+    forced = [choose(0, j, trainer, e, ALL, "collective") for j, e in enumerate(engines[:2])]
+    with pytest.raises(PlanError, match=r"receiver #0 and receiver #1 .* same GPU GPU-b"):
+        check_groups(forced, [trainer], engines[:2])
 
 
 def test_syncconfig_leaves_the_data_path_to_the_plan_until_a_field_is_set(monkeypatch):

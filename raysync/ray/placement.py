@@ -3,11 +3,11 @@
 Every endpoint reports a Placement from inside its own process (``probe``), every sender what its source gives
 (``report_source``); ``choose`` turns them into a PairPlan, and says why. The transport, first match wins:
 
-    same node, same GPU (by UUID)           -> cuda_ipc
-    same node, GPUs with peer access        -> cuda_ipc (peer)
-    same node otherwise (CPU, NPU, no IPC)  -> shm
-    other nodes                             -> collective (NCCL on GPUs, gloo on CPUs)
-
+    same node, same GPU (by UUID)                -> cuda_ipc
+    same node, GPUs with peer access             -> cuda_ipc (peer)
+    same node, a GPU the receiver does not see   -> collective (NCCL; shm for a 2nd rank on a GPU: check_groups)
+    same node otherwise (CPU, NPU, no IPC)       -> shm
+    other nodes                                  -> collective (NCCL on GPUs, gloo on CPUs)
 then, on cuda_ipc, direct mode or the ring (Note [direct or ring]), and the ring's shape (Note [ring shape]).
 What the user sets (SyncConfig's transport, direct, bucket_bytes, num_buffers; WeightSync's ``transport=``) is
 forced instead: one that cannot serve a pair is a PlanError before any session opens. A transport not built
@@ -20,7 +20,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from raysync.core.config import MiB, SyncConfig
@@ -43,23 +43,20 @@ from raysync.core.errors import PlanError
 #
 # Note [ring shape]
 # ~~~~~~~~~~~~~~~~~
-# A ring left to the plan starts from the shape measured fastest on its path (docs/benchmarks.md):
-#     cuda_ipc, one GPU    2 x 2048 MiB   two processes take turns on one GPU: fewer, larger buckets (sections 1, 2)
-#     cuda_ipc, peer GPUs  2 x 1024 MiB   (section 3)
-#     shm, GPU endpoints   2 x 512 MiB    (section 4)
-#     shm, CPU endpoints   2 x 8 MiB      (section 6)
-#     collective           2 x 512 MiB    NCCL (section 5); gloo not measured
-# and shrinks it: no bucket larger than the push (a small model is one bucket in one buffer), and no ring larger
+# A ring left to the plan starts from the shape measured fastest on its path (_SWEET_SPOTS, with the sections of
+# docs/benchmarks.md that measured them; on one GPU two processes take turns: fewer, larger buckets) and shrinks
+# it: no bucket larger than the push (a small model is one bucket in one buffer), and no ring larger
 # than 1/RING_SHARE of the memory free where it lives, at probe time, split between the rings planned there:
 # the sender's GPU (cuda_ipc), the host (shm), each rank's device (collective). A size the user sets is kept as
 # set; a ring that cannot fit the memory free is a PlanError.
 RING_SHARE = 4
+NOT_VISIBLE = "same node, the sender's GPU is not visible to the receiver (CUDA_VISIBLE_DEVICES): NCCL"
 _SWEET_SPOTS = {  # path -> (bucket bytes, buffers)
-    "cuda_ipc, one GPU": (2048 * MiB, 2),
-    "cuda_ipc, peer GPUs": (1024 * MiB, 2),
-    "shm, GPU endpoints": (512 * MiB, 2),
-    "shm, CPU endpoints": (8 * MiB, 2),
-    "collective": (512 * MiB, 2),
+    "cuda_ipc, one GPU": (2048 * MiB, 2),  # sections 1, 2
+    "cuda_ipc, peer GPUs": (1024 * MiB, 2),  # section 3
+    "shm, GPU endpoints": (512 * MiB, 2),  # section 4
+    "shm, CPU endpoints": (8 * MiB, 2),  # section 6
+    "collective": (512 * MiB, 2),  # NCCL, section 5; gloo not measured
 }
 
 
@@ -210,8 +207,8 @@ def _wanted(s: Placement, r: Placement) -> tuple[str, str]:
         return "shm", "same node" + ("" if s.device == "cpu" else ", no CUDA IPC")
     if s.current_gpu == r.current_gpu:
         return "cuda_ipc", "same GPU"
-    if s.current_gpu not in r.gpu_uuids:  # Ray gives each GPU actor only its own GPU (issue 20)
-        return "shm", "same node, the sender's GPU is not visible to the receiver (CUDA_VISIBLE_DEVICES)"
+    if s.current_gpu not in r.gpu_uuids:  # Ray gives each GPU actor only its own GPU: NCCL reaches it anyway
+        return "collective", NOT_VISIBLE
     if r.peer_access[r.gpu_uuids.index(r.current_gpu)][r.gpu_uuids.index(s.current_gpu)]:
         return "cuda_ipc", "GPUs with peer access"
     return "shm", "same node, no peer access between the GPUs"
@@ -373,28 +370,31 @@ def _ring_shape(
     return bucket, buffers, f"ring {buffers} x {_size(bucket)}: " + ", ".join(notes)
 
 
-def check_groups(
-    plans: Sequence[PairPlan], senders: Sequence[Placement], receivers: Sequence[Placement]
-) -> None:
+def check_groups(plans: list[PairPlan], senders: Sequence[Placement], receivers: Sequence[Placement]) -> None:
     """Each sender's collective pairs make one group: the sender and those receivers. NCCL refuses a group
-    with two ranks on one GPU, and says so only at the first push, from deep inside: refuse such a plan here,
-    naming the two ranks and the GPU (a forced collective, or sharded sources, between colocated actors)."""
+    with two ranks on one GPU, and says so only at the first push, from deep inside: a pair the rules put on
+    the collective only because its GPU is not visible (NOT_VISIBLE) goes over shm instead, in ``plans``, when
+    its GPU already has a rank in the group; any other such plan is refused here, naming the two ranks and the
+    GPU (a forced collective, or sharded sources, between colocated actors)."""
     groups: dict[int, list[int]] = {}
-    for p in plans:
+    for k, p in enumerate(plans):
         if p.transport == "collective":
-            groups.setdefault(p.sender, []).append(p.receiver)
-    for i, js in groups.items():
+            groups.setdefault(p.sender, []).append(k)
+    for i, ks in groups.items():
         if senders[i].device != "cuda":
             continue  # the sender's tensors are in host memory: its group runs gloo (endpoint.collective_open)
-        seen: dict[str, str] = {}
-        for name, at in [(f"sender #{i}", senders[i])] + [(f"receiver #{j}", receivers[j]) for j in js]:
-            if at.device != "cuda" or not at.current_gpu:
-                continue  # gloo: any number of ranks per machine
+        seen: dict[str, str] = {f"{senders[i].node_id}/{senders[i].current_gpu}": f"sender #{i}"}
+        for k in ks:
+            name, at = f"receiver #{plans[k].receiver}", receivers[plans[k].receiver]
             key = f"{at.node_id}/{at.current_gpu}"
-            if key in seen:
+            if at.device != "cuda" or not at.current_gpu or key not in seen:
+                seen[key] = name  # (gloo: any number of ranks per machine)
+            elif plans[k].reason == NOT_VISIBLE:
+                why = f"; {seen[key]} holds GPU {at.current_gpu} in this sender's NCCL group: shm"
+                plans[k] = replace(plans[k], transport="shm", reason=NOT_VISIBLE + why)
+            else:
                 raise PlanError(
                     f"{seen[key]} and {name} would be two ranks of one NCCL group on the same GPU "
                     f"{at.current_gpu} ({at.label()}), which NCCL refuses: give the pair another transport "
                     f"(same GPU: cuda_ipc) or put the actors on different GPUs"
                 )
-            seen[key] = name

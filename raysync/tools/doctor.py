@@ -62,7 +62,8 @@ def shm_space() -> dict[str, int] | None:
 
 def pair_plans(at: Placement) -> list[dict[str, str]]:
     """What WeightSync would pick for a sender and a receiver on each pair of this node's devices (both
-    processes seeing every device, as here), and for a receiver on another node (its memory unknown). The
+    processes seeing every device, as here, and a receiver that sees only its own GPU, as Ray sets it), and for
+    a receiver on another node (its memory unknown). The
     trainer's tensors are unknown here: a cuda_ipc pair reads them in place where they allow it, else the ring
     shown (raysync.ray.placement, Note [direct or ring])."""
     built = registry.names()
@@ -72,7 +73,13 @@ def pair_plans(at: Placement) -> list[dict[str, str]]:
         far = replace(
             s, node_id=s.node_id + "-other", host=s.host + "-other", ip="other", host_free_bytes=None
         )
-        for r_name, r in [*((n, replace(r, pid=r.pid + 1)) for n, r in ends), ("another node", far)]:
+        seen_by_ray = [  # Ray's default: a GPU actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
+            (f"{n}, seeing only it (Ray)", replace(r, gpu_uuids=(r.current_gpu,), peer_access=((True,),)))
+            for n, r in ends
+            if r.current_gpu and r.current_gpu != s.current_gpu
+        ]
+        others = [*((n, replace(r, pid=r.pid + 1)) for n, r in ends), *seen_by_ray, ("another node", far)]
+        for r_name, r in others:
             p = choose(0, 0, s, r, built)
             mode, why = p.mode, p.reason
             if p.transport == "cuda_ipc":
