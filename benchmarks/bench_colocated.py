@@ -1,0 +1,161 @@
+"""Benchmark: one trainer -> N engines on its GPU (issue 20, item 4): one session per engine, pushed at once from
+threads of the trainer's process (as WeightSync pushes a sender's pairs), each engine a process of its own that
+copies every tensor into its own preallocated destinations.
+
+    python benchmarks/bench_colocated.py --device cuda --layout qwen2.5-7b --engines 1 2 3   # cuda_ipc direct
+    python benchmarks/bench_colocated.py --device cuda --no-direct                          # cuda_ipc ring
+    python benchmarks/bench_colocated.py                                   # CPU stand-in: shm, Qwen2.5-0.5B
+
+In direct mode the trainer packs nothing: each engine reads the trainer's tensors in place, so the trainer's
+work does not grow with N. The floor, measured in the same run on the same tensors: N one-copy reads of every
+tensor, one after the other (N engines reading one GPU's memory share its bandwidth). A push returns when all N
+engines have applied it; every engine's tensors are checked against the trainer's at the end. Table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from bench_ipc import checksum
+from common import emit
+
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.tools.models import allocate
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_main(endpoint, secret, config, layout, device, pushes, out) -> None:
+    torch.set_num_threads(1)
+    dest = allocate(layout, device=device, fill=False)
+    for t in dest.values():
+        t.zero_()
+    with WeightReceiver(endpoint, secret, config) as receiver:
+        for _ in range(pushes):
+            receiver.receive(into=dest)
+        _sync(device)
+        out.put(checksum(dest))
+
+
+def floor_s(src: dict[str, torch.Tensor], device: str, engines: int, repeats: int) -> float:
+    outs = [{k: torch.empty_like(v) for k, v in src.items()} for _ in range(engines)]
+
+    def once() -> None:
+        for out in outs:
+            for k, v in src.items():
+                out[k].copy_(v, non_blocking=True)
+
+    once()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool, bucket_mb: int) -> dict:
+    ctx = mp.get_context("spawn")
+    config = SyncConfig(
+        transport="cuda_ipc" if device == "cuda" else "shm",
+        direct=direct and device == "cuda",
+        bucket_bytes=bucket_mb << 20,
+        num_buffers=2,
+        timeout_s=300,
+        progress=False,
+    )
+    out = ctx.Queue()
+    secrets = [SessionSecret.generate() for _ in range(engines)]
+    senders = [WeightSender(secret, config) for secret in secrets]
+    pool = ThreadPoolExecutor(engines)
+    try:
+        procs = [
+            ctx.Process(target=engine_main, args=(s.endpoint, sec, config, layout, device, pushes + 1, out))
+            for s, sec in zip(senders, secrets, strict=True)
+        ]
+        for p in procs:
+            p.start()
+
+        def push_all(version: int) -> None:
+            for f in [pool.submit(s.push, src.items(), version) for s in senders]:
+                f.result(timeout=600)
+
+        push_all(0)  # warm-up: the sessions' set-up (export, open, map: once)
+        times = []
+        for version in range(1, pushes + 1):
+            t0 = time.perf_counter()
+            push_all(version)
+            times.append(time.perf_counter() - t0)
+        sums = [out.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        pool.shutdown()
+        for s in senders:
+            s.close()
+    assert all(s == checksum(src) for s in sums), "an engine's tensors differ from the trainer's"
+    return {
+        "engines": engines,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="qwen2.5-0.5b")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--pushes", type=int, default=10)
+    ap.add_argument("--no-direct", action="store_true", help="cuda_ipc ring instead of direct mode")
+    ap.add_argument("--bucket-mb", type=int, default=512, help="the ring's bucket (ring and shm only)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    src = allocate(args.layout, device=args.device, fill=True)
+    nbytes = sum(t.numel() * t.element_size() for t in src.values())
+    hardware = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    direct = args.device == "cuda" and not args.no_direct
+    path = "cuda_ipc direct" if direct else ("cuda_ipc ring" if args.device == "cuda" else "shm ring")
+    if not direct:
+        path += f" 2 x {args.bucket_mb} MiB"
+    print(f"{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB, {path}, {hardware}")
+    print(f"{'engines':>7} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6}")
+    rows = []
+    for n in args.engines:
+        floor = floor_s(src, args.device, n, args.pushes)
+        r = bench(src, args.layout, args.device, n, args.pushes, direct, args.bucket_mb) | {"floor_s": floor}
+        rows.append(r)
+        print(
+            f"{n:>7} {r['median_s']:>9.4f} {floor:>8.4f} {r['median_s'] / floor:>8.2f} "
+            f"{r['median_s'] / rows[0]['median_s']:>6.2f}"
+        )
+    emit(
+        {
+            "what": "one trainer -> N engines on its device, one session each, pushed at once",
+            "layout": args.layout,
+            "device": args.device,
+            "hardware": hardware,
+            "path": path,
+            "bytes": nbytes,
+            "floor": "N one-copy reads of every tensor, one after the other",
+            "rows": rows,
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
