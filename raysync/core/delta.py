@@ -161,6 +161,12 @@ def capacity(chunks: Sequence[tuple[int, int]]) -> int:
     return _align(HEADER_BYTES + ROW_BYTES * len(chunks)) + sum(_align(n * s) for n, s in chunks)
 
 
+def used_bytes(buffer: torch.Tensor) -> int:
+    """The bytes of ``buffer`` an encoded bucket uses, as its header says: what a plane that moves only those
+    reads first (unchecked here: ``decode`` checks it against the table)."""
+    return int(buffer[:HEADER_BYTES].view(torch.int64)[3])
+
+
 # --- the receiver's rule --------------------------------------------------------------------------------------
 def delta_applies(held: Version, base: Version) -> bool:
     """True when a delta computed from ``base`` may be applied to destinations holding ``held``: both name

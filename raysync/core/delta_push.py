@@ -2,26 +2,45 @@
 hold, which pushes go as a delta, and what a push sent. The encoding itself is raysync.core.delta (Note [delta
 pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTensors) and one answer at accept.
 
-    sender   start(version, full)  ->  base version (None: this push is full)
+    sender   on_plane(plane)          whether this session can send deltas at all (``off`` says why not)
+             start(version, full)  ->  base version (None: this push is full)
              per bucket k: encode(k, ring buffer)  (a delta push: pack into the scratch bucket, encode into
                            the ring, apply the same bytes to the reference as the receivers will)
                         or keep(k, ring buffer)    (a full push: the Packer packed the ring; copy it into the
-                           reference)
+                           reference) / pack_full(k, ring buffer) (a lazy source: packed into the scratch)
              finish(version) once every receiver applied the push: the reference is that version
 
 # Note [the delta reference]
 # The reference is one uint8 tensor on the trainer's device (the device of the first tensor pushed: the GPU
-# for a GPU trainer), laid out as the buckets are: bucket k at ``offsets[k]``, each chunk at its
-# ``bucket_offset``, in the wire dtype. It costs one more copy of the model in the wire dtype there, plus one
-# bucket of scratch (a delta is packed there first, so a cast -- fp32 master -> bf16 -- is compared in the
-# bits receivers hold). Its version is None from ``start`` until ``finish``: a push that fails, is skipped or
-# is demoted part-way leaves None, and the next push is full for every receiver. A full push in delta mode
-# rewrites all of it; a delta push applies each bucket's code to it with the receivers' own ``decode``, so it
-# equals what every receiver holds, by construction. A new layout makes a new reference (version None).
-# Deltas need a ring the sender makes (shm, cuda_ipc): a collective group's plane (given to the session, which
-# moves whole buckets) and direct mode (no ring) push full; so does a lazy source (no scratch packer for it
-# yet). The ring's buffers are made larger by the header, table and padding of the largest bucket of the
-# first layout (delta.capacity); a later layout whose buckets do not fit pushes full.
+# for a GPU trainer; a lazy source's: the ring's device), laid out as the buckets are: bucket k at
+# ``offsets[k]``, each chunk at its ``bucket_offset``, in the wire dtype. It costs one more copy of the model
+# in the wire dtype there, plus one bucket of scratch (a delta is packed there first, so a cast -- fp32
+# master -> bf16 -- is compared in the bits receivers hold). Its version is None from ``start`` until
+# ``finish``: a push that fails, is skipped or is demoted part-way leaves None, and the next push is full for
+# every receiver. A full push in delta mode rewrites all of it; a delta push applies each bucket's code to it
+# with the receivers' own ``decode``, so it equals what every receiver holds, by construction. A new layout
+# makes a new reference (version None).
+# Where deltas go (``on_plane``; ``off`` names the reason, logged once, when they cannot):
+# * a ring the session makes (shm, cuda_ipc): its buffers are made larger by the header, table and padding of
+#   the largest bucket of the first layout (``ring_config``); a later layout whose buckets do not fit pushes
+#   full (``off`` says so).
+# * the collective (a broadcast group, ``transport.collective``): its buffers grow to the layout's
+#   ``buffer_bytes`` when the layout is placed, and it broadcasts only a bucket's encoded bytes (the plane's
+#   ``encoded(k, nbytes)``: its table first, then the rest, whose size the table says). A broadcast moves the
+#   group together, so one receiver not at the base makes that round full for the whole group: a full
+#   broadcast serves the others as well as the one, and costs what the one's full push would have.
+# * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: encoding a
+#   bucket costs far more than the one copy of its full bytes that direct mode makes (docs/benchmarks.md,
+#   section 12: encode + decode 29-37x that copy on an H200), so a delta can never beat it.
+# * a lazy source (sources/: a manifest, FSDP2 / tensor-parallel): its packer is made a second time over the
+#   scratch bucket (``source.packer(config, buckets, [scratch])``) and every push in delta mode packs through
+#   it: a delta is encoded from the scratch, a full push is copied from the scratch into the ring and the
+#   reference (one more copy of each bucket, on full pushes only). A delta push of a lazy source packs nothing
+#   ahead of PushStart: if a receiver then needs a full push, the packer walks its buckets once, in order
+#   (Note [every rank walks the same buckets] in raysync.sources.walk).
+# * N readers of one shm ring (fan-out) move together: one reader not at the base makes the round full for
+#   all N (they read the same buffers). WeightSync makes one session per pair, so there one engine's full
+#   push leaves the others on deltas.
 """
 
 from __future__ import annotations
@@ -37,13 +56,18 @@ import torch
 from raysync.core import delta
 from raysync.core.config import SyncConfig
 from raysync.core.plan import Bucket, align_up, plan_buckets
-from raysync.core.source import Packer
+from raysync.core.source import Packer, Source, SourcePacker
 from raysync.core.wire import TensorSpec
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
 
 logger = logging.getLogger(__name__)
+
+DIRECT_OFF = (
+    "direct mode reads the trainer's tensors in place with one copy each; encoding a delta costs many such "
+    "copies (docs/benchmarks.md, section 12), so its pushes go full"
+)
 
 
 @dataclass(frozen=True)
@@ -80,41 +104,72 @@ def chunk_sizes(bucket: Bucket, specs: Sequence[TensorSpec]) -> list[tuple[int, 
     return out
 
 
+def table_bytes(bucket: Bucket) -> int:
+    """Where bucket k's first payload starts in its encoding: the header and table, padded (what a plane that
+    moves only the bytes used sends first: the header says how many follow)."""
+    return align_up(delta.HEADER_BYTES + delta.ROW_BYTES * len(bucket.chunks), delta.PAYLOAD_ALIGN)
+
+
+def buffer_bytes(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: int) -> int:
+    """The buffer size that holds the encoding of every bucket of this layout (at least ``bucket_bytes``)."""
+    if not specs:
+        return bucket_bytes
+    buckets = plan_buckets(specs, bucket_bytes, align_bytes)
+    need = max(delta.capacity(chunk_sizes(b, specs)) for b in buckets)
+    return max(bucket_bytes, align_up(need, align_bytes))
+
+
 def ring_config(config: SyncConfig, specs: Sequence[TensorSpec]) -> SyncConfig:
     """The config a delta session's ring is made with: buffers that hold the largest bucket's encoding."""
     if not config.delta or not specs:
         return config
-    buckets = plan_buckets(specs, config.bucket_bytes, config.align_bytes)
-    need = max(delta.capacity(chunk_sizes(b, specs)) for b in buckets)
-    return dataclasses.replace(
-        config, bucket_bytes=max(config.bucket_bytes, align_up(need, config.align_bytes))
-    )
+    need = buffer_bytes(specs, config.bucket_bytes, config.align_bytes)
+    return dataclasses.replace(config, bucket_bytes=need)
 
 
 class Reference:
     """The sender's half of delta mode (Note [the delta reference])."""
 
-    def __init__(self, config: SyncConfig, ring: bool):
+    def __init__(self, config: SyncConfig):
         self.config = config
-        self.enabled = config.delta and ring  # a ring this session made (not a group's, not direct)
-        self.active = (
-            False  # this push runs in delta mode (a plain source: full or delta; a lazy one: neither)
-        )
+        self.enabled = config.delta  # this session's plane can carry deltas (on_plane)
+        self.off: str | None = None  # why not, when delta was asked for and this session cannot send one
+        self.active = False  # this push runs in delta mode (full or delta)
+        self.lazy = False  # this push's source is lazy: it packs through the reference's scratch packer
         self.version: int | None = None  # what the reference holds; None while a push writes it
         self.base: int | None = None  # this push's base version: None for a full push
         self.stats = DeltaStats()
         self._since_full = 0  # delta pushes since the last full one (SyncConfig.delta_full_every)
-        self._layout_id, self._placed, self._fits = 0, -1, False
+        self._layout_id, self._fits, self._source = 0, False, None
         self._bytes: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
         self._offsets: list[int] = []
         self._pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per bucket: (reference, scratch)
-        self._packer: Packer | None = None
+        self._packer: Packer | SourcePacker | None = None
+
+    def on_plane(self, plane: object, made_here: bool) -> None:
+        """The session's plane is known: a ring it made, or a given plane that moves encoded buckets (the
+        collective: ``encoded``), carries deltas; direct mode does not (Note [the delta reference])."""
+        if not self.config.delta:
+            return
+        if plane.reads_in_place:
+            self.off = DIRECT_OFF
+        elif not made_here and not hasattr(plane, "encoded"):
+            self.off = f"the {plane.name} plane moves whole buffers only, so its pushes go full"
+        self.enabled = self.off is None
+        if self.off:
+            logger.warning("delta pushes off: %s", self.off)
+
+    @property
+    def source_packer(self) -> SourcePacker | None:
+        """A lazy source's packer over the scratch bucket, which packs every push in delta mode."""
+        return self._packer if self.active and self.lazy else None
 
     def start(self, full: bool, lazy: bool = False) -> int | None:
         """Choose this push's encoding before anything is packed: a delta from the reference's version, unless
         ``full``, a full anchor is due, or there is no valid reference. The reference's version is None from
-        here until ``finish``. A lazy source's push leaves the reference alone (and invalid)."""
-        self.active = self.enabled and not lazy
+        here until ``finish``."""
+        self.active, self.lazy = self.enabled, lazy
         every = self.config.delta_full_every
         anchor = every > 0 and self._since_full + 1 >= every
         usable = self.active and self._fits and self._packer is not None
@@ -135,9 +190,26 @@ class Reference:
         if not self.active:
             return
         self.demote()
-        sources, specs, buckets = agreed.sources, agreed.layout.tensors, agreed.buckets
-        layout_id = agreed.layout.layout_id
+        sources = agreed.sources
         device = sources[0].tensor.device if sources else torch.device("cpu")
+        self._new_layout(agreed, buffers, device)
+        self._packer = Packer(agreed.buckets, sources, [self._scratch], self.config.cuda_graphs)
+        self._source = None
+
+    def prepare_source(self, agreed: SenderLayout, source: Source, buffers: Sequence[torch.Tensor]) -> None:
+        """A lazy source's push in delta mode: its scratch packer, made again for a new layout or a new
+        source (then this push is full)."""
+        if not self.active or (source is self._source and agreed.layout.layout_id == self._layout_id):
+            return
+        self.demote()
+        self._new_layout(agreed, buffers, buffers[0].device)
+        self._packer = source.packer(self.config, agreed.buckets, [self._scratch])
+        self._source = source
+
+    def _new_layout(
+        self, agreed: SenderLayout, buffers: Sequence[torch.Tensor], device: torch.device
+    ) -> None:
+        specs, buckets, layout_id = agreed.layout.tensors, agreed.buckets, agreed.layout.layout_id
         if layout_id != self._layout_id or self._bytes is None or self._bytes.device != device:
             self._offsets = [0]
             for b in buckets:
@@ -146,33 +218,34 @@ class Reference:
             self._layout_id, self.version = layout_id, None
             room = buffers[0].numel() if buffers else 0
             self._fits = all(delta.capacity(chunk_sizes(b, specs)) <= room for b in buckets)
+            self.off = None
             if not self._fits:
-                logger.warning("delta pushes off for layout %d: its buckets' encoding does not fit the ring's "
-                               "buffers of %d bytes (made for the first layout); pushes go full", layout_id, room)  # fmt: skip
-        scratch = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8, device=device)
-        self._packer = Packer(buckets, sources, [scratch], self.config.cuda_graphs)
-        self._pairs = []
-        for k, b in enumerate(buckets):
-            ref = self.bucket(k)
-            self._pairs.append(
-                [
-                    (_words(ref, c, specs), _words(scratch, c, specs))
-                    for c in b.chunks  # the same offsets in both
-                ]
-            )
+                self.off = (
+                    f"layout {layout_id}: its buckets' encoding does not fit the plane's buffers of {room} "
+                    f"bytes (made for the first layout), so its pushes go full"
+                )
+                logger.warning("delta pushes off: %s", self.off)
+        size = max((b.nbytes for b in buckets), default=0)
+        self._scratch = torch.empty(size, dtype=torch.uint8, device=device)
+        self._pairs = [
+            [(_words(self.bucket(k), c, specs), _words(self._scratch, c, specs)) for c in b.chunks]
+            for k, b in enumerate(buckets)
+        ]  # the same offsets in both
 
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket k's bytes in the reference, laid out as in a ring buffer (what verify digests)."""
         return self._bytes[self._offsets[k] : self._offsets[k + 1]]
 
-    def encode(self, k: int, buffer: torch.Tensor) -> None:
+    def encode(self, k: int, buffer: torch.Tensor) -> int:
         """A delta push's bucket k: pack it into the scratch bucket, encode it into ``buffer`` against the
-        reference, and apply that very encoding to the reference, as every receiver does."""
+        reference, and apply that very encoding to the reference, as every receiver does. Returns the bytes
+        of ``buffer`` the encoding uses."""
         self._packer.pack(k)
         pairs = self._pairs[k]
         code = delta.encode(pairs, buffer, base_version=self.base, max_density=self.config.delta_max_density)
         delta.decode(buffer, [ref for ref, _ in pairs], held_version=self.base)
         self.stats = self.stats.add(code)
+        return code.nbytes
 
     def keep(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
         """A full push's bucket k, packed into ``buffer`` (``nbytes`` bytes, ``payload`` of them tensors'):
@@ -180,6 +253,12 @@ class Reference:
         self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
         s = self.stats
         self.stats = DeltaStats(None, s.sent_as_delta, s.sent_as_full + payload, None, s.numel)
+
+    def pack_full(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
+        """A lazy source's full push, bucket k: packed into the scratch, copied into ``buffer`` and kept."""
+        self._packer.pack(k)
+        buffer[:nbytes].copy_(self._scratch[:nbytes])
+        self.keep(k, self._scratch, nbytes, payload)
 
     def finish(self, version: int, skipped: bool) -> None:
         """Every receiver applied the push (or had the version: then the reference may hold part of this

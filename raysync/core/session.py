@@ -34,18 +34,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from tqdm import tqdm
 
-from raysync.core import digest
 from raysync.core.agreement import SenderLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import SenderChannel
 from raysync.core.delta_push import Reference, ring_config
-from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
+from raysync.core.errors import RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport
+from raysync.core.sender_stream import SenderStream
 from raysync.core.source import Source, is_source
-from raysync.core.wire import Accept, Attached, Close, Hello, PushDigest, PushDone, PushStart, TensorSpec
+from raysync.core.wire import Accept, Attached, Close, Hello, PushDone, PushStart, TensorSpec
 from raysync.transport import registry
 from raysync.transport.base import DataPlane
 
@@ -77,8 +76,14 @@ class PushSender(OnPlane):
         self._agreed = SenderLayout(config)  # the layout, its buckets, the Packer (raysync.core.agreement)
         self._push_id = 0
         self._stream: SenderStream | None = None  # made with the plane
-        self._delta = Reference(config, ring=plane is None)  # SyncConfig.delta (raysync.core.delta_push)
+        self._delta = Reference(config)  # SyncConfig.delta (raysync.core.delta_push)
         self.last_stages_s: dict[str, float] = {}  # where the last push spent its time
+
+    @property
+    def delta_off(self) -> str | None:
+        """Why this session pushes full although SyncConfig.delta asked for deltas (Note [the delta reference]:
+        direct mode, a layout whose encoding does not fit the buffers); None when it can send deltas."""
+        return self._delta.off
 
     @property
     def packed_buckets(self) -> int:
@@ -129,7 +134,10 @@ class PushSender(OnPlane):
         try:
             self._ensure_session()
             self._agreed.agree_source(source, self._plane, self._channel)
-            packer = self._agreed.packer
+            if self._delta.active:  # a collective fits its buffers to the layout's encoding
+                self._plane.place(self._agreed.layout, ())
+            self._delta.prepare_source(self._agreed, source, self._plane.buffers)
+            packer = self._delta.source_packer or self._agreed.packer  # delta mode: over its scratch
             packer.start(version)
         except Exception as e:  # the receiver is waiting for a push: tell it
             self.abort(e, "source")
@@ -204,7 +212,7 @@ class PushSender(OnPlane):
         if self._plane is None:
             config = ring_config(self.config, specs) if self._delta.enabled else self.config
             self._plane, hellos = open_plane(self._channel, config, self._given_plane)
-            self._delta.enabled &= not self._plane.reads_in_place
+            self._delta.on_plane(self._plane, made_here=self._given_plane is None)
             self._stream = SenderStream(self._plane, self._channel, self._agreed, self.config, self._delta)
             attach_receivers(self._plane, self._channel, config, hellos)
 
@@ -268,133 +276,3 @@ def attach_receivers(plane: DataPlane, channel: Fanout, config: SyncConfig, hell
         plane.slots,
         config.bucket_bytes,
     )
-
-
-class SenderStream:
-    """The stream stage, sender half: bucket k = 0, 1, ... claimed, packed (the first ones ahead of the push),
-    published; the digests of what was packed (verify); then every buffer released. Made with the plane."""
-
-    def __init__(
-        self,
-        plane: DataPlane,
-        channel: Fanout,
-        agreed: SenderLayout,
-        config: SyncConfig,
-        reference: Reference,
-    ):
-        self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
-        self._ref = reference  # SyncConfig.delta: the bytes of the last version pushed (delta_push)
-        self.reset()
-
-    def reset(self) -> None:
-        """A new push (or new tensors): nothing packed counts yet."""
-        self._digests: dict[int, list[torch.Tensor]] | None = {} if self._config.verify else None
-        self.packs = 0  # buckets packed for this push: one each, whatever the number of receivers
-
-    def go_full(self) -> int:
-        """This push goes full after all: what was packed ahead is packed again as it streams."""
-        self._ref.demote()
-        self.reset()
-        return 0  # buckets packed ahead
-
-    def pack_ahead(self, abort: Callable[[BaseException, str], None]) -> int:
-        """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
-        with every buffer released), and nothing is published until the receiver accepts."""
-        ahead = min(self._plane.slots, len(self._agreed.buckets))
-        for k in range(ahead):
-            try:
-                self._pack(k)
-            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
-                abort(e, f"pack bucket {k} ahead of the push")
-                raise
-        return ahead
-
-    def _pack(self, k: int) -> None:
-        """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
-        buffer, ref = self._plane.claim(k), self._ref if self._ref.active else None
-        if buffer is not None:
-            if ref is not None and ref.base is not None:  # a delta push: encoded against the reference
-                ref.encode(k, buffer)
-            else:
-                self._agreed.packer.pack(k)
-                if ref is not None:  # a full push in delta mode: the reference takes its bytes
-                    bucket = self._agreed.buckets[k]
-                    ref.keep(k, buffer, bucket.nbytes, sum(c.nbytes for c in bucket.chunks))
-            self.packs += 1
-        if self._digests is not None:  # of the bytes as the receiver has them, wire dtype and all
-            view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
-            for c in self._agreed.buckets[k].chunks:
-                part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
-                self._digests.setdefault(c.index, []).append(part)
-        self._plane.packed(k)
-
-    def run(self, push_id: int, version: int, packed_ahead: int) -> None:
-        """Publish every bucket (packing those not packed ahead), send the digests, wait for the releases."""
-        buckets, nbytes = self._agreed.buckets, self._agreed.nbytes
-        count = len(buckets)
-        bar = _LazyBar(nbytes, f"push v{version}", self._config.progress)
-        stage = "stream"
-        walk = buckets
-        if self._plane.reads_in_place and self._digests is None:
-            walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
-            bar.update(nbytes)
-        try:
-            for k, bucket in enumerate(walk):
-                stage = f"pack bucket {k}/{count}"
-                if k >= packed_ahead:
-                    self._pack(k)
-                self._plane.publish(k)
-                bar.update(sum(c.nbytes for c in bucket.chunks))
-                logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
-            stage = "verify" if self._digests is not None else "finish"
-            self._send_digests(push_id)
-            self._plane.wait_released()
-        except RemoteError:
-            self._plane.fail()
-            raise
-        except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
-            self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
-            cause = None
-            if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:
-                cause = self._channel.reason(push_id, wait_s=1.0)  # a receiver that failed first
-            self._channel.abort(push_id, stage, e)
-            if cause is not None:
-                raise cause from e
-            raise
-        finally:
-            bar.close()
-
-    def _send_digests(self, push_id: int) -> None:
-        """Verified pushes: each tensor's digest of what was packed (read in place: of the tensor itself)."""
-        if self._digests is None:
-            return
-        count = len(self._agreed.layout.tensors)
-        sums = tuple(digest.combine([self._digests.get(i, []) for i in range(count)]))
-        self._channel.send(PushDigest(push_id, sums), "verify")
-
-
-class _LazyBar:
-    """A tqdm bar (bytes) made only once a push ran for a second: tqdm's first bar in a process makes a named
-    semaphore in /dev/shm that a SIGKILLed process leaves behind, so pushes under a second never make one."""
-
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self._total, self._desc, self._enabled = total, desc, enabled
-        self._started, self._done, self._bar = time.perf_counter(), 0, None
-
-    def update(self, n: int) -> None:
-        self._done += n
-        if self._bar is None and self._enabled and time.perf_counter() - self._started > 1.0:
-            self._bar = tqdm(
-                total=self._total,
-                initial=self._done - n,
-                unit="B",
-                unit_scale=True,
-                desc=self._desc,
-                leave=False,
-            )
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()

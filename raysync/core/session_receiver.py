@@ -208,7 +208,7 @@ class PushReceiver(OnPlane, StagedFlips):
         every receiver together, and a delta, then wait for the sender's go: skip only if all have it, full
         when any needs it, or an Abort when another receiver refused (nothing has moved)."""
         skip = start.version in (self.version, area and area.staged_version)
-        full = not sink.offered(start, self.version) and not skip
+        full = not sink.offered(start, self.version)  # even when skipping: a plane moving all streams it
         self._channel.send(Accept(start.push_id, skip, full), "accept")
         if not (self._plane.all_or_none or start.delta):
             return skip
@@ -313,6 +313,8 @@ class ReceiverStream:
         count = len(buckets)
         stage = "stream"
         parts: list | None = None
+        if hasattr(self._plane, "encoded"):  # it moves only a delta bucket's bytes used (the collective)
+            self._plane.encoded(sink.delta_base is not None)
         try:
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"

@@ -28,6 +28,12 @@ the group; no control message goes through it.
 # Every wait is bounded by timeout_s, after which the waiting rank aborts the group itself. The sender, whose
 # broadcast failed, reports the Abort a receiver sent rather than its own symptom. An aborted group is gone:
 # the next push needs a new one (WeightSync reconnects broken pairs before the next push).
+#
+# Note [deltas over a broadcast]
+# SyncConfig.delta (raysync.core.delta_push): only a delta bucket's used bytes cross. The sender broadcasts
+# its header and table (a size both sides know from the bucket's chunks), then the bytes the header says
+# follow; a receiver waits for the table, checks that size, then posts the rest. Both halves grow their
+# buffers to the layout's encoding when it is placed / planned.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ import torch.distributed as dist
 
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel, SenderChannel
-from raysync.core.errors import RaysyncError, SchemaError
+from raysync.core.delta import used_bytes
+from raysync.core.delta_push import buffer_bytes, table_bytes
+from raysync.core.errors import BadDelta, RaysyncError, SchemaError
 from raysync.core.fanout import Fanout
 from raysync.core.plan import Bucket, plan_buckets
 from raysync.core.session import PushSender
@@ -60,6 +68,15 @@ def _buffers(config: SyncConfig, device: torch.device | None) -> list[torch.Tens
     ]
 
 
+def _fit(buffers: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+    """Buffers that hold the encoding of every bucket of ``layout`` (Note [deltas over a broadcast]): these,
+    or new ones where they are too small (between pushes, when nothing is in flight)."""
+    need = buffer_bytes(layout.tensors, layout.bucket_bytes, layout.align_bytes)
+    if need <= buffers[0].numel():
+        return buffers
+    return [torch.empty(need, dtype=torch.uint8, device=b.device) for b in buffers]
+
+
 class BroadcastPlane:
     """The sender's half (transport.base.DataPlane): bucket k is packed into buffer k % S and broadcast from
     there; the buffer is free again when that broadcast has finished (NCCL: a stream wait, no host wait)."""
@@ -68,9 +85,11 @@ class BroadcastPlane:
     reads_in_place = False
     all_or_none = True
 
-    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor]):
+    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor], delta: bool = False):
         self.transport, self.buffers, self.slots = group, buffers, len(buffers)
-        self._sizes: list[int] = []
+        self._delta = delta  # SyncConfig.delta: buffers fit each layout's encoding, encoded() is heard
+        self._buckets: list[Bucket] = []
+        self._used: dict[int, int] = {}  # delta buckets of this push: the bytes their encoding uses
         self._works: list[list] = [[] for _ in buffers]
 
     def describe(self) -> RingInfo:
@@ -82,15 +101,19 @@ class BroadcastPlane:
     def place(
         self, layout: Layout, sources: Sequence[SourceTensor]
     ) -> tuple[list[Bucket], DirectSources] | None:
+        if self._delta:
+            self.buffers = _fit(self.buffers, layout)
         return None
 
     def begin(self, push_id: int, buckets: list[Bucket]) -> None:
-        self._sizes = [b.nbytes for b in buckets]
+        self._buckets, self._used = buckets, {}
+
+    def encoded(self, k: int, nbytes: int) -> None:
+        """Bucket k of this push is a delta encoding of ``nbytes`` bytes: ``publish`` moves those only."""
+        self._used[k] = nbytes
 
     def claim(self, k: int) -> torch.Tensor:
-        if (
-            self.transport.pg is None
-        ):  # the first claim of a push (packed ahead): the receivers hear it at once
+        if self.transport.pg is None:  # the first claim of a push (packed ahead): the receivers hear it
             raise RaysyncError("this collective group was aborted by an earlier failure; make a new one")
         slot = k % self.slots
         self.transport.wait(self._works[slot], f"broadcast bucket {k - self.slots}", block=False)
@@ -104,8 +127,14 @@ class BroadcastPlane:
         pass  # NCCL orders the broadcast after the packing on the current stream
 
     def publish(self, k: int) -> None:
-        slot, size = k % self.slots, self._sizes[k]
-        self._works[slot] = self.transport.broadcast([self.buffers[slot][:size]]) if size else []
+        slot, buffer = k % self.slots, self.buffers[k % self.slots]
+        used, size = self._used.pop(k, None), self._buckets[k].nbytes
+        if used is None:
+            views = [buffer[:size]] if size else []
+        else:  # Note [deltas over a broadcast]: the table, then what it says follows
+            head = table_bytes(self._buckets[k])
+            views = [buffer[:head]] + ([buffer[head:used]] if used > head else [])
+        self._works[slot] = [w for v in views for w in self.transport.broadcast([v])]
 
     def wait_released(self) -> None:
         for k, works in enumerate(self._works):
@@ -126,8 +155,9 @@ class BroadcastReader:
     name = "collective"
     all_or_none = True
 
-    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor]):
+    def __init__(self, group: BroadcastGroup, buffers: list[torch.Tensor], delta: bool = False):
         self.transport, self.buffers, self.slots = group, buffers, len(buffers)
+        self._delta, self._encoded = delta, False  # SyncConfig.delta; this push's buckets are encoded
         self._buckets: list[Bucket] = []
         self._works: dict[int, list] = {}
 
@@ -142,7 +172,14 @@ class BroadcastReader:
                 f"({size}); use one SyncConfig on both sides"
             )
         self._buckets = plan_buckets(layout.tensors, layout.bucket_bytes, layout.align_bytes)
+        if self._delta:
+            self.buffers = _fit(self.buffers, layout)
         return self._buckets
+
+    def encoded(self, on: bool) -> None:
+        """This push's buckets are delta encodings (the session tells it before the stream): each is read as
+        its table, then the bytes the table says follow (Note [deltas over a broadcast])."""
+        self._encoded = on
 
     def take_sources(self, sources: DirectSources, layout: Layout | None) -> list[Bucket]:
         raise SchemaError(f"storages for layout {sources.layout_id} do not fit a collective session")
@@ -153,24 +190,42 @@ class BroadcastReader:
 
     def batches(self, buckets: int) -> Iterable[list[int]]:
         self._works = {}
-        for k in range(min(self.slots, buckets)):
+        for k in range(min(1 if self._encoded else self.slots, buckets)):
             self._post(k)
         return ([k] for k in range(buckets))
 
     def _post(self, k: int) -> None:
-        size = self._buckets[k].nbytes
+        """Post bucket k's broadcast (an encoded push: its table's)."""
+        size = table_bytes(self._buckets[k]) if self._encoded else self._buckets[k].nbytes
         buffer = self.buffers[k % self.slots]
         self._works[k] = self.transport.broadcast([buffer[:size]]) if size else []
 
     def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
         (k,) = batch
-        last = k == len(self._buckets) - 1
-        self.transport.wait(self._works.pop(k), f"broadcast bucket {k}/{len(self._buckets)}", block=last)
+        last, stage = k == len(self._buckets) - 1, f"broadcast bucket {k}/{len(self._buckets)}"
+        if self._encoded:
+            self._post_rest(k, stage)
+        self.transport.wait(self._works.pop(k), stage, block=last)
         return [self.buffers[k % self.slots]]
+
+    def _post_rest(self, k: int, stage: str) -> None:
+        """An encoded bucket: wait for its table, post the broadcast of the bytes it says follow, then the
+        next bucket's table (into the next buffer, free already; with one buffer, at release)."""
+        buffer, head = self.buffers[k % self.slots], table_bytes(self._buckets[k])
+        self.transport.wait(self._works.pop(k), f"{stage}: its table", block=True)
+        used = used_bytes(buffer)
+        if not head <= used <= buffer.numel():  # decode checks the rest against the table
+            raise BadDelta(f"bucket {k}: {used} bytes after a {head}-byte table, buffer {buffer.numel()}")
+        self._works[k] = self.transport.broadcast([buffer[head:used]]) if used > head else []
+        if self.slots > 1 and k + 1 < len(self._buckets):
+            self._post(k + 1)
 
     def release(self, batch: list[int], push_id: int) -> None:
         (k,) = batch
-        if k + self.slots < len(self._buckets):  # stream-ordered after the unpack of bucket k (NCCL)
+        if self._encoded:
+            if self.slots == 1 and k + 1 < len(self._buckets):
+                self._post(k + 1)
+        elif k + self.slots < len(self._buckets):  # stream-ordered after the unpack of bucket k (NCCL)
             self._post(k + self.slots)
 
     def drain(self, timeout_s: float) -> None:
@@ -201,8 +256,9 @@ class _GroupRank:
         if self.session is not None:
             raise RaysyncError("this rank has joined its group already; a new group needs a new object")
         self._group.join(timeout_s)
+        buffers = _buffers(self.config, self._group.device)
         self.session = session(
-            self._control, self.config, plane=plane(self._group, _buffers(self.config, self._group.device))
+            self._control, self.config, plane=plane(self._group, buffers, delta=self.config.delta)
         )
         return self.session
 

@@ -1,0 +1,167 @@
+"""The stream stage of a push, sender half (raysync.core.session runs the other stages): bucket k = 0, 1, ...
+claimed, packed (the first ones ahead of the push), published; the digests of what was packed (verify); then
+every buffer released.
+
+    claim(k) -> pack (the Packer's copies; in delta mode: raysync.core.delta_push) -> packed(k) -> publish(k)
+
+In a delta push a bucket's encoding may use fewer bytes than the bucket: a plane that moves only the bytes
+used (the collective's ``encoded(k, nbytes)``) hears how many right before ``publish(k)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from raysync.core import digest
+from raysync.core.agreement import SenderLayout
+from raysync.core.config import SyncConfig
+from raysync.core.delta_push import Reference
+from raysync.core.errors import PeerLost, PeerTimeout, RemoteError
+from raysync.core.fanout import Fanout
+from raysync.core.wire import PushDigest
+from raysync.transport.base import DataPlane
+
+logger = logging.getLogger(__name__)
+
+
+class SenderStream:
+    """The stream stage, sender half: bucket k = 0, 1, ... claimed, packed (the first ones ahead of the push),
+    published; the digests of what was packed (verify); then every buffer released. Made with the plane."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        channel: Fanout,
+        agreed: SenderLayout,
+        config: SyncConfig,
+        reference: Reference,
+    ):
+        self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
+        self._ref = reference  # SyncConfig.delta: the bytes of the last version pushed (delta_push)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new push (or new tensors): nothing packed counts yet."""
+        self._digests: dict[int, list[torch.Tensor]] | None = {} if self._config.verify else None
+        self._encoded: dict[int, int] = {}  # delta buckets packed for this push: the bytes each uses
+        self.packs = 0  # buckets packed for this push: one each, whatever the number of receivers
+
+    def go_full(self) -> int:
+        """This push goes full after all: what was packed ahead is packed again as it streams."""
+        self._ref.demote()
+        self.reset()
+        return 0  # buckets packed ahead
+
+    def pack_ahead(self, abort: Callable[[BaseException, str], None]) -> int:
+        """Pack the first buckets before PushStart: every buffer is free between pushes (the last push ended
+        with every buffer released), and nothing is published until the receiver accepts."""
+        ahead = min(self._plane.slots, len(self._agreed.buckets))
+        if self._ref.active and self._ref.lazy and self._ref.base is not None:
+            ahead = 0  # Note [the delta reference]: a lazy source walks its buckets once, in order
+        for k in range(ahead):
+            try:
+                self._pack(k)
+            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
+                abort(e, f"pack bucket {k} ahead of the push")
+                raise
+        return ahead
+
+    def _pack(self, k: int) -> None:
+        """Claim bucket k's buffer and pack it (a plane that reads the source in place has none to fill)."""
+        buffer, ref = self._plane.claim(k), self._ref if self._ref.active else None
+        if buffer is not None:
+            bucket = self._agreed.buckets[k]
+            payload = sum(c.nbytes for c in bucket.chunks)
+            if ref is not None and ref.base is not None:  # a delta push: encoded against the reference
+                self._encoded[k] = ref.encode(k, buffer)
+            elif ref is not None and ref.lazy:  # a lazy source packs through the reference's scratch
+                ref.pack_full(k, buffer, bucket.nbytes, payload)
+            else:
+                self._agreed.packer.pack(k)
+                if ref is not None:  # a full push in delta mode: the reference takes its bytes
+                    ref.keep(k, buffer, bucket.nbytes, payload)
+            self.packs += 1
+        if self._digests is not None:  # of the bytes as the receiver has them, wire dtype and all
+            view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
+            for c in self._agreed.buckets[k].chunks:
+                part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
+                self._digests.setdefault(c.index, []).append(part)
+        self._plane.packed(k)
+
+    def run(self, push_id: int, version: int, packed_ahead: int) -> None:
+        """Publish every bucket (packing those not packed ahead), send the digests, wait for the releases."""
+        buckets, nbytes = self._agreed.buckets, self._agreed.nbytes
+        count = len(buckets)
+        bar = _LazyBar(nbytes, f"push v{version}", self._config.progress)
+        stage = "stream"
+        walk = buckets
+        if self._plane.reads_in_place and self._digests is None:
+            walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
+            bar.update(nbytes)
+        try:
+            for k, bucket in enumerate(walk):
+                stage = f"pack bucket {k}/{count}"
+                if k >= packed_ahead:
+                    self._pack(k)
+                if k in self._encoded and hasattr(self._plane, "encoded"):
+                    self._plane.encoded(k, self._encoded[k])  # it moves only the bytes used
+                self._plane.publish(k)
+                bar.update(sum(c.nbytes for c in bucket.chunks))
+                logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
+            stage = "verify" if self._digests is not None else "finish"
+            self._send_digests(push_id)
+            self._plane.wait_released()
+        except RemoteError:
+            self._plane.fail()
+            raise
+        except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
+            self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
+            cause = None
+            if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:
+                cause = self._channel.reason(push_id, wait_s=1.0)  # a receiver that failed first
+            self._channel.abort(push_id, stage, e)
+            if cause is not None:
+                raise cause from e
+            raise
+        finally:
+            bar.close()
+
+    def _send_digests(self, push_id: int) -> None:
+        """Verified pushes: each tensor's digest of what was packed (read in place: of the tensor itself)."""
+        if self._digests is None:
+            return
+        count = len(self._agreed.layout.tensors)
+        sums = tuple(digest.combine([self._digests.get(i, []) for i in range(count)]))
+        self._channel.send(PushDigest(push_id, sums), "verify")
+
+
+class _LazyBar:
+    """A tqdm bar (bytes) made only once a push ran for a second: tqdm's first bar in a process makes a named
+    semaphore in /dev/shm that a SIGKILLed process leaves behind, so pushes under a second never make one."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self._total, self._desc, self._enabled = total, desc, enabled
+        self._started, self._done, self._bar = time.perf_counter(), 0, None
+
+    def update(self, n: int) -> None:
+        self._done += n
+        if self._bar is None and self._enabled and time.perf_counter() - self._started > 1.0:
+            self._bar = tqdm(
+                total=self._total,
+                initial=self._done - n,
+                unit="B",
+                unit_scale=True,
+                desc=self._desc,
+                leave=False,
+            )
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
