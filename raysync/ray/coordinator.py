@@ -5,6 +5,8 @@ push rounds across all pairs at once, and repairs pairs whose actor was restarte
     print(sync.plan)                  # who sends to whom, over what, and why
     report = sync.push(version=1)     # every pair at once; raises SyncError naming the failed endpoints
     sync.versions()                   # what each receiver holds: a version, "mixed" or None
+    sync.push(version=2, staged=True) # lands in staging memory while the engines keep generating (docs/staged.md)
+    sync.flip()                       # then every engine applies it at its next step boundary, or none does
     sync.close()                      # or use `with WeightSync(...) as sync:`
 
 Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
@@ -24,6 +26,7 @@ WeightSync is the facade over the pieces, each in its module:
     connections.py  PairConnections: the plan, each pair's session, repair of the pairs a push broke
     push_round.py   PushRound: one push across every pair at once, into a SyncReport or a SyncError
     push_graph.py   PushGraph: the push round as one compiled Ray graph, rebuilt when the connections change
+    staged_round.py StagedPushes: a push staged on every receiver, its flip (all or nothing), its discard
     results.py      what the actors answer the driver (EndpointResult, ...); report.py what push returns
 """
 
@@ -47,13 +50,18 @@ from raysync.ray.actors import SyncActors
 from raysync.ray.connections import PairConnections, Plan
 from raysync.ray.push_graph import GraphKeeper
 from raysync.ray.push_round import PushRound
-from raysync.ray.report import PairReport, SyncReport
+from raysync.ray.report import FlipReport, PairReport, SyncReport
+from raysync.ray.staged_round import FlipFailed, NothingStaged, StagedPushes, StageFailed
 
 __all__ = [
     "ActorGone",
     "ActorUnavailable",
+    "FlipFailed",
+    "FlipReport",
+    "NothingStaged",
     "PairReport",
     "Plan",
+    "StageFailed",
     "SyncClosed",
     "SyncError",
     "SyncReport",
@@ -78,6 +86,7 @@ class WeightSync:
         push_timeout_s: float = 3600.0,
         shard_sources: bool = False,
         compiled_graph: bool = False,
+        max_version_lag: int | None = None,
     ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
@@ -85,7 +94,9 @@ class WeightSync:
         own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks).
         ``compiled_graph``: push rounds through one compiled Ray graph, a fraction of the ordinary calls' cost
         per push (raysync.ray.push_graph; what changes for the actors, and why it is not the default, is in its
-        Note); False: one ordinary Ray call per endpoint and round."""
+        Note); False: one ordinary Ray call per endpoint and round. ``max_version_lag``: an engine that runs
+        its steps in ``engine_steps`` (raysync.ray.staged_endpoint) waits at a step boundary, rather than start a
+        step on weights more than this many versions older than the newest staged on it (docs/staged.md)."""
         self._actors = SyncActors(senders, receivers, source, sink)
         self.senders, self.receivers = self._actors.senders, self._actors.receivers
         self.config = config or SyncConfig()
@@ -104,6 +115,9 @@ class WeightSync:
         )
         self._closed = False
         self._graphs = GraphKeeper(self._actors, self._connections, enabled=compiled_graph)
+        self._staged = StagedPushes(
+            self._actors, self._connections, setup_timeout_s=setup_timeout_s, max_version_lag=max_version_lag
+        )
         self._actors.locate(setup_timeout_s)
         self._connections.open()
         self._graphs.current()  # compiled at setup: the first push starts at once
@@ -115,21 +129,52 @@ class WeightSync:
         followed by how the push rounds reach the actors (a compiled graph, ordinary calls)."""
         return self._graphs.plan()
 
-    def push(self, version: int) -> SyncReport:
+    def push(self, version: int, *, staged: bool = False, full: bool = False) -> SyncReport:
         """One round: every sender pushes ``version`` to its receivers, all pairs at once. Raises SyncError
-        naming each failed endpoint; the next push first reconnects the pairs that failed."""
+        naming each failed endpoint; the next push first reconnects the pairs that failed. ``full``: no delta
+        this time (SyncConfig.delta). ``staged``: every receiver lands it in staging memory and keeps its live
+        weights (``versions()`` unchanged) until ``flip()``; a failure on any endpoint is StageFailed, after
+        which every receiver has dropped it. A push while a version is staged replaces it (staged) or drops
+        it (applied live). Staged and full pushes run through ordinary Ray calls, also with compiled_graph."""
         self._check_open("push")
         self._connections.repair()
-        round_ = PushRound(
-            self._actors,
-            self._connections,
-            version,
-            timeout_s=self._push_timeout_s,
-            progress=self.config.progress,
-        )
-        report = round_.run(self._graphs.current())
+        if staged:
+            report = self._staged.push(
+                version, full=full, timeout_s=self._push_timeout_s, progress=self.config.progress
+            )
+        else:
+            self._staged.dropped()
+            round_ = PushRound(
+                self._actors,
+                self._connections,
+                version,
+                timeout_s=self._push_timeout_s,
+                progress=self.config.progress,
+                full=full,
+            )
+            report = round_.run(None if full else self._graphs.current())
         logger.info("%s", report)
         return report
+
+    def flip(self) -> FlipReport:
+        """Apply the staged version on every receiver, each at its engine's next step boundary (now, for an
+        engine without ``engine_steps``): all of them, or none when any cannot (its stage failed, its actor was
+        restarted): FlipFailed names it, every receiver discards and keeps its live weights (Note [all or
+        nothing across engines] in raysync.ray.staged_round). NothingStaged when no staged push waits."""
+        self._check_open("flip")
+        report = self._staged.flip(self.config.timeout_s)
+        logger.info("%s", report)
+        return report
+
+    def discard(self) -> int | None:
+        """Every receiver drops the version staged for a flip; returns it (None: nothing was staged)."""
+        self._check_open("discard")
+        return self._staged.discard()
+
+    def staged_versions(self) -> list[int | None]:
+        """Each receiver's version waiting for its flip (None: nothing staged there)."""
+        self._check_open("staged_versions")
+        return self._staged.staged_versions()
 
     def versions(self) -> list[Version]:
         """What each receiver holds (Note [versions never lie]): the version of its last complete push,

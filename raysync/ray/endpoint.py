@@ -25,6 +25,7 @@ from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
 from raysync.ray.placement import Placement, probe
 from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
+from raysync.ray.step_gate import gate_of
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
 from raysync.transport.process_group import Rendezvous, default_backend
 
@@ -173,9 +174,11 @@ def collective_join(actor: Any, sync_id: str) -> None:
     _sessions(actor)[sync_id].group.join()  # returns when every rank has joined; the group owns the session
 
 
-def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) -> dict[int, EndpointResult]:
+def sender_push(
+    actor: Any, sync_id: str, version: int, receivers: list[int], full: bool = False
+) -> dict[int, EndpointResult]:
     """Push ``version`` to every receiver of this sender at once: one thread per ring session, one for the
-    broadcast group."""
+    broadcast group. ``full``: no delta this time (PushSender.push)."""
     side = _sessions(actor).get(sync_id)
     group = side.group.session if side is not None and side.group is not None else None  # once joined
     in_group = [j for j in receivers if group is not None and j in side.group_receivers]
@@ -193,7 +196,7 @@ def sender_push(actor: Any, sync_id: str, version: int, receivers: list[int]) ->
 
     def one(target: Any) -> EndpointResult:
         try:
-            return EndpointResult(report=target.push(named, version))
+            return EndpointResult(report=target.push(named, version, full=full))
         except Exception as e:
             return _failed("push", e)
 
@@ -250,8 +253,9 @@ def _set_receiver(actor: Any, sync_id: str, sink: SinkFn, receiver: WeightReceiv
     old = _sessions(actor).pop(sync_id, None)
     if old is not None:
         receiver.version = old.receiver.version  # a new session to the same engine keeps what it has applied
-        old.receiver.close()
+        old.receiver.close()  # with its staging memory: a version staged there is dropped
     _sessions(actor)[sync_id] = _ReceiverSide(sink, receiver)
+    gate_of(actor).settled(sync_id, receiver.version)
 
 
 def collective_connect(
@@ -292,6 +296,7 @@ def _receive(actor: Any, sync_id: str) -> EndpointResult:
         kind = {"load_fn": target} if callable(target) else {"into": target}
         report = side.receiver.receive(**kind)
         actor.__dict__[_APPLIED] = side.receiver.version
+        gate_of(actor).settled(sync_id, side.receiver.version)  # a staged version was dropped, if any
         return EndpointResult(report=report, version=side.receiver.version)
     except Exception as e:
         if side.receiver.version == MIXED:  # Note [versions never lie]: the engine's weights are no version

@@ -13,6 +13,7 @@ repairs its pairs (PairConnections.repair).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
@@ -36,9 +37,14 @@ class PushRound:
         *,
         timeout_s: float,
         progress: bool,
+        full: bool = False,
+        receive: tuple[Callable, tuple] = (ep.receiver_receive, ()),
     ):
+        """``full``: the senders push no delta this time. ``receive``: the receivers' function and its
+        arguments after the sync_id (a staged push: raysync.ray.staged_endpoint.receiver_stage)."""
         self.actors, self.connections, self.version = actors, connections, version
         self._timeout_s, self._progress = timeout_s, progress
+        self._full, self._receive = full, receive
         self._sent: dict[int, dict[int, EndpointResult]] = {}  # sender i -> its result for each receiver j
         self._received: dict[int, EndpointResult] = {}  # receiver j -> its result
         self._failures: list[EndpointFailure] = []
@@ -65,10 +71,11 @@ class PushRound:
         """Every ordinary call of the round (those of endpoints not in the graph), made: ObjectRef -> who answers."""
         sync_id, receivers_of = self.connections.sync_id, receivers_of_senders(self.connections)
         calls = self.actors.on_senders(
-            ep.sender_push, {i: (sync_id, self.version, js) for i, js in receivers_of.items()}
+            ep.sender_push, {i: (sync_id, self.version, js, self._full) for i, js in receivers_of.items()}
         )
+        fn, args = self._receive
         calls |= self.actors.on_receivers(
-            ep.receiver_receive, {j: (sync_id,) for js in receivers_of.values() for j in js}
+            fn, {j: (sync_id, *args) for js in receivers_of.values() for j in js}
         )
         return {make(): key for key, make in calls.items() if key not in members}
 

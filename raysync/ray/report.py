@@ -23,6 +23,7 @@ class SyncReport:
     version: int
     seconds: float
     pairs: tuple[PairReport, ...]
+    staged: bool = False  # push(staged=True): in every receiver's staging memory, not applied until flip()
 
     @property
     def bytes(self) -> int:
@@ -33,8 +34,9 @@ class SyncReport:
         return max(self.pairs, key=lambda p: p.seconds)
 
     def __str__(self) -> str:
+        staged = " staged (not applied: flip() applies it)" if self.staged else ""
         lines = [
-            f"version {self.version}: {len(self.pairs)} pair(s), {self.bytes / 1e6:.1f} MB in "
+            f"version {self.version}{staged}: {len(self.pairs)} pair(s), {self.bytes / 1e6:.1f} MB in "
             f"{self.seconds * 1e3:.1f} ms"
         ]
         for p in self.pairs:
@@ -43,3 +45,20 @@ class SyncReport:
                 f"{p.seconds * 1e3:.1f} ms, {p.gbps:.2f} GB/s"
             )
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class FlipReport:
+    """What WeightSync.flip returns: ``version`` is live on every receiver; ``stalls`` per receiver j, the
+    seconds its engine stopped for the flip (0.0 where the version was live already)."""
+
+    version: int
+    seconds: float  # the whole flip round, on the driver: the check, then the flips
+    stalls: tuple[float, ...]
+
+    def __str__(self) -> str:
+        worst = max(self.stalls, default=0.0)
+        return (
+            f"version {self.version} flipped on {len(self.stalls)} receiver(s) in {self.seconds * 1e3:.1f} ms; "
+            f"longest stall {worst * 1e3:.2f} ms"
+        )

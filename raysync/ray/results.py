@@ -4,7 +4,8 @@ of answer. Ray pickles them between its own processes; nothing here crosses a ra
     sender_connect   -> SessionOpened    the address its receiver connects to, the bytes a push moves
     collective_open  -> GroupOpened      the rendezvous of its broadcast group, the bytes a push moves
     sender_push      -> {receiver j: EndpointResult}
-    receiver_receive -> EndpointResult
+    receiver_receive -> EndpointResult    (receiver_stage too: raysync.ray.staged_endpoint)
+    receiver_staged, receiver_flip, receiver_discard -> StagedState
 
 An EndpointResult holds a PushReport, or the RemoteFailure that stopped that endpoint (stage, message, remote
 traceback), never both; a receiver's also says which version its weights hold after the round. Inside vLLM
@@ -76,6 +77,21 @@ class EndpointResult:
                 f"an EndpointResult holds a report or a failure, exactly one of them; got report={self.report!r}, "
                 f"failure={self.failure!r}"
             )
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True)
+class StagedState:
+    """A receiver's live and staged versions (raysync.core.staging) after a call of the flip round:
+    ``flip_s`` the flip this call made (the engine's stall), ``failure`` why the call failed."""
+
+    live: Version
+    staged: int | None
+    flip_s: float | None = None
+    failure: RemoteFailure | None = None
 
     @property
     def ok(self) -> bool:
