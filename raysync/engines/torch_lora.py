@@ -12,13 +12,28 @@ running on it.
 # version that is no longer the latest is dropped when its last lease is released; the latest is always held.
 # ``versions()`` says which versions are held and how many requests each serves. A push that fails (or whose
 # manifest disagrees with its tensors) installs nothing: the versions held stay as they were.
+
+Through WeightSync, the engine's actor is a receiver through ``TorchLoraEngine(actor, attr="adapters")``:
+
+    WeightSync([trainer], [TorchLoraEngine(engine)], source=AdapterOf(lora_config))
+
+# Note [adapter pushes through WeightSync]
+# An engine that serves adapters is reached through an engine adapter (TorchLoraEngine here, VllmEngine(lora=...)
+# in raysync.engines.vllm): WeightSync's endpoint functions (raysync.ray.endpoint) run in the engine's process on
+# an AdapterEndpoint, not on the actor (or vLLM worker) itself. The sessions of adapter pushes and the version
+# they hold are the AdapterEndpoint's: apart from the actor's own, whose version is that of its base weights, which
+# an adapter push does not change (Note [versions never lie]). The driver's sink is replaced by the engine's own
+# load function (AdapterLoad; in vLLM, TensorsLoad); when a receive has completed, what it landed is installed as
+# that push's version, and from then on new requests get it. ``WeightSync.versions()`` says each engine's latest
+# adapter version; the engine's ``versions()`` says every version it holds and the requests on each.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -259,3 +274,73 @@ class HeldVersions:
         dropped = [e[1] for e in self._held[:-1] if e[2] == 0]
         self._held = [e for e in self._held[:-1] if e[2] > 0] + self._held[-1:]
         return dropped
+
+
+# --- through WeightSync (Note [adapter pushes through WeightSync]) -------------------------------------------------
+_ENDPOINTS = "_raysync_adapter_endpoints"  # on the engine's actor: its attribute's name -> AdapterEndpoint
+
+
+class AdapterEndpoint:
+    """What the endpoint functions take for "the actor" in an engine that serves adapters: its sessions of adapter
+    pushes live here. ``engine``: the AdapterVersions (or the vLLM worker); ``make_load(engine)``: the load
+    function of one push."""
+
+    def __init__(self, engine: Any, make_load: Callable[[Any], Any]):
+        self.engine, self._make_load = engine, make_load
+        self.load: Any = None  # the load function of the last receive
+
+    def sink(self) -> Any:
+        self.load = self._make_load(self.engine)
+        return self.load
+
+
+def adapter_sink(endpoint: AdapterEndpoint) -> Any:
+    """The sink that replaces the driver's: the engine's own load function."""
+    return endpoint.sink()
+
+
+def with_adapter_sink(args: Sequence[Any]) -> tuple:
+    """An endpoint function's arguments with the driver's sink (its one callable) replaced by ``adapter_sink``."""
+    return tuple(adapter_sink if callable(a) and not isinstance(a, type) else a for a in args)
+
+
+def endpoint_of(actor: Any, attr: str, engine: Any, make_load: Callable[[Any], Any]) -> AdapterEndpoint:
+    """The AdapterEndpoint of ``actor.<attr>``, made on first use."""
+    endpoints = actor.__dict__.setdefault(_ENDPOINTS, {})
+    if attr not in endpoints or endpoints[attr].engine is not engine:
+        endpoints[attr] = AdapterEndpoint(engine, make_load)
+    return endpoints[attr]
+
+
+@dataclass(frozen=True)
+class TorchLoraEngine:
+    """A torch engine actor serving adapter versions (``actor.<attr>``, an AdapterVersions), for WeightSync's
+    ``receivers``; the senders' ``source`` gives the adapter (raysync.sources.lora.AdapterOf). One receiver."""
+
+    actor: Any
+    attr: str = "adapters"
+
+    def call(self, fn: Callable, args: tuple | dict[int, tuple] = ()) -> Any:
+        """Like ActorEndpoint.call (raysync.ray.endpoint): a Ray ObjectRef of {slot: result}."""
+        by_slot = args if isinstance(args, dict) else {0: args}
+        return self.actor.__ray_call__.remote(_on_adapters, self.attr, fn, by_slot)
+
+
+def _on_adapters(actor: Any, attr: str, fn: Callable, args: dict[int, tuple]) -> dict[int, Any]:
+    """Runs in the engine's actor: ``fn`` on the AdapterEndpoint; a receive that completed is installed."""
+    from raysync.ray import endpoint as ep
+
+    engine = getattr(actor, attr, None)
+    if not isinstance(engine, AdapterVersions):
+        raise TypeError(
+            f"{type(actor).__name__}.{attr} is not an AdapterVersions; pass TorchLoraEngine(actor, attr=...)"
+        )
+    endpoint = endpoint_of(actor, attr, engine, AdapterLoad)
+    out = {}
+    for slot, a in args.items():
+        if fn is ep.where and not a:  # where the engine's tensors are, not only the GPUs its process sees
+            a = (None, lambda e: e.engine.model.named_parameters())
+        out[slot] = result = fn(endpoint, *with_adapter_sink(a))
+        if fn is ep.receiver_receive and result.ok and not result.report.skipped:
+            engine.install(endpoint.load.adapter(result.report.version))
+    return out

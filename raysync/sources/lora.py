@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -314,6 +314,46 @@ def push_merged(
 ) -> LoraReport:
     """Merged mode through any session: a full push of the merged weights (``merged``)."""
     return LoraReport("merged", sender.push(merged(named_tensors, config, adapter), version), 0, 0)
+
+
+# --- sources for WeightSync (``source=``) --------------------------------------------------------------------
+_KEPT = "_raysync_lora_sources"  # on the trainer's actor: AdapterOf -> the LoraSource it gave last
+
+
+@dataclass(frozen=True)
+class AdapterOf:
+    """WeightSync's ``source=`` for adapter mode: the adapter of ``actor.<attr>`` (a PEFT-style model) as a
+    LoraSource. The same LoraSource (its manifest tensor too) is given again while the model's A / B tensors
+    are the same objects, so the plan can read them in place (cuda_ipc direct mode) where it reads any source."""
+
+    config: LoraConfig
+    adapter: str = "default"
+    attr: str = "model"
+
+    def __call__(self, actor: Any) -> LoraSource:
+        fresh = LoraSource(getattr(actor, self.attr).named_parameters(), self.config, self.adapter)
+        kept = actor.__dict__.setdefault(_KEPT, {}).get(self)
+        if kept is not None and _same_tensors(kept.modules, fresh.modules):
+            return kept
+        actor.__dict__[_KEPT][self] = fresh
+        return fresh
+
+
+@dataclass(frozen=True)
+class MergedOf:
+    """WeightSync's ``source=`` for merged mode: ``merged`` of ``actor.<attr>``'s tensors (a full push of the
+    plain model's weights, the adapter merged in); receivers are ordinary engines of the base model."""
+
+    config: LoraConfig
+    adapter: str | None = None
+    attr: str = "model"
+
+    def __call__(self, actor: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return merged(getattr(actor, self.attr).named_parameters(), self.config, self.adapter)
+
+
+def _same_tensors(a: dict[str, tuple[torch.Tensor, ...]], b: dict[str, tuple[torch.Tensor, ...]]) -> bool:
+    return a.keys() == b.keys() and all(x is y for m in a for x, y in zip(a[m], b[m], strict=True))
 
 
 def specs_by_module(specs: Sequence[TensorSpec]) -> tuple[dict[str, tuple[int, int]], TensorSpec | None]:
