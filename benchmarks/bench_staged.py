@@ -1,31 +1,34 @@
-"""Benchmark: staged pushes with a flip (raysync.core.staging, issue 18) on this machine: how long the engine's
-weights are unavailable per update, next to the transfer, and a floor measured in the same run.
+"""Benchmark: staged pushes with a flip (issue 18) while an engine generates: how long generation stops per
+update, next to the one-copy floor measured in the same run, and how much the transfer slows generation.
 
-    python benchmarks/bench_staged.py                        # CPU: Qwen2.5-0.5B's embedding + 4 layers, bf16
-    python benchmarks/bench_staged.py --layers 24 --json out.json
+    python benchmarks/bench_staged.py                    # GPU: Qwen2.5-7B's layout over cuda_ipc, then shm
+    python benchmarks/bench_staged.py --device cpu       # CPU (the default without a GPU): 0.5B, 2 layers, shm
+    python benchmarks/bench_staged.py --json out.json
 
-A trainer process (spawned) pushes the tensors of --layout (the embedding, the first --layers decoder layers,
-the final norm; allocated, not downloaded) over shm to a receiver in this process, --repeats times per mode:
+A trainer process (spawned, torch + pyzmq + msgpack only: no Ray) pushes the tensors of --layout (allocated on
+its device, filled with the version's number, so every push is checked bit-exact) to the engine in this
+process, once per transport of --transports. The engine's live weights are on --device; its generation loop
+(a thread with its own CUDA stream) runs steps of matmuls over every decoder layer's matrices and (--head, the default
+on cuda) the vocabulary matrix, each step synchronized and timed: a stand-in for a decode step, which reads
+every weight once.
 
-* in place: ``receive(into=live)``: the bytes land in the live weights as they arrive, so an engine must not
-  run a step during the whole transfer: the stall is the transfer;
-* staged, whole: ``receive(into=live, flip=False)`` lands the push in staging memory (the engine may keep
-  computing), then ``flip()``: one copy per destination. The stall is the flip;
-* staged, groups: the same with ``staging_bytes`` = --groups-fraction of the push (at least the largest
-  tensor): the engine's thread runs a
-  step loop (a step is simulated by waiting --step-ms) and flips one group per step boundary; the stall per
-  step is one group's flip;
-* floor: one copy of the push's bytes as a single flat tensor (torch ``copy_``), in this process.
+* in place: ``receive(into=live)``, the loop stopped (the bytes land in the live weights as they arrive, so no
+  step may run): generation stops for the whole transfer.
+* staged: ``receive(into=live, flip=False)`` while the loop runs; the loop calls ``flip()`` between its steps
+  and makes the version live there. Generation stops for the flip: ``stall`` is the time from the end of the
+  last step on the old weights to the start of the first step on the new ones (the flip's own copies,
+  synchronized, are ``flip``). ``slowdown`` is 1 - (steps per second while the push streams) / (steps per
+  second with no push), from the steps that ended inside the transfer.
+* floor: one copy of the push's bytes as a single flat tensor (``copy_``) on --device, in this process.
 
-Every mode's result is checked bit-exact (every element equals the version pushed). Times are medians; the
-transfer is the receiver's report (from the push's start to its end). No engine computes during the transfer
-here: on a busy machine the transfer competes with it. Each process runs --threads intra-op threads (1 by
-default, as Ray gives its actors). Prints a table, then JSON (also written to --json).
+Times are medians of --repeats (after one warm-up push of each kind: the ring, the staging memory and the
+flip's copies are made then). Prints a table, then JSON (also written to --json).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import platform
 import statistics
@@ -33,28 +36,29 @@ import threading
 import time
 
 import torch
-from common import emit
+from common import emit, timed
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.tools.models import LAYOUTS
 
+MiB = 1 << 20
+RING_MB = {("cuda", "cuda_ipc"): 2048, ("cuda", "shm"): 512, ("cpu", "shm"): 64}  # the plan's rings, on GPU
 
-def tensors_of(layout: str, layers: int) -> dict[str, torch.Tensor]:
-    """The layout's embedding, first ``layers`` decoder layers and final norm, as bf16 CPU tensors."""
+
+def tensors_of(layout: str, layers: int | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The layout's tensors (the first ``layers`` decoder layers, all when None) as zeroed bf16 tensors."""
     keep = [
         (n, s)
         for n, s in LAYOUTS[layout].named_shapes()
-        if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers
+        if layers is None or not n.startswith("model.layers.") or int(n.split(".")[2]) < layers
     ]
-    return {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in keep}
+    return {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in keep}
 
 
-def trainer(
-    secret: SessionSecret, config: SyncConfig, layout: str, layers: int, threads: int, go, out
-) -> None:
+def trainer(secret, config, layout: str, layers: int | None, device: str, threads: int, go, out) -> None:
     """The sender process: fills its tensors with the version asked for (None: stop), pushes them."""
     torch.set_num_threads(threads)
-    tensors = tensors_of(layout, layers)
+    tensors = tensors_of(layout, layers, torch.device(device))
     with WeightSender(secret, config) as sender:
         out.put(sender.endpoint)
         while (version := go.get(timeout=600)) is not None:
@@ -64,10 +68,97 @@ def trainer(
             out.put(version)
 
 
-class Bench:
-    def __init__(self, receiver: WeightReceiver, live: dict[str, torch.Tensor], go, out):
-        self.receiver, self.live, self.go, self.out = receiver, live, go, out
-        self.version = 0
+class Generation(threading.Thread):
+    """The engine's loop: ``flip()`` at each step boundary, then one step of matmuls over the live weights."""
+
+    def __init__(self, receiver: WeightReceiver, live: dict[str, torch.Tensor], batch: int, head: bool):
+        super().__init__(daemon=True)
+        self.receiver, self.live, self.head = receiver, live, head
+        self.device = next(iter(live.values())).device
+        h = live["model.embed_tokens.weight"].shape[1]
+        self.x = torch.randn(batch, h, dtype=torch.bfloat16, device=self.device) * 0.01
+        self.layers = sorted({n.split(".")[2] for n in live if n.startswith("model.layers.")}, key=int)
+        self.steps: list[tuple[float, float]] = []  # (start, end) of each step
+        self.flips: list[dict] = []
+        self.stop, self.flipped = threading.Event(), threading.Condition()
+        self.error: BaseException | None = None
+
+    def step(self) -> None:
+        w, x = self.live, self.x
+        for i in self.layers:
+            p = f"model.layers.{i}."
+            a = x @ w[p + "self_attn.q_proj.weight"].T
+            (x @ w[p + "self_attn.k_proj.weight"].T, x @ w[p + "self_attn.v_proj.weight"].T)
+            o = a @ w[p + "self_attn.o_proj.weight"].T
+            g, u = o @ w[p + "mlp.gate_proj.weight"].T, o @ w[p + "mlp.up_proj.weight"].T
+            x = torch.tanh((g * u) @ w[p + "mlp.down_proj.weight"].T)
+        if self.head:
+            x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def run(self) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while not self.stop.is_set():
+                    boundary = time.perf_counter()
+                    flip = self.receiver.flip()
+                    start = time.perf_counter()
+                    if flip is not None:
+                        last_end = self.steps[-1][1] if self.steps else boundary
+                        with self.flipped:
+                            self.flips.append(
+                                {"version": flip.version, "flip_s": flip.seconds, "stall_s": start - last_end}
+                            )
+                            self.flipped.notify_all()
+                    self.step()
+                    self.steps.append((start, time.perf_counter()))
+        except BaseException as e:
+            self.error = e
+            with self.flipped:
+                self.flipped.notify_all()
+
+    def wait_flip(self, version: int, timeout_s: float = 600) -> dict:
+        with self.flipped:
+            done = lambda: self.error is not None or any(f["version"] == version for f in self.flips)  # noqa: E731
+            if not self.flipped.wait_for(done, timeout_s) or self.error is not None:
+                raise RuntimeError(f"the generation loop did not flip version {version}") from self.error
+            return next(f for f in self.flips if f["version"] == version)
+
+    def rate(self, start: float, end: float) -> float:
+        """Steps per second over the steps that ended in [start, end]."""
+        ended = [s for s in self.steps if start <= s[1] <= end]
+        return len(ended) / (end - start) if ended else 0.0
+
+
+class Run:
+    """One transport: the trainer process, the receiver, the engine's live weights."""
+
+    def __init__(self, args, transport: str, device: torch.device):
+        ring = args.bucket_mb or RING_MB[(device.type, transport)]
+        self.config = SyncConfig(
+            transport=transport, bucket_bytes=ring * MiB, num_buffers=2, timeout_s=300, progress=False
+        )
+        self.args, self.device, self.version = args, device, 0
+        self.live = tensors_of(args.layout, args.layers, device)
+        ctx = mp.get_context("spawn")
+        self.go, self.out, secret = ctx.Queue(), ctx.Queue(), SessionSecret.generate()
+        self.child = ctx.Process(
+            target=trainer,
+            args=(
+                secret,
+                self.config,
+                args.layout,
+                args.layers,
+                str(device),
+                args.threads,
+                self.go,
+                self.out,
+            ),
+        )
+        self.child.start()
+        self.receiver = WeightReceiver(self.out.get(timeout=300), secret, self.config)
 
     def _push(self) -> int:
         self.version += 1
@@ -85,53 +176,57 @@ class Bench:
         self._check(version)
         return {"transfer_s": report.seconds, "stall_s": report.seconds}
 
-    def staged_whole(self) -> dict:
+    def staged(self, gen: Generation) -> dict:
         version = self._push()
+        started = time.perf_counter()
         report = self.receiver.receive(into=self.live, flip=False)
-        flip = self.receiver.flip()
+        ended = time.perf_counter()
+        flip = gen.wait_flip(version)
         self._check(version)
-        return {"transfer_s": report.seconds, "stall_s": flip.seconds, "flip_s": flip.seconds}
-
-    def staged_groups(self, staging_bytes: int, step_s: float) -> dict:
-        version = self._push()
-        stop, flips = threading.Event(), []
-
-        def engine() -> None:  # a step loop: a step is stop.wait(step_s); a flip between steps
-            while not stop.is_set():
-                flipped = self.receiver.flip()
-                if flipped is not None:
-                    flips.append(flipped)
-                stop.wait(step_s)
-
-        steps = threading.Thread(target=engine)
-        steps.start()
-        try:
-            report = self.receiver.receive(into=self.live, flip=False, staging_bytes=staging_bytes)
-            deadline = time.monotonic() + 60
-            while self.receiver.version != version and time.monotonic() < deadline:  # the last group's flip
-                stop.wait(step_s)
-        finally:
-            stop.set()
-            steps.join(timeout=60)
-        self._check(version)
-        worst = max(f.seconds for f in flips)
         return {
             "transfer_s": report.seconds,
-            "stall_s": worst,
-            "flip_s": sum(f.seconds for f in flips),
-            "groups": len(flips),
+            "stall_s": flip["stall_s"],
+            "flip_s": flip["flip_s"],
+            "steps_per_s": gen.rate(started, ended),
         }
 
+    def measure(self) -> dict:
+        self.in_place()  # warm-up: the session and the ring
+        in_place = [self.in_place() for _ in range(self.args.repeats)]
+        gen = Generation(self.receiver, self.live, self.args.batch, self.args.head)
+        gen.start()
+        try:
+            self.staged(gen)  # warm-up: the staging memory and the flip's copies
+            idle_from = time.perf_counter()
+            time.sleep(self.args.idle_s)  # the loop runs alone: its rate with no push
+            idle = gen.rate(idle_from, time.perf_counter())
+            staged = [self.staged(gen) for _ in range(self.args.repeats)]
+        finally:
+            gen.stop.set()
+            gen.join(timeout=60)
+        for row in staged:
+            row["slowdown"] = 1 - row["steps_per_s"] / idle if idle else float("nan")
+        step_s = statistics.median(e - s for s, e in gen.steps)
+        return {
+            "in place": in_place,
+            "staged": staged,
+            "idle_steps_per_s": idle,
+            "step_s": step_s,
+            "staging": self.receiver.staging,
+        }
 
-def floor_s(nbytes: int, repeats: int) -> float:
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    dst.copy_(src)  # warm-up: the pages are touched
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def close(self) -> None:
+        self.receiver.close()
+        self.go.put(None)
+        self.child.join(timeout=120)
+        if self.child.is_alive():
+            self.child.kill()
+
+
+def floor_s(nbytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return timed(lambda: dst.copy_(src), device, max(repeats, 5))
 
 
 def median_of(rows: list[dict]) -> dict:
@@ -140,82 +235,102 @@ def median_of(rows: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", default="qwen2.5-0.5b", choices=sorted(LAYOUTS))
     p.add_argument(
-        "--layers", type=int, default=4, help="decoder layers pushed (with the embedding and norm)"
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
-    p.add_argument("--bucket-bytes", type=int, default=64 << 20)
     p.add_argument(
-        "--groups-fraction", type=float, default=0.25, help="staging_bytes / push bytes, groups mode"
+        "--layout",
+        default=None,
+        choices=sorted(LAYOUTS),
+        help="default: qwen2.5-7b on cuda, qwen2.5-0.5b on cpu",
     )
-    p.add_argument("--step-ms", type=float, default=5.0, help="a simulated engine step, groups mode")
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers pushed (default: all on cuda, 2 on cpu)"
+    )
+    p.add_argument("--transports", nargs="+", default=None, help="default: cuda_ipc shm on cuda, shm on cpu")
+    p.add_argument(
+        "--bucket-mb", type=int, default=None, help="ring buffer size (default: the plan's, per path)"
+    )
+    p.add_argument("--batch", type=int, default=8, help="rows of the generation loop's activations")
+    p.add_argument(
+        "--head",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the step also multiplies by the vocabulary matrix (default: on cuda only)",
+    )
+    p.add_argument("--idle-s", type=float, default=1.0, help="the loop alone, for its rate with no push")
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads per process")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    args.layout = args.layout or ("qwen2.5-7b" if cuda else "qwen2.5-0.5b")
+    args.layers = args.layers if args.layers is not None or cuda else 2
+    args.head = cuda if args.head is None else args.head
+    transports = args.transports or (["cuda_ipc", "shm"] if cuda else ["shm"])
     torch.set_num_threads(args.threads)
-    live = tensors_of(args.layout, args.layers)
-    nbytes = sum(t.nbytes for t in live.values())
-    config = SyncConfig(bucket_bytes=args.bucket_bytes, num_buffers=2, timeout_s=120, progress=False)
-    secret = SessionSecret.generate()
-    ctx = mp.get_context("spawn")
-    go, out = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(
-        target=trainer, args=(secret, config, args.layout, args.layers, args.threads, go, out)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    rows: dict[str, dict] = {}
+    for transport in transports:
+        run = Run(args, transport, device)
+        try:
+            rows[transport] = run.measure()
+        finally:
+            run.close()
+        nbytes, tensors = sum(t.nbytes for t in run.live.values()), len(run.live)
+        del run
+    floor = floor_s(nbytes, device, args.repeats)
+    hardware = (
+        torch.cuda.get_device_name(device)
+        if cuda
+        else f"{platform.processor() or platform.machine()}, {args.threads} thread(s) per process"
     )
-    child.start()
-    try:
-        with WeightReceiver(out.get(timeout=120), secret, config) as receiver:
-            bench = Bench(receiver, live, go, out)
-            budget = max(
-                int(nbytes * args.groups_fraction), -(-max(t.nbytes for t in live.values()) // 256) * 256
-            )
-            runs = {
-                "in place": [bench.in_place() for _ in range(args.repeats)],
-                "staged, whole": [bench.staged_whole() for _ in range(args.repeats)],
-                "staged, groups": [
-                    bench.staged_groups(budget, args.step_ms / 1e3) for _ in range(args.repeats)
-                ],
-            }
-            groups = receiver.staging  # the last mode run: groups
-        go.put(None)
-        child.join(timeout=120)
-    finally:
-        if child.is_alive():
-            child.kill()
-    floor = floor_s(nbytes, max(args.repeats, 5))
     result = {
         "layout": args.layout,
         "layers": args.layers,
-        "tensors": len(live),
+        "tensors": tensors,
         "push_bytes": nbytes,
-        "bucket_bytes": args.bucket_bytes,
-        "staging_bytes_groups": budget,
-        "step_ms": args.step_ms,
-        "hardware": f"{platform.processor() or platform.machine()}, {args.threads} thread(s) per process, "
-        f"torch {torch.__version__}",
+        "device": str(device),
+        "hardware": f"{hardware}, torch {torch.__version__}",
+        "batch": args.batch,
+        "head": args.head,
         "floor_s": floor,
-        "modes": {m: median_of(rows) for m, rows in runs.items()},
-        "runs": runs,
-        "groups_staging": {
-            "mode": groups.mode,
-            "groups": groups.groups,
-            "nbytes": groups.nbytes,
-            "why": groups.why,
+        "transports": {
+            t: {
+                "in place": median_of(r["in place"]),
+                "staged": median_of(r["staged"]),
+                "idle_steps_per_s": r["idle_steps_per_s"],
+                "step_s": r["step_s"],
+                "staging": {
+                    "mode": r["staging"].mode,
+                    "nbytes": r["staging"].nbytes,
+                    "why": r["staging"].why,
+                },
+                "runs": {"in place": r["in place"], "staged": r["staged"]},
+            }
+            for t, r in rows.items()
         },
     }
+    layers = "all" if args.layers is None else args.layers
     print(
-        f"{nbytes / 1e6:.0f} MB: {args.layout}, embedding + {args.layers} layers, {len(live)} bf16 tensors, "
-        f"over shm; on {result['hardware']}; medians of {args.repeats}"
+        f"{nbytes / 1e6:.0f} MB: {args.layout}, {layers} layers, {tensors} bf16 tensors on {device}; {result['hardware']}; "
+        f"a generation step {statistics.median(r['step_s'] for r in rows.values()) * 1e3:.2f} ms (batch {args.batch}); medians of {args.repeats}"
     )
-    print(f"{'mode':16}  {'transfer ms':>11}  {'stall ms':>9}  {'stall / floor':>13}  notes")
-    for mode, r in result["modes"].items():
-        note = f"{r['groups']:.0f} groups, stall = the largest group's flip" if "groups" in r else ""
-        print(
-            f"{mode:16}  {r['transfer_s'] * 1e3:11.1f}  {r['stall_s'] * 1e3:9.1f}  "
-            f"{r['stall_s'] / floor:13.2f}  {note}"
-        )
-    print(f"{'floor':16}  {'':11}  {floor * 1e3:9.1f}  {1:13.2f}  one copy of {nbytes / 1e6:.0f} MB")
+    print(
+        f"{'transport':9}  {'mode':8}  {'transfer ms':>11}  {'stall ms':>9}  {'flip ms':>8}  {'stall/floor':>11}  {'slowdown':>8}"
+    )
+    for t, r in result["transports"].items():
+        for mode in ("in place", "staged"):
+            m = r[mode]
+            flip = f"{m['flip_s'] * 1e3:8.2f}" if "flip_s" in m else f"{'':8}"
+            slow = f"{m['slowdown'] * 100:7.1f}%" if "slowdown" in m else f"{'(stopped)':>8}"
+            print(
+                f"{t:9}  {mode:8}  {m['transfer_s'] * 1e3:11.1f}  {m['stall_s'] * 1e3:9.2f}  {flip}  "
+                f"{m['stall_s'] / floor:11.2f}  {slow}"
+            )
+    print(
+        f"{'floor':9}  {'':8}  {'':11}  {floor * 1e3:9.2f}  {'':8}  {1:11.2f}            one copy of {nbytes / 1e6:.0f} MB"
+    )
     emit(result, args.json)
 
 
