@@ -12,7 +12,7 @@ import torch
 from conftest import same_bits, session_pair
 
 from raysync import LayoutError, SyncConfig
-from raysync.core.errors import PushIncomplete, RaysyncError, RemoteError
+from raysync.core.errors import PushIncomplete, RaysyncError
 from raysync.engines.torch_lora import AdapterVersions
 from raysync.sources.lora import (
     MANIFEST,
@@ -361,7 +361,7 @@ def test_merged_weight_keeps_the_base_dtype():
     assert same_bits(out, w + ((b @ a) * 0.5).to(torch.bfloat16))
 
 
-# --- vLLM (its CPU build serves LoRA) -------------------------------------------------------------------------------
+# --- a transformers model with an adapter (tests/test_lora_vllm.py) -------------------------------------------------
 PROMPTS = [list(range(3, 11)), [(7 * i) % 500 + 1 for i in range(40)]]
 QWEN_LORA = LoraConfig(r=4, alpha=16, target_modules=("q_proj", "v_proj"))
 
@@ -379,10 +379,6 @@ def lora_qwen2(seed: int, config: LoraConfig = QWEN_LORA):
     return model
 
 
-def peft_named(model) -> list[tuple[str, torch.Tensor]]:
-    return [("base_model.model." + n, p) for n, p in model.named_parameters()]
-
-
 def train_qwen2(model, steps: int, seed: int) -> None:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=2.0)
     gen = torch.Generator().manual_seed(seed)
@@ -392,151 +388,3 @@ def train_qwen2(model, steps: int, seed: int) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-
-class LoraHost:
-    """A rollout actor holding a vLLM engine with LoRA enabled and raysync's LoRA worker extension."""
-
-    def __init__(self, model_dir: str):
-        from actors import ENGINE_ARGS
-        from vllm import LLM
-
-        from raysync.engines.vllm_lora import VllmAdapters
-
-        self.llm = LLM(
-            model_dir,
-            worker_extension_cls="raysync.engines.vllm_lora.LoraWorkerExtension",
-            enable_lora=True,
-            max_lora_rank=8,
-            max_loras=2,
-            max_cpu_loras=3,
-            **ENGINE_ARGS,
-        )
-        self.adapters = VllmAdapters(self.llm)
-        self.running = None
-
-    def connect(self, endpoints, secret, config) -> None:
-        self.adapters.connect(endpoints, secret, config)
-
-    def receive(self) -> dict:
-        try:
-            return self.adapters.receive()
-        except RaysyncError as e:  # raysync's errors do not cross Ray: their name and message do
-            return {"error": type(e).__name__, "message": str(e)}
-
-    def generate(self, prompts, tokens: int, adapter: bool = True) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
-        lease = self.adapters.request() if adapter else None
-        try:
-            outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompts],
-                params,
-                use_tqdm=False,
-                lora_request=lease.lora_request if lease else None,
-            )
-        finally:
-            if lease is not None:
-                lease.close()
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    def start(self, prompt: list[int], tokens: int, steps: int) -> int:
-        """A request on the latest version, run for ``steps`` engine steps (not finished): its version."""
-        from vllm import SamplingParams
-
-        lease = self.adapters.request()
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
-        engine = self.llm.llm_engine
-        engine.add_request("running", {"prompt_token_ids": prompt}, params, lora_request=lease.lora_request)
-        for _ in range(steps):
-            assert not any(o.finished for o in engine.step())
-        self.running = lease
-        return lease.version
-
-    def finish(self) -> list[int]:
-        """Step the running request to its end; its tokens."""
-        engine = self.llm.llm_engine
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    self.running.close()
-                    return list(out.outputs[0].token_ids)
-        raise AssertionError("the running request is gone")
-
-    def state(self) -> tuple[dict[int, int], list[int]]:
-        """The versions held (requests on each) and the adapter ids vLLM's worker holds."""
-        return self.adapters.versions(), self.llm.collective_rpc("raysync_lora_held")[0]
-
-    def shutdown(self) -> None:
-        self.adapters.close()
-        self.llm.llm_engine.engine_core.shutdown(timeout=60)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", ["one", "vllm's default"])
-def test_vllm_serves_each_pushed_adapter_from_tensors_and_a_running_request_keeps_its_version(
-    ray_local, private_tmp, processes
-):
-    """vLLM's CPU build, LoRA enabled: after each push the engine's greedy tokens with the adapter equal the
-    trainer's (transformers, the PEFT-style adapter unmerged); a request started on version 1 finishes on version
-    1 while version 2 is loaded; version 1 leaves vLLM when that request ends."""
-    pytest.importorskip("vllm")
-    ray = pytest.importorskip("ray")
-    if not __import__("vllm.platforms", fromlist=["current_platform"]).current_platform.is_cpu():
-        pytest.skip("drives vLLM's CPU build in an actor without a GPU")
-    from actors import greedy
-
-    from raysync import SessionSecret, WeightSender
-    from raysync.tools.models import tiny_qwen2
-
-    base_dir = (
-        f"{private_tmp}/base"  # (tmp_path would lie under the first test's private_tmp, removed by now)
-    )
-    tiny_qwen2(seed=1).save_pretrained(base_dir)
-    trainer = lora_qwen2(seed=1)  # the engine's base weights, with an adapter
-    source = LoraSource(peft_named(trainer), QWEN_LORA)
-    wide = LoraConfig(r=16, alpha=16, target_modules=("q_proj", "v_proj"))  # over the engine's max_lora_rank
-    too_wide = LoraSource(peft_named(lora_qwen2(seed=1, config=wide)), wide)
-    config = SyncConfig(bucket_bytes=64 << 10, timeout_s=120, progress=False)
-    secret = SessionSecret.generate()
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if processes == "one" else {}  # default: EngineCore, worker
-    host = ray.remote(num_cpus=0.5)(LoraHost).options(runtime_env={"env_vars": env}).remote(base_dir)
-    try:
-        with WeightSender(secret, config) as sender:
-            ray.get(host.connect.remote(sender.endpoints, secret, config))
-            base = ray.get(host.generate.remote(PROMPTS, 8, adapter=False))
-            expected = {}
-            for version in (1, 2):
-                train_qwen2(trainer, steps=3, seed=version)
-                expected[version] = greedy(trainer, PROMPTS, 8)
-                got = host.receive.remote()
-                lora = push_adapter(sender, source, version)
-                assert ray.get(got)["version"] == version
-                assert lora.push.bytes == lora.adapter_bytes + lora.manifest_bytes
-                if version == 1:
-                    assert ray.get(host.generate.remote(PROMPTS, 8)) == expected[1] != base
-                    assert ray.get(host.start.remote(PROMPTS[1], 8, steps=2)) == 1  # runs through push 2
-            versions, held = ray.get(host.state.remote())
-            assert versions == {1: 1, 2: 0} and len(held) == 2
-            assert ray.get(host.finish.remote()) == expected[1][1]  # finished on version 1
-            versions, held = ray.get(host.state.remote())
-            assert versions == {2: 0} and len(held) == 1
-            assert ray.get(host.generate.remote(PROMPTS, 8)) == expected[2] != expected[1]
-            got = host.receive.remote()
-            with pytest.raises(RemoteError, match="max_lora_rank 8"):
-                sender.push(too_wide, 3)
-            refused = ray.get(got)
-            assert (
-                refused["error"] == "RemoteError"
-                and "vLLM worker 0 failed at stage 'accept'" in refused["message"]
-            )
-            assert "PushIncomplete" in refused["message"] and "max_lora_rank 8" in refused["message"]
-            assert "the destinations were not touched" in refused["message"]
-            versions, held = ray.get(host.state.remote())
-            assert versions == {2: 0} and len(held) == 1  # refused before a byte moved: version 2 serves on
-            assert ray.get(host.generate.remote(PROMPTS, 8)) == expected[2]
-    finally:
-        ray.get(host.shutdown.remote())
-        ray.kill(host)

@@ -145,17 +145,10 @@ class WorkerExtension:
     def raysync_call(self, name: str, args: list | dict[str, list]) -> dict[str, Any]:
         """Run endpoint function ``name`` in this worker: ``args`` for every worker, or per worker rank.
         Returns {rank: result}, or {} when this worker has nothing to do."""
-        fn = _FUNCTIONS.get(name)
-        if fn is None:
-            raise SchemaError(f"{name!r} is not a raysync endpoint function")
-        if not isinstance(args, (list, dict)):
-            raise SchemaError(f"raysync_call takes a list or a dict of arguments, not {type(args).__name__}")
+        fn, values = self._raysync_args(name, args)
+        if values is None:
+            return {}
         rank = str(self.rank)
-        if isinstance(args, dict):
-            if rank not in args:
-                return {}
-            args = args[rank]
-        values = from_plain(args)
         self._raysync_note_session(name, values)
         if name in ("receiver_receive", "receiver_version"):
             versions.check_weights(
@@ -170,6 +163,17 @@ class WorkerExtension:
             result = versions.note_receive(self, result, verdict.parameters if verdict else None)
             versions.take_print(self)
         return {rank: to_plain(result)}
+
+    def _raysync_args(self, name: str, args: list | dict[str, list]) -> tuple[Callable, list | None]:
+        """Endpoint function ``name`` (allowlisted) and this worker's arguments (None: nothing to do here)."""
+        fn = _FUNCTIONS.get(name)
+        if fn is None:
+            raise SchemaError(f"{name!r} is not a raysync endpoint function")
+        if not isinstance(args, (list, dict)):
+            raise SchemaError(f"raysync_call takes a list or a dict of arguments, not {type(args).__name__}")
+        if isinstance(args, dict):
+            args = args.get(str(self.rank))
+        return fn, None if args is None else from_plain(args)
 
     def raysync_signed_call(self, frame: str) -> dict[str, Any]:
         """``raysync_call`` from a driver that reaches the engine over HTTP (vLLM's OpenAI server): only with
@@ -239,22 +243,29 @@ def wake_up(llm: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class VllmEngine:
     """A vLLM engine held by a Ray actor as ``actor.<attr>`` (an ``LLM`` made with the worker extension),
-    for WeightSync's ``receivers``."""
+    for WeightSync's ``receivers``. ``lora``: the actor's attribute that holds a VllmAdapters
+    (raysync.engines.vllm_lora; the LLM made with LoRA enabled and its LoraWorkerExtension): the pushes are
+    LoRA adapters (raysync.sources.lora.AdapterOf), each served as a new adapter version beside the base
+    weights, which stay as they are (Note [adapter pushes through WeightSync] in raysync.engines.torch_lora)."""
 
     actor: Any
     attr: str = "llm"
+    lora: str | None = None
 
     def call(self, fn: Callable, args: tuple | dict[int, tuple] = ()) -> Any:
         """Like ActorEndpoint.call; slots are the engine's worker ranks."""
         if _FUNCTIONS.get(fn.__name__) is not fn:
             raise ValueError(f"{fn.__name__} cannot run in a vLLM worker")
         plain = {str(s): to_plain(a) for s, a in args.items()} if isinstance(args, dict) else to_plain(args)
-        return self.actor.__ray_call__.remote(_on_engine, self.attr, fn.__name__, plain)
+        return self.actor.__ray_call__.remote(_on_engine, self.attr, fn.__name__, plain, self.lora)
 
 
-def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -> dict[int, Any]:
+def _on_engine(
+    actor: Any, attr: str, name: str, args: list | dict[str, list], lora: str | None = None
+) -> dict[int, Any]:
     """Runs in the engine's actor: forward to every worker, around it wake and reset what a push needs. An
-    ``AsyncLLM`` goes through raysync.engines.vllm_async (on its event loop, generation paused)."""
+    ``AsyncLLM`` goes through raysync.engines.vllm_async (on its event loop, generation paused); adapter pushes
+    (``lora``) through raysync.engines.vllm_lora."""
     llm = getattr(actor, attr, None)
     if llm is None or not hasattr(llm, "collective_rpc"):
         raise TypeError(f"{type(actor).__name__}.{attr} is not a vLLM LLM; pass VllmEngine(actor, attr=...)")
@@ -262,6 +273,10 @@ def _on_engine(actor: Any, attr: str, name: str, args: list | dict[str, list]) -
         import ray
 
         args = [[ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()]]
+    if lora is not None:
+        from raysync.engines.vllm_lora import on_adapter_engine
+
+        return on_adapter_engine(llm, getattr(actor, lora, None), name, args)
     if inspect.iscoroutinefunction(llm.collective_rpc):
         from raysync.engines.vllm_async import on_async_engine
 

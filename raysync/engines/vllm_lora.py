@@ -2,18 +2,19 @@
 the pushed tensors, never from a directory, as a new adapter version; several versions are served at once, each
 held while requests run on it.
 
-Engine side, a worker extension (vLLM mixes it into each worker; LoRA enabled):
+Engine side, in the user's rollout actor, an LLM with LoRA enabled and this module's worker extension (vLLM
+mixes it into each worker; it is also raysync.engines.vllm's WorkerExtension, for full pushes of the base weights),
+and the adapter versions that requests take:
 
-    llm = LLM(model, enable_lora=True, max_lora_rank=r, max_cpu_loras=n,
-              worker_extension_cls="raysync.engines.vllm_lora.LoraWorkerExtension", ...)
+    self.llm = LLM(model, enable_lora=True, max_lora_rank=r, max_cpu_loras=n,
+                   worker_extension_cls="raysync.engines.vllm_lora.LoraWorkerExtension", ...)
+    self.adapters = VllmAdapters(self.llm)
+    with self.adapters.request() as lease:                  # the latest version, held until the request ends
+        self.llm.generate(prompts, params, lora_request=lease.lora_request)
 
-Where the requests are made (the process that holds ``llm``):
+Driver side (Note [adapter pushes through WeightSync] in raysync.engines.torch_lora):
 
-    adapters = VllmAdapters(llm)
-    adapters.connect(sender.endpoints, secret, config)      # one receiver per worker (a fan-out sender)
-    adapters.receive()                                      # one push -> one adapter version
-    with adapters.request() as lease:                       # the latest version, held until the request ends
-        llm.generate(prompts, params, lora_request=lease.lora_request)
+    WeightSync([trainer], [VllmEngine(rollout, lora="adapters")], config, source=AdapterOf(lora_config))
 
 # Note [adapters from tensors in vLLM]
 # vLLM (0.32) loads an adapter from a directory: a request's LoRARequest.lora_path reaches the worker's
@@ -32,22 +33,21 @@ Where the requests are made (the process that holds ``llm``):
 from __future__ import annotations
 
 import itertools
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from raysync.core.config import SyncConfig
-from raysync.core.errors import LayoutError, RaysyncError, RemoteError
-from raysync.core.receiver import WeightReceiver
-from raysync.core.wire import SessionSecret, TensorSpec
-from raysync.engines.torch_lora import HeldVersions
+from raysync.core.errors import LayoutError
+from raysync.core.wire import TensorSpec
+from raysync.engines.torch_lora import HeldVersions, endpoint_of, with_adapter_sink
+from raysync.engines.vllm import WorkerExtension, from_plain, to_plain
+from raysync.ray import endpoint as ep
+from raysync.ray.results import EndpointResult, RemoteFailure
 from raysync.sources.lora import MANIFEST, Manifest, specs_by_module
 
 PLACEHOLDER = "raysync-pushed-adapter"  # a LoRARequest's lora_path: never read (Note [adapters from tensors])
-_RECEIVER = "_raysync_lora_receiver"
 _IDS = "_raysync_lora_ids"
 
 
@@ -153,58 +153,61 @@ def register(worker: Any, tensors: dict[str, torch.Tensor], manifest: Manifest) 
     return lora_int_id
 
 
-class LoraWorkerExtension:
-    """``LLM(..., enable_lora=True, worker_extension_cls="raysync.engines.vllm_lora.LoraWorkerExtension")``. Every
-    name starts with ``raysync_lora_``: vLLM refuses an extension whose names clash with its Worker's. Arguments
-    and results are plain values (Note [what crosses vLLM's channel] in raysync.engines.vllm)."""
+class LoraWorkerExtension(WorkerExtension):
+    """``LLM(..., enable_lora=True, worker_extension_cls="raysync.engines.vllm_lora.LoraWorkerExtension")``: the
+    WorkerExtension of full pushes, and adapter pushes beside them. Every name starts with ``raysync_``: vLLM
+    refuses an extension whose names clash with its Worker's. Arguments and results are plain values (Note [what
+    crosses vLLM's channel] in raysync.engines.vllm)."""
 
-    def raysync_lora_connect(self, endpoints: list[str], secret: dict, config: dict) -> None:
-        """Connect this worker's receiver to ``endpoints[rank]``; ``secret`` and ``config`` as to_plain makes
-        them (raysync.engines.vllm: only allowlisted types are rebuilt)."""
-        from raysync.engines.vllm import from_plain
-
-        secret, config = from_plain(secret), from_plain(config)
-        if not isinstance(secret, SessionSecret) or not isinstance(config, SyncConfig):
-            raise LayoutError("raysync_lora_connect takes a SessionSecret and a SyncConfig")
-        old = self.__dict__.pop(_RECEIVER, None)
-        if old is not None:
-            old.close()
-        self.__dict__[_RECEIVER] = WeightReceiver(endpoints[self.rank], secret, config)
-
-    def raysync_lora_receive(self, wait_s: float | None = None) -> dict[str, Any]:
-        """Serve one adapter push; the adapter is registered before the push counts as applied."""
-        receiver = self.__dict__.get(_RECEIVER)
-        if receiver is None:
-            raise RuntimeError("raysync_lora_receive before raysync_lora_connect")
-        load = TensorsLoad(self)
-        try:
-            report = receiver.receive(load_fn=load, wait_s=wait_s)
-        except BaseException as e:
-            if load.lora_int_id is not None:  # registered, then the push failed after all
-                self.raysync_lora_remove(load.lora_int_id)
-            if not isinstance(e, RaysyncError):
-                raise
-            # plain values: vLLM's channel (and Ray's) cannot rebuild raysync's errors; the driver raises it
-            stage = getattr(e, "stage", "receive")
-            return {"failed": [type(e).__name__, stage, str(e), traceback.format_exc()], "rank": self.rank}
-        return {
-            "version": report.version,
-            "skipped": report.skipped,
-            "bytes": report.bytes,
-            "lora_int_id": load.lora_int_id,
-        }
+    def raysync_lora_call(self, name: str, args: list | dict[str, list]) -> dict[str, Any]:
+        """``raysync_call`` for adapter pushes: endpoint function ``name`` on this worker's AdapterEndpoint, the
+        driver's sink replaced by TensorsLoad (Note [adapter pushes through WeightSync] in
+        raysync.engines.torch_lora). Returns {rank: {"result": ..., "lora_int_id": the adapter a receive
+        registered, or None}}; an adapter registered by a receive that then failed is removed here."""
+        fn, values = self._raysync_args(name, args)
+        if values is None:
+            return {}
+        endpoint = endpoint_of(self, "vllm", self, TensorsLoad)
+        result = fn(endpoint, *with_adapter_sink(values))
+        lora_int_id = None
+        if fn is ep.receiver_receive and endpoint.load is not None:
+            lora_int_id, endpoint.load = endpoint.load.lora_int_id, None
+            if lora_int_id is not None and not result.ok:  # registered, then the push failed after all
+                self.raysync_lora_remove(lora_int_id)
+                lora_int_id = None
+        return {str(self.rank): {"result": to_plain(result), "lora_int_id": lora_int_id}}
 
     def raysync_lora_remove(self, lora_int_id: int) -> bool:
         """Unregister (and unpin) one adapter version."""
         return self.model_runner.lora_manager.remove_adapter(lora_int_id)
 
+    def raysync_lora_forget(self) -> None:
+        """The engine did not take the adapter this worker received: its sessions hold no version now, so the
+        next push is applied, never skipped (Note [versions never lie])."""
+        ep.forget_version(endpoint_of(self, "vllm", self, TensorsLoad))
+
     def raysync_lora_held(self) -> list[int]:
         return sorted(self.model_runner.lora_manager.list_adapters())
 
-    def raysync_lora_close(self) -> None:
-        receiver = self.__dict__.pop(_RECEIVER, None)
-        if receiver is not None:
-            receiver.close()
+
+def on_adapter_engine(llm: Any, adapters: Any, name: str, args: list | dict[str, list]) -> dict[int, Any]:
+    """Runs in the engine's actor (raysync.engines.vllm._on_engine, ``VllmEngine(lora=...)``): endpoint function
+    ``name`` in every worker, on its adapter sessions; a receive that every worker completed is installed in
+    ``adapters`` as the push's version. No prefix-cache reset: a version's cached blocks are keyed by its own
+    adapter name (``Held.name``), which no other version has."""
+    if not isinstance(adapters, VllmAdapters):
+        raise TypeError(
+            f"VllmEngine(lora=...) names the actor's VllmAdapters, not a {type(adapters).__name__}"
+        )
+    if not hasattr(llm, "llm_engine"):
+        raise TypeError("adapter pushes reach an LLM; an AsyncLLM is not supported for them")
+    results: dict[int, Any] = {}
+    ids: dict[int, int | None] = {}
+    for reply in llm.collective_rpc("raysync_lora_call", args=(name, args)):
+        for rank, answer in reply.items():
+            results[int(rank)] = from_plain(answer["result"])
+            ids[int(rank)] = answer["lora_int_id"]
+    return adapters.landed(results, ids) if name == "receiver_receive" else results
 
 
 @dataclass(frozen=True)
@@ -253,30 +256,31 @@ class VllmAdapters:
         self.llm, self.name = llm, name
         self._held = HeldVersions()
 
-    def connect(self, endpoints: list[str], secret: SessionSecret, config: SyncConfig) -> None:
-        from raysync.engines.vllm import to_plain
-
-        self.llm.collective_rpc(
-            "raysync_lora_connect",
-            args=(list(endpoints), to_plain(secret), to_plain(config.resolved())),  # plain values only
+    def landed(
+        self, results: dict[int, EndpointResult], ids: dict[int, int | None]
+    ) -> dict[int, EndpointResult]:
+        """One receive's answers, by worker rank, and the adapter id each registered: when every worker
+        registered the same adapter it becomes the latest version (what ``request()`` gets). Otherwise it is
+        removed from every worker, their sessions forget the version (the next push is applied, not skipped),
+        and a worker that received it answers a failure: the engine does not serve it."""
+        done = [r for r in results.values() if r.ok and not r.report.skipped]
+        if not done:
+            return results
+        registered = set(ids.values())
+        if len(done) == len(results) and len(registered) == 1 and None not in registered:
+            [lora_int_id], version = registered, done[0].report.version
+            held = Held(version, lora_int_id, f"{self.name}-v{version}-{lora_int_id}")  # a name of its own
+            self._remove(self._held.install(version, held))
+            return results
+        for lora_int_id in registered - {None}:
+            self.llm.collective_rpc("raysync_lora_remove", args=(lora_int_id,))
+        self.llm.collective_rpc("raysync_lora_forget")
+        why = RemoteFailure(
+            "apply",
+            f"the engine's workers did not all register one adapter (ids by rank: {ids}): removed",
+            "",
         )
-
-    def receive(self, wait_s: float | None = None) -> dict[str, Any]:
-        """Serve one adapter push on every worker; the new version is then the latest (what ``request()`` gets).
-        A push a worker refused or that failed there raises RemoteError naming the worker, its stage and error;
-        the versions held stay as they were."""
-        replies = self.llm.collective_rpc("raysync_lora_receive", args=(wait_s,))
-        for reply in replies:
-            if "failed" in reply:
-                name, stage, message, remote = reply["failed"]
-                raise RemoteError(f"vLLM worker {reply['rank']}", stage, f"{name}: {message}", remote)
-        first = replies[0]
-        if any((r["version"], r["lora_int_id"]) != (first["version"], first["lora_int_id"]) for r in replies):
-            raise LayoutError(f"the engine's workers disagree on the adapter they hold: {replies}")
-        if not first["skipped"]:
-            held = Held(first["version"], first["lora_int_id"], f"{self.name}-v{first['version']}")
-            self._remove(self._held.install(held.version, held))
-        return first
+        return {k: EndpointResult(failure=why) if r.ok else r for k, r in results.items()}
 
     def request(self, version: int | None = None) -> VllmLease:
         return VllmLease(self, self._held.acquire(version))
@@ -287,9 +291,6 @@ class VllmAdapters:
     def versions(self) -> dict[int, int]:
         """The adapter versions held -> how many requests run on each."""
         return self._held.versions()
-
-    def close(self) -> None:
-        self.llm.collective_rpc("raysync_lora_close")
 
     def _remove(self, dropped: list[Held]) -> None:
         for held in dropped:
