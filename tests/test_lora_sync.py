@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import same_bits
-from test_lora import LORA, TOKENS, Tiny, models, train
+from test_lora import LORA, TOKENS, Tiny, lora_params, models, train
 
 from raysync import SyncConfig, SyncError, WeightSync
 from raysync.engines.torch_lora import AdapterVersions, TorchLoraEngine
@@ -22,18 +22,22 @@ CFG = SyncConfig(bucket_bytes=4096, timeout_s=60, progress=False)  # the adapter
 class LoraTrainer:
     """A user's trainer actor: a PEFT-style model (``model``) whose adapter it trains."""
 
-    def __init__(self, seed: int = 0):
-        self.reset(seed)
+    def __init__(self, seed: int = 0, device: str = "cpu"):
+        self.reset(seed, device)
 
-    def reset(self, seed: int) -> None:
-        self.model = models(seed)[0]
+    def reset(self, seed: int, device: str = "cpu") -> None:
+        self.model = models(seed)[0].to(device)
+        self.tokens = TOKENS.to(device)
 
     def train(self, steps: int, seed: int) -> None:
         train(self.model, steps, seed)
 
     def forward(self) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(TOKENS)
+            return self.model(self.tokens).cpu()
+
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu() for n, p in self.model.named_parameters() if ".lora_" in n}
 
     def merged(self) -> dict[str, torch.Tensor]:
         """What merged mode pushes, made here as a user would merge: W + B @ A * scaling per adapted Linear."""
@@ -56,30 +60,43 @@ class LoraTrainer:
 class LoraServer:
     """A user's engine actor: the base model, served with the adapter versions pushed to it (``adapters``)."""
 
-    def __init__(self, seed: int = 0):
-        self.reset(seed)
+    def __init__(self, seed: int = 0, device: str = "cpu"):
+        self.reset(seed, device=device)
 
-    def reset(self, seed: int, hidden: int = 32) -> None:
+    def reset(self, seed: int, hidden: int = 32, device: str = "cpu") -> None:
         """A fresh engine: the base model of ``seed`` (another ``hidden`` width: another model), no adapter."""
-        self.model = models(seed)[1] if hidden == 32 else Tiny(hidden=hidden)
+        self.model = (models(seed)[1] if hidden == 32 else Tiny(hidden=hidden)).to(device)
         self.adapters = AdapterVersions(self.model)
-        self.running = None
+        self.running, self.tokens = None, TOKENS.to(device)
 
     def forward(self) -> tuple[int, torch.Tensor]:
         """A whole request on the latest version: its version and output."""
         with torch.no_grad(), self.adapters.request() as request:
-            return request.version, request(TOKENS)
+            return request.version, request(self.tokens).cpu()
 
     def start(self) -> tuple[int, torch.Tensor]:
         """A request's first step, on the latest version; the request stays open."""
         self.running = self.adapters.request()
         with torch.no_grad():
-            return self.running.version, self.running(TOKENS)
+            return self.running.version, self.running(self.tokens).cpu()
 
     def step(self) -> tuple[int, torch.Tensor]:
         """The open request's next step."""
         with torch.no_grad():
-            return self.running.version, self.running(TOKENS)
+            return self.running.version, self.running(self.tokens).cpu()
+
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        """The latest version's A / B, named as the trainer names them."""
+        with self.adapters.request() as request:
+            weights = request.adapter.weights
+        out = {}
+        for module, (a, b) in weights.items():
+            wrapped = f"base_model.model.{module}"
+            out[f"{wrapped}.lora_A.default.weight"], out[f"{wrapped}.lora_B.default.weight"] = (
+                a.cpu(),
+                b.cpu(),
+            )
+        return out
 
     def finish(self) -> None:
         self.running.close()
@@ -167,6 +184,22 @@ def test_an_adapter_the_engine_cannot_take_is_refused_and_the_engine_serves_what
         assert {f.stage for f in failed.value.failures} == {"accept"} and not failed.value.mixed
         assert sync.versions() == [1, None]
         assert ray.get([server.versions.remote(), narrow.versions.remote()]) == [{1: 0}, {}]
+
+
+def test_the_adapter_source_gives_the_same_tensors_at_every_call_so_the_plan_may_read_them_in_place():
+    """What cuda_ipc's direct mode needs of a source (Note [direct or ring] in raysync.ray.placement), asked as
+    the plan asks every sender (report_source); a plain object stands in for the trainer's actor."""
+    from raysync.ray.placement import report_source
+
+    trainer, source = type("Actor", (), {})(), AdapterOf(LORA)
+    trainer.model = models(5)[0]
+    first = source(trainer)
+    assert source(trainer) is first  # its manifest tensor too
+    report = report_source(trainer, source, CFG)
+    assert report.stable and report.push_bytes == first.adapter_bytes() + first.manifest_bytes
+    trainer.model = models(6)[0]  # another model: a source of its own tensors
+    second = [t for _, t in source(trainer)][1:]
+    assert all(a is b for a, b in zip(second, lora_params(trainer.model), strict=True))
 
 
 def test_merged_mode_through_weightsync_writes_the_merged_weights_into_an_ordinary_engine(cast):

@@ -7,6 +7,11 @@ trainer and push those (merged mode).
     named_parameters() --merged()----> [W + B@A * scaling, other weights] ==> any engine, as a full push
                                         merged mode: the model's bytes
 
+Through WeightSync, ``source=AdapterOf(config)`` (adapter mode; the engines are TorchLoraEngine or
+VllmEngine(lora=...): Note [adapter pushes through WeightSync] in raysync.engines.torch_lora) or
+``source=MergedOf(config)`` (merged mode; ordinary engines). A push's report says which by its bytes: the
+adapter's and its manifest's, or the model's.
+
 Names. PEFT names a wrapped Linear's parameters ``<module>.base_layer.weight`` (the frozen base) and
 ``<module>.lora_A.<adapter>.weight`` / ``<module>.lora_B.<adapter>.weight``; its saved adapters drop the adapter
 name (``<module>.lora_A.weight``). Both are recognised; on the wire every tensor has the saved form, which is
