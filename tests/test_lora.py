@@ -388,3 +388,32 @@ def train_qwen2(model, steps: int, seed: int) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def test_a_real_peft_models_adapter_lands_in_a_torch_engine_that_then_computes_what_peft_does(
+    private_tmp, in_thread
+):
+    """With PEFT installed (it is no dependency: skipped without it), its own names and its own LoRA forward."""
+    peft = pytest.importorskip("peft")
+    from raysync.tools.models import tiny_qwen2
+
+    wrapped = peft.get_peft_model(
+        tiny_qwen2(seed=3), peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    )
+    config = wrapped.peft_config["default"]
+    lora = LoraConfig(
+        r=config.r, alpha=config.lora_alpha, target_modules=tuple(sorted(config.target_modules))
+    )
+    engine = AdapterVersions(tiny_qwen2(seed=3))
+    ids = torch.randint(1, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    with session_pair(CFG) as (sender, receiver):
+        for version in (1, 2):
+            train_qwen2(wrapped, steps=2, seed=version)
+            got = in_thread(engine.receive, receiver)
+            pushed = push_adapter(sender, LoraSource(wrapped.named_parameters(), lora), version)
+            assert got.result(timeout=30).version == version
+            assert pushed.push.tensors == 1 + 2 * 2 * len(wrapped.base_model.model.model.layers)
+            with torch.no_grad(), engine.request() as request:
+                expected = wrapped(input_ids=ids).logits
+                assert same_bits(request(input_ids=ids).logits, expected)
+                assert not torch.allclose(engine.model(input_ids=ids).logits, expected)  # the adapter counts
