@@ -83,6 +83,13 @@ class LoopEngine:
             live["0.bias"] = torch.empty(DIM + 1)
         return live
 
+    def load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """A load function (``load_weights``-style) over the same parameters."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in batch:
+                params[name].copy_(t)
+
     def break_staging(self) -> None:
         self.broken = True
 
@@ -133,6 +140,10 @@ class LoopEngine:
 
 def sink(actor: LoopEngine) -> dict[str, torch.Tensor]:
     return actor.destinations()
+
+
+def loader(actor: LoopEngine):
+    return actor.load
 
 
 @pytest.fixture
@@ -263,7 +274,9 @@ def test_max_version_lag_holds_the_engine_at_its_step_boundary_until_the_flip(ra
     assert set(versions[held:]) == {3} and 2 not in versions
 
 
-def test_full_passes_through_and_a_live_push_drops_the_staged_version(ray_local, no_leftovers, made):
+def test_full_passes_through_a_live_push_drops_the_staged_version_and_a_load_function_cannot_stage(
+    ray_local, no_leftovers, made
+):
     config = SyncConfig(bucket_bytes=32 << 10, num_buffers=2, timeout_s=10, progress=False, delta=True)
     total = sum(p.nbytes for p in make_model(0).parameters())
     trainer, [engine] = _actors(made, 1)
@@ -287,3 +300,9 @@ def test_full_passes_through_and_a_live_push_drops_the_staged_version(ray_local,
         sync.push(6, staged=True)
         assert sync.discard() == 6 and sync.staged_versions() == [None] and sync.versions() == [5]
         assert ray.get(engine.digest.remote()) == five
+    with WeightSync([trainer], [engine], config, sink=loader) as sync:  # nothing to flip into: refused
+        with pytest.raises(StageFailed, match="receiver #0.*load function"):
+            sync.push(7, staged=True)
+        seven = ray.get(trainer.nudge.remote(7))
+        sync.push(7)  # applied live, through the load function
+        assert sync.versions() == [7] and ray.get(engine.digest.remote()) == seven

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raysync.core.errors import EndpointFailure, PeerTimeout, RaysyncError, SyncError
+from raysync.core.errors import ActorUnavailable, EndpointFailure, PeerTimeout, RaysyncError, SyncError
 from raysync.ray import staged_endpoint as se
 from raysync.ray.actors import SyncActors, first_line
 from raysync.ray.connections import PairConnections
@@ -113,10 +113,8 @@ class StagedPushes:
             self._discard(f"the staged push of version {version} failed")
             self._failed = StageFailed(version, e.failures, e.mixed)
             raise self._failed from e
-        except (
-            PeerTimeout
-        ) as e:  # its pairs are reconnected before the next push: their staging goes with them
-            self._failed = e
+        except PeerTimeout as e:
+            self._failed = e  # its pairs are reconnected before the next push: their staging goes with them
             raise
         self.version = version
         return dataclasses.replace(report, staged=True)
@@ -166,8 +164,11 @@ class StagedPushes:
         """What each receiver holds staged; None also where its actor has no session (restarted by Ray)."""
         states, failures = self._ask(se.receiver_staged, (), "staged versions")
         unanswered = [f for j, f in failures.items() if j not in states]
-        if unanswered:
-            raise SyncError(self.version or 0, unanswered)
+        if unanswered:  # unknown is not None (Note [versions never lie])
+            f = unanswered[0]
+            raise ActorUnavailable(
+                f.endpoint, f.stage, f"{f.endpoint} did not say what it holds staged: {f.error}"
+            )
         return [states[j].staged for j in range(len(self.actors.slots))]
 
     # --- rounds of calls ---------------------------------------------------------------------------------------
@@ -185,9 +186,7 @@ class StagedPushes:
 
     def _discard(self, why: str) -> None:
         _, failures = self._ask(se.receiver_discard, (), "discard")
-        for f in (
-            failures.values()
-        ):  # its pairs are reconnected before the next push, which drops its staging memory
+        for f in failures.values():  # its pairs are reconnected before the next push, with new staging memory
             logger.warning(
                 "after %s: %s could not discard at stage %s: %s", why, f.endpoint, f.stage, f.error
             )
