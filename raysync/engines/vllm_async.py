@@ -18,6 +18,9 @@ call of the driver reaches the actor through Ray's ``__ray_call__``, which an as
 loop; the call is handed to that loop (the one AsyncLLM's output handler runs on) and goes to the workers
 through ``AsyncLLM.collective_rpc``. A push runs as Note [a push into a generating engine] says.
 
+Sleep and wake, in the actor: ``await sleep(self.llm, level)`` and ``await wake_up(self.llm)`` from this module
+(Note [sleep and wake of an AsyncLLM]): the version rules of raysync.engines.vllm's, and the gate's.
+
 This module never imports vllm itself.
 
 # Note [a push into a generating engine]
@@ -37,6 +40,25 @@ This module never imports vllm itself.
 # Note [an engine's version and its weights] checked by each worker): if the two differ, the weights changed
 # outside raysync while it ran, and the request says None. A request made on the AsyncLLM directly is never
 # mixed by a push either (step 3), but only ``generate`` can say its version.
+
+# Note [sleep and wake of an AsyncLLM]
+# ``sleep`` and ``wake_up`` below keep the rules of the ones for ``LLM`` (Note [sleep, wake and the version] in
+# raysync.engines.vllm): level 1 keeps the version, level 2 makes every worker forget it before vLLM drops the
+# weights; waking goes weights first, then the KV cache. And the gate's:
+#   sleep: the gate closes (requests through ``generate`` wait for the wake, not in vLLM's queue, where a push
+#     would wait for them), then ``AsyncLLM.sleep(level, mode)`` ("abort" or "wait": what happens to requests
+#     running; "keep" is refused, a request kept across a sleep would hold a push up and, at level 2, finish on
+#     other weights), then the version is read again (a read that starts after the forget: None at level 2);
+#   wake_up: the weights, the KV cache, then the gate opens;
+#   a push into a sleeping engine, asleep by raysync's ``sleep`` or by ``AsyncLLM.sleep``: after the drain
+#     (step 2) the weights are woken, then vLLM is paused (step 3), the push loaded, the prefix cache reset, and
+#     the KV cache woken after it; the engine and the gate are awake and open after the push.
+# vLLM's ``is_sleeping()`` is also True while its scheduler is only paused (``pause_generation``, a level-0
+# sleep), and 0.32 does not say whether the weights are resident. A paused engine is woken the same way: its
+# executor is not asleep, vLLM's ``wake_up`` then resumes its scheduler (queued requests start on the old
+# weights), and the pause of step 3, which comes after the wake, drains them before the load. Requests made
+# through ``generate`` into an engine put to sleep on the AsyncLLM directly (the gate open) wait in vLLM's
+# queue, and a push waits for them in its drain until SyncConfig.timeout_s: use this module's ``sleep``.
 """
 
 from __future__ import annotations
@@ -119,6 +141,8 @@ class Gate:
         self._open.set()
         self._next: asyncio.Future | None = None  # the read that starts after the one running
         self._reading = False
+        self._pushing = False
+        self.sleeping = False  # put to sleep by raysync's sleep, not woken since: the gate stays closed
 
     async def admit(self, wait_s: float) -> Version:
         while True:
@@ -160,25 +184,46 @@ class Gate:
         finally:
             self._reading = False
 
+    def close_for_sleep(self, engine: str) -> None:
+        if self._pushing:
+            raise RuntimeError(f"{engine} is receiving a push: put it to sleep after the push")
+        self.sleeping = True
+        self._open.clear()
+
+    def open_after_wake(self) -> None:
+        self.sleeping = False
+        if not self._pushing:
+            self._open.set()
+
     async def push(self, receive: Callable[[], Awaitable[Any]], engine: str) -> Any:
-        """Run ``receive`` with no request running (steps 1-5 of Note [a push into a generating engine])."""
-        if not self._open.is_set():
+        """Run ``receive`` with no request running (steps 1-5 of Note [a push into a generating engine]), into
+        an engine woken around it if it sleeps (Note [sleep and wake of an AsyncLLM])."""
+        if self._pushing:
             raise RuntimeError(f"{engine} is already receiving a push: one push at a time")
+        self._pushing = True
         self._open.clear()
         paused = False
         try:
             await _bounded(self._idle.wait(), self.drain_s, engine, "pause: requests running to finish")
+            asleep = await _bounded(self._llm.is_sleeping(), self.drain_s, engine, "pause: is it asleep")
+            if asleep:
+                await _bounded(self._llm.wake_up(tags=["weights"]), self.drain_s, engine, "wake: the weights")
             if callable(getattr(self._llm, "pause_generation", None)):
-                paused = (
-                    True  # resumed whatever happens next: a pause that timed out still holds new requests
-                )
+                # resumed whatever happens next: a pause that timed out still holds new requests
+                paused = True
                 await _bounded(
                     self._llm.pause_generation(mode="wait", clear_cache=False),
                     self.drain_s,
                     engine,
                     "pause: vLLM's requests to finish",
                 )
-            return await receive()
+            result = await receive()
+            if asleep:
+                await _bounded(
+                    self._llm.wake_up(tags=["kv_cache"]), self.drain_s, engine, "wake: the KV cache"
+                )
+                self.sleeping = False
+            return result
         finally:
             try:
                 await self.read()  # what the workers hold now, pushed or not
@@ -187,7 +232,37 @@ class Gate:
                 logger.warning("%s: its version could not be read after a push: %s", engine, e)
             if paused:
                 await self._llm.resume_generation()
-            self._open.set()
+            self._pushing = False
+            if not self.sleeping:
+                self._open.set()
+
+
+# --- sleep and wake (Note [sleep and wake of an AsyncLLM]) --------------------------------------------------------
+async def sleep(llm: Any, level: int = 1, *, mode: str = "abort", timeout_s: float = 600.0) -> None:
+    """``await llm.sleep(level, mode)`` with the gate closed, the version forgotten first where the level drops
+    the weights, and read again after. Each wait is bounded by ``timeout_s`` (PeerTimeout at stage "sleep")."""
+    if mode not in ("abort", "wait"):
+        raise ValueError(
+            f"sleep(mode={mode!r}): raysync takes 'abort' or 'wait'; a request kept across a sleep would hold "
+            f"up the next push and, at level 2, finish on other weights"
+        )
+    gate, engine = gate_of(llm), "vLLM AsyncLLM"
+    gate.close_for_sleep(engine)
+    if level >= 2:
+        why = f"sleep(level={level}) discards the weights"
+        await _bounded(
+            llm.collective_rpc("raysync_forget_version", args=(why,)), timeout_s, engine, "sleep: forget"
+        )
+    await _bounded(llm.sleep(level=level, mode=mode), timeout_s, engine, f"sleep: level {level}")
+    await _bounded(gate.read(), timeout_s, engine, "sleep: version read")
+
+
+async def wake_up(llm: Any, *, timeout_s: float = 600.0) -> None:
+    """Wake the engine in the order a push needs: the weights, then the KV cache; then open the gate."""
+    engine = "vLLM AsyncLLM"
+    await _bounded(llm.wake_up(tags=["weights"]), timeout_s, engine, "wake: the weights")
+    await _bounded(llm.wake_up(tags=["kv_cache"]), timeout_s, engine, "wake: the KV cache")
+    gate_of(llm).open_after_wake()
 
 
 async def _bounded(waiting: Awaitable[Any], timeout_s: float, peer: str, stage: str) -> Any:
@@ -220,15 +295,8 @@ async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict],
     if name != "receiver_receive":
         return replies(await llm.collective_rpc("raysync_call", args=(name, args)))
 
-    async def receive() -> dict:
-        asleep = await llm.is_sleeping()
-        if (
-            asleep
-        ):  # Note [sleep, wake and the version] in raysync.engines.vllm: the weights, then the KV cache
-            await llm.wake_up(tags=["weights"])
+    async def receive() -> dict:  # woken around it where it sleeps: Gate.push
         answers = replies(await llm.collective_rpc("raysync_call", args=(name, args)))
-        if asleep:
-            await llm.wake_up(tags=["kv_cache"])
         if any(r.ok and not r.report.skipped for r in answers.values()):
             if not await llm.reset_prefix_cache():  # blocks cached under the old weights must not be reused
                 raise RuntimeError(f"{engine} took the push but refused to reset its prefix cache")
