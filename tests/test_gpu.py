@@ -365,3 +365,21 @@ def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is
         strided = {k: v.t() if v.ndim == 2 else v for k, v in src.items()}
         with pytest.raises(LayoutError, match="direct mode .* is not contiguous"):
             sender.push(strided.items(), 3)
+
+
+def test_the_quick_ipc_probe_agrees_with_torchs_and_a_wrong_offset_is_not_ok():
+    """Note [the quick IPC probe]: the child without torch opens the same export as the torch child, and reads
+    the bytes the parent wrote (a wrong offset reads other bytes: not "ipc ok")."""
+    import dataclasses
+
+    from raysync.transport.cuda_ipc import _quick_probe, _torch_probe, export
+
+    torch.cuda.set_device(0)
+    probe = torch.arange(256, dtype=torch.uint8, device="cuda")
+    event = torch.cuda.Event(interprocess=True)
+    event.record()
+    shared = export(probe, event)
+    torch.cuda.current_stream().synchronize()
+    assert _quick_probe(shared, 0, 60) and _torch_probe(shared, 60)
+    moved = dataclasses.replace(shared, tensor_offset=shared.tensor_offset + 1)
+    assert not _quick_probe(moved, 0, 60)

@@ -245,11 +245,20 @@ def peer_index(uuid: str, device: int) -> int:
 
 
 # --- does CUDA IPC work here? ------------------------------------------------------------------------------------
+# Note [the quick IPC probe]
+# The probe's child process pays Python's start-up, and with torch its import and CUDA's initialisation: ~seconds,
+# most of a first WeightSync's set-up. So the child first runs without torch (transport/ipc_probe_child.py: the CUDA
+# driver API through ctypes) where torch's handle is a plain cudaMalloc block's (64 bytes, or torch's versioned
+# form: a version byte, 'c', the 64 bytes); any other handle (expandable segments: 'e'), or a quick child that does
+# not answer "ipc ok" for any reason, is asked again of the torch child, whose answer stands.
+_QUICK_CHILD = os.path.join(os.path.dirname(__file__), "ipc_probe_child.py")
+
+
 @functools.cache
 def ipc_works(timeout_s: float = 120.0) -> bool:
     """Export a small buffer and let a child process (same CUDA_VISIBLE_DEVICES) open it and read it back.
     False where IPC is refused: containers without the needed capabilities, allocators whose memory cannot
-    be exported (expandable segments), devices that are not CUDA. Once per process."""
+    be exported (expandable segments), devices that are not CUDA. Once per process (Note [the quick IPC probe])."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -258,22 +267,45 @@ def ipc_works(timeout_s: float = 120.0) -> bool:
         event.record()
         shared = export(probe, event)
         torch.cuda.current_stream().synchronize()
-        payload = msgpack.packb(dataclasses.astuple(shared))
-        child = subprocess.run(
-            [sys.executable, "-c", "from raysync.transport.cuda_ipc import _probe_child; _probe_child()"],
-            input=payload,
-            capture_output=True,
-            timeout=timeout_s,
-        )
-        ok = child.returncode == 0 and child.stdout.strip().endswith(b"ipc ok")
-        if not ok:
-            logger.info("CUDA IPC refused here: %s", child.stderr.decode(errors="replace")[-500:])
+        ok = _quick_probe(shared, torch.cuda.current_device(), timeout_s) or _torch_probe(shared, timeout_s)
         del probe
         torch.cuda.ipc_collect()
         return ok
     except Exception as e:  # any failure means: do not plan IPC here
         logger.info("CUDA IPC probe failed: %s: %s", type(e).__name__, e)
         return False
+
+
+def _quick_probe(shared: CudaBuffer, device: int, timeout_s: float) -> bool:
+    raw = shared.handle
+    if len(raw) == 66 and raw[1] == ord("c"):
+        raw = raw[2:]
+    if len(raw) != 64:
+        return False
+    line = f"{device} {raw.hex()} {shared.storage_offset_bytes + shared.tensor_offset}"
+    try:
+        child = subprocess.run(
+            [sys.executable, _QUICK_CHILD], input=line.encode(), capture_output=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    ok = child.returncode == 0 and child.stdout.strip().endswith(b"ipc ok")
+    if not ok:
+        logger.info("quick CUDA IPC probe: %s; asking torch", child.stderr.decode(errors="replace")[-300:])
+    return ok
+
+
+def _torch_probe(shared: CudaBuffer, timeout_s: float) -> bool:
+    child = subprocess.run(
+        [sys.executable, "-c", "from raysync.transport.cuda_ipc import _probe_child; _probe_child()"],
+        input=msgpack.packb(dataclasses.astuple(shared)),
+        capture_output=True,
+        timeout=timeout_s,
+    )
+    ok = child.returncode == 0 and child.stdout.strip().endswith(b"ipc ok")
+    if not ok:
+        logger.info("CUDA IPC refused here: %s", child.stderr.decode(errors="replace")[-500:])
+    return ok
 
 
 def _probe_child() -> None:
