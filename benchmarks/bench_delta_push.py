@@ -1,0 +1,317 @@
+"""Benchmark: delta pushes (SyncConfig.delta, issue 24) of a model trained like an RL run, per transport, beside
+floors measured in the same run.
+
+    python benchmarks/bench_delta_push.py --layout qwen2.5-0.5b --steps 3        # CPU: shm and gloo
+    python benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --json out.json   # + cuda_ipc ring
+
+The trainer (this process) holds fp32 master weights of --layout's shapes (nothing downloaded) with a
+checkpoint's magnitudes: matrices and biases ~N(0, 0.02), norm weights ~N(1, 0.02) (not unit-variance noise,
+which would flatter the density). Each step is torch.optim.Adam at --lr (3e-6, an RL rate) on random N(0, 1)
+gradients, one tensor at a time (no gradient for the whole model is ever held); pushes cast the master to
+bf16 on the way (cast_dtype), so the deltas are those of the bf16 bits an engine holds. The engine is a
+spawned process holding bf16 tensors on --device (torch, pyzmq and msgpack only: no Ray, no vLLM).
+
+Rows, per transport (shm; cuda_ipc ring with --device cuda, on one GPU; collective: gloo over TCP on the CPU,
+NCCL is not run here), per step: the Adam step (not timed), then
+
+* delta push: ``push(version)``, a delta from the last version (its bytes and density from the PushReport);
+* full push, delta on: ``push(version, full=True)`` in the same session (it also copies every bucket into the
+  sender's reference);
+* full push, delta off: a session without delta, the same model (median over the steps);
+* floor: one read of the trainer's tensors (what change detection must read at least: count_nonzero over
+  each fp32 master tensor) plus moving the delta's bytes over the transport: shm, a copy into host memory
+  and one out (from and into --device); cuda_ipc, two device copies; the collective, one broadcast of that
+  many bytes over the same gloo group.
+
+Every session ends with a check that the engine holds the trainer's bf16 bits (raysync.core.digest). Times
+are of ``push`` on the sender, which returns once the engine applied the push. Prints a table, then JSON
+(also written to --json). GPU memory: the master and Adam's two states (12 bytes per parameter), the
+sender's reference (2), the engine's tensors (2), the ring; freed between transports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing as mp
+import platform
+import statistics
+import time
+
+import torch
+from common import emit, timed
+
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core import digest
+from raysync.tools.models import LAYOUTS
+
+MiB = 1 << 20
+
+
+def shapes(layout: str, layers: int | None) -> list[tuple[str, tuple[int, ...]]]:
+    """--layout's tensors, the decoder layers cut to the first ``layers`` (None: all)."""
+    out = []
+    for name, shape in LAYOUTS[layout].named_shapes():
+        if layers is not None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+            continue
+        out.append((name, shape))
+    return out
+
+
+class Trainer:
+    """fp32 master weights with a checkpoint's magnitudes, and Adam on random gradients, tensor by tensor."""
+
+    def __init__(self, named_shapes, device: torch.device, lr: float, seed: int = 0):
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.params: list[tuple[str, torch.Tensor]] = []
+        for name, shape in named_shapes:
+            t = torch.empty(shape, dtype=torch.float32, device=device)
+            t.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=self.gen)
+            self.params.append((name, t.requires_grad_()))
+        self.optimizers = [torch.optim.Adam([p], lr=lr) for _, p in self.params]
+
+    def step(self) -> None:
+        for (_, p), opt in zip(self.params, self.optimizers, strict=True):
+            p.grad = torch.randn(p.shape, generator=self.gen, device=p.device)
+            opt.step()
+            p.grad = None
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.params]
+
+    def digests(self) -> list[int]:
+        """What the engine must hold: each tensor's digest of its bf16 bits (one cast at a time)."""
+        return digests(p.detach().to(torch.bfloat16) for _, p in self.params)
+
+    def read(self) -> None:
+        """One read of every master tensor (the floor's change detection)."""
+        for _, p in self.params:
+            p.detach().count_nonzero()
+
+
+def engine(kind: str, where, secret, config: SyncConfig, named_shapes, device: str, pushes: int, out, inbox):
+    """The engine: bf16 tensors on ``device``, ``pushes`` receives, then the digests of what it holds; for the
+    collective, then broadcasts of the sizes the sender asks for (its floor)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    dest = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in named_shapes}
+    group = None
+    if kind == "collective":
+        from raysync.transport.collective import CollectiveReceiver
+
+        group = CollectiveReceiver(secret, config, rank=1, rendezvous=where)
+        receiver = group.join()
+    else:
+        receiver = WeightReceiver(where, secret, config)
+    try:
+        for _ in range(pushes):
+            receiver.receive(into=dest)
+        out.put(digests(dest.values()))
+        if group is not None:
+            sizes = inbox.get(timeout=600)
+            flat = torch.empty(max([1] + [s for s, _ in sizes]), dtype=torch.uint8)
+            for size, repeats in sizes:
+                for _ in range(repeats + 1):
+                    broadcast(group.group, flat[:size])
+    finally:
+        group.close() if group is not None else receiver.close()
+
+
+def digests(tensors) -> list[int]:
+    """Each tensor's digest of its bytes (raysync.core.digest: the push's own verify)."""
+    return digest.combine([[digest.partial(t.reshape(-1).view(torch.uint8), 0)] for t in tensors])
+
+
+def answer(proc, queue, timeout_s: float = 600.0):
+    """The engine's next answer; an engine that died is an error at once, not after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Exception:
+            if not proc.is_alive():
+                raise RuntimeError(f"the engine process ended (exit code {proc.exitcode})") from None
+    raise TimeoutError(f"no answer from the engine in {timeout_s} s")
+
+
+def broadcast(pg, t: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([t], opts).wait()
+
+
+def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int) -> dict:
+    """One session over ``kind`` to a spawned engine: a first (full) push, then per step (delta on) an Adam
+    step, a delta push and a full push, or (delta off) a full push; checked bit-exact at the end."""
+    config = SyncConfig(
+        transport="shm" if kind == "collective" else kind,
+        bucket_bytes=args.bucket_mib.get(kind) * MiB,
+        num_buffers=2,
+        direct=False,
+        cast_dtype="bfloat16",
+        delta=delta,
+        timeout_s=600,
+        progress=False,
+    )
+    secret, ctx = SessionSecret.generate(), mp.get_context("spawn")
+    out, inbox = ctx.Queue(), ctx.Queue()
+    pushes = 1 + (2 * steps if delta else steps)
+    named_shapes = [(n, tuple(t.shape)) for n, t in trainer.named()]
+    group = None
+    if kind == "collective":
+        from raysync.transport.collective import CollectiveSender
+
+        group = CollectiveSender(secret, config, host="127.0.0.1", num_receivers=1, backend="gloo")
+        where, engine_device = group.rendezvous, "cpu"
+    else:
+        sender = WeightSender(secret, config)
+        where, engine_device = sender.endpoint, args.device
+    proc = ctx.Process(
+        target=engine, args=(kind, where, secret, config, named_shapes, engine_device, pushes, out, inbox)
+    )
+    proc.start()
+    rows = []
+    try:
+        sender = group.join(timeout_s=600) if group is not None else sender
+        version = 0
+        sender.push(trainer.named(), version)  # the first push: full (not timed)
+        for step in range(1, steps + 1):
+            row = {"step": step}
+            if delta:
+                trainer.step()
+                version += 1
+                row["delta"] = timed_push(sender, trainer, version, full=False)
+            version += 1
+            row["full"] = timed_push(sender, trainer, version, full=delta)
+            rows.append(row)
+        got, want = answer(proc, out), trainer.digests()
+        if got != want:
+            raise AssertionError(f"{kind}: the engine's weights differ from the trainer's bf16 bits")
+        if group is not None:  # the floor's broadcasts, on the same group, both sides
+            sizes = [(r["delta"]["bytes"], args.repeats) for r in rows] if delta else []
+            inbox.put(sizes)
+            for r, (size, repeats) in zip(rows if delta else [], sizes, strict=True):
+                flat = torch.empty(max(size, 1), dtype=torch.uint8)
+                r["move_s"] = timed(
+                    lambda f=flat[:size]: broadcast(group.group, f), torch.device("cpu"), repeats
+                )
+    finally:
+        (group or sender).close()
+        proc.join(timeout=600)
+    return {"transport": kind, "delta": delta, "bucket_bytes": config.bucket_bytes, "steps": rows}
+
+
+def timed_push(sender, trainer: Trainer, version: int, full: bool) -> dict:
+    if trainer.params[0][1].is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    report = sender.push(trainer.named(), version, full=full)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bytes": report.bytes, "density": report.density, "base": report.base_version}
+
+
+def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> float:
+    """Moving ``nbytes`` over a ring: shm, into host memory and out (from and into ``device``); cuda_ipc, two
+    device copies."""
+    n = max(nbytes, 1)
+    src, dst = (
+        torch.empty(n, dtype=torch.uint8, device=device),
+        torch.empty(n, dtype=torch.uint8, device=device),
+    )
+    if kind == "cuda_ipc":
+        mid = torch.empty(n, dtype=torch.uint8, device=device)
+    else:
+        mid = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return timed(lambda: (mid.copy_(src), dst.copy_(mid)), device, repeats)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    named_shapes = shapes(args.layout, args.layers)
+    trainer = Trainer(named_shapes, device, args.lr)
+    nbytes = sum(2 * t.numel() for _, t in trainer.named())
+    read_s = timed(trainer.read, device, args.repeats)
+    kinds = ["shm", "cuda_ipc"] if device.type == "cuda" else ["shm"]
+    kinds += ["collective"] if args.collective and device.type == "cpu" else []
+    results = []
+    for kind in kinds:
+        on = run_transport(kind, trainer, args, delta=True, steps=args.steps)
+        free(device)
+        off = run_transport(kind, trainer, args, delta=False, steps=args.steps)
+        free(device)
+        full_off = statistics.median(r["full"]["seconds"] for r in off["steps"])
+        for r in on["steps"]:
+            if "move_s" not in r:
+                r["move_s"] = move_floor(kind, r["delta"]["bytes"], device, args.repeats)
+            r["floor_s"] = read_s + r.pop("move_s")
+        results.append({**on, "full_push_delta_off_s": full_off})
+    return {
+        "layout": args.layout, "layers": args.layers, "model_bytes_bf16": nbytes, "lr": args.lr,
+        "device": str(device), "hardware": hardware(device), "read_floor_s": read_s, "transports": results,
+    }  # fmt: skip
+
+
+def free(device: torch.device) -> None:
+    """What the last session held (its ring, the sender's reference) goes before the next row."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def report(result: dict) -> None:
+    print(f"{result['layout']} ({result['model_bytes_bf16'] / 1e6:.0f} MB in bf16), Adam lr {result['lr']}, "
+          f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms) "
+          f"+ moving the delta's bytes")  # fmt: skip
+    head = f"{'transport':10}  {'step':>4}  {'density':>8}  {'delta MB':>8}  {'/ full':>7}  {'delta ms':>9}  "
+    print(
+        head + f"{'floor ms':>9}  {'x floor':>7}  {'full ms (on)':>12}  {'full ms (off)':>13}  {'x full':>6}"
+    )
+    for t in result["transports"]:
+        off = t["full_push_delta_off_s"]
+        for r in t["steps"]:
+            d, f = r["delta"], r["full"]
+            print(
+                f"{t['transport']:10}  {r['step']:4}  {d['density']:8.2%}  {d['bytes'] / 1e6:8.2f}  "
+                f"{d['bytes'] / result['model_bytes_bf16']:7.2%}  {d['seconds'] * 1e3:9.1f}  "
+                f"{r['floor_s'] * 1e3:9.1f}  {d['seconds'] / r['floor_s']:7.1f}  {f['seconds'] * 1e3:12.1f}  "
+                f"{off * 1e3:13.1f}  {d['seconds'] / off:6.2f}"
+            )
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", default="qwen2.5-7b" if cuda else "qwen2.5-0.5b", choices=sorted(LAYOUTS))
+    p.add_argument("--layers", type=int, default=None, help="decoder layers kept (default: all)")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--steps", type=int, default=3, help="Adam steps, one delta push each")
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--repeats", type=int, default=3, help="for the floors (medians)")
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
+    p.add_argument("--no-collective", dest="collective", action="store_false", help="CPU: no gloo rows")
+    p.add_argument("--shm-mib", type=int, default=None, help="shm bucket_bytes (default: 8 CPU, 512 GPU)")
+    p.add_argument("--ipc-mib", type=int, default=2048, help="cuda_ipc ring bucket_bytes (one GPU)")
+    p.add_argument("--gloo-mib", type=int, default=64, help="collective bucket_bytes")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shm = args.shm_mib or (512 if args.device.startswith("cuda") else 8)
+    args.bucket_mib = {"shm": shm, "cuda_ipc": args.ipc_mib, "collective": args.gloo_mib}
+    result = run(args)
+    report(result)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
