@@ -1,0 +1,40 @@
+"""Delta pushes on one GPU (issue 24): over a cuda_ipc ring they arrive bit-exact as a fraction of the bytes;
+in direct mode (the receiver copies the trainer's tensors in place) every push goes full, and the session
+says why (Note [the delta reference] in raysync.core.delta_push)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from workers import digest, ipc_receiver
+
+from raysync import SessionSecret, SyncConfig, WeightSender
+from raysync.tools.models import allocate
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+LAYOUT = "qwen2.5-0.5b"
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+def test_deltas_over_a_cuda_ipc_ring_and_full_pushes_in_direct_mode(spawn, no_leftovers, direct):
+    config = SyncConfig(transport="cuda_ipc", direct=direct, delta=True, timeout_s=120, progress=False)
+    torch.cuda.set_device(0)
+    named = allocate(LAYOUT, device="cuda")
+    full = sum(t.nbytes for t in named.values())
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        child = spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, LAYOUT, 3, out)
+        for version in (1, 2, 3):
+            for t in named.values():  # a few elements of every tensor change
+                t.view(-1)[version::997].add_(1.0)
+            report = sender.push(named.items(), version)
+            if direct:
+                assert report.base_version is None and report.bytes == full
+                assert "direct mode" in sender.delta_off
+            elif version > 1:
+                assert report.base_version == version - 1 and report.bytes < full / 4
+        assert sender.delta_off is None or direct
+        got = [out.get(timeout=120) for _ in range(3)]
+    assert got[1][:2] == ("digest", 2) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    child.join(timeout=60)
+    assert child.exitcode == 0
