@@ -94,8 +94,9 @@ def train(model: Peft, steps: int, seed: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.5)
     gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        tokens = torch.randint(0, 50, (4, 6), generator=gen)
+        tokens = torch.randint(0, 50, (4, 6), generator=gen).to(device)
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         opt.zero_grad()
         loss.backward()
