@@ -90,6 +90,16 @@ class PushGraph:
         _HELD.update(dict.fromkeys(self._ids, sync_id))
         self.alive = True
 
+    @classmethod
+    def build(cls, actors: SyncActors, connections: PairConnections, shape: tuple) -> PushGraph:
+        """The graph of ``shape`` for a GraphKeeper."""
+        return cls(
+            actors, connections.sync_id, shape, teardown_s=connections.config.timeout_s + _RAY_TEARDOWN_S
+        )
+
+    def describe(self) -> str:
+        return f"one compiled Ray graph ({len(self.keys)} actors)"
+
     @staticmethod
     def shape_of(actors: SyncActors, receivers_of: dict[int, list[int]]) -> tuple:
         """What a graph is compiled for: each sender with its receivers, each plain-actor receiver endpoint with
@@ -199,19 +209,28 @@ def receivers_of_senders(connections: PairConnections) -> dict[int, list[int]]:
 
 class GraphKeeper:
     """A WeightSync's push graph: compiled for its connections as they are, again when their shape changed or
-    the graph was lost; None (ordinary calls) when disabled or when Ray could not compile it."""
+    the graph was lost; None (ordinary calls) when disabled or when Ray could not compile it.
+
+    The keeper of anything that runs a round for its members the way PushGraph does (``runner``: ``build``,
+    ``shape_of``, and on what it builds ``keys``, ``alive``, ``shape``, ``run``, ``teardown``, ``describe``):
+    raysync.ray.push_loop.PushKeeper keeps persistent push loops with it."""
+
+    runner: Any = PushGraph
+    off = "WeightSync(compiled_graph=False)"  # sync.plan's reason for ordinary calls, when disabled
+    refusal = "Ray did not compile the push graph"
+    transient: tuple[type[BaseException], ...] = ()  # failures to build that are tried again at the next push
 
     def __init__(self, actors: SyncActors, connections: PairConnections, *, enabled: bool):
         self._actors, self._connections = actors, connections
-        self._graph: PushGraph | None = None
-        self._refused: tuple | None = None  # the shape Ray would not compile: not tried again
-        self._why_not = "" if enabled else "WeightSync(compiled_graph=False)"
+        self._graph: Any = None
+        self._refused: tuple | None = None  # the shape that could not be built: not tried again
+        self._why_not = "" if enabled else self.off
 
-    def current(self) -> PushGraph | None:
-        """The graph for the connections as they are now, compiled if need be (at setup, after a repair)."""
-        if self._why_not.startswith("WeightSync("):
+    def current(self) -> Any:
+        """What runs the rounds of the connections as they are now, built if need be (at setup, after a repair)."""
+        if self._why_not == self.off:
             return None
-        shape = PushGraph.shape_of(self._actors, receivers_of_senders(self._connections))
+        shape = self.runner.shape_of(self._actors, receivers_of_senders(self._connections))
         graph = self._graph
         if graph is not None and graph.alive and graph.shape == shape:
             return graph
@@ -220,16 +239,12 @@ class GraphKeeper:
             return None
         try:
             started = time.perf_counter()
-            self._graph = PushGraph(
-                self._actors,
-                self._connections.sync_id,
-                shape,
-                teardown_s=self._connections.config.timeout_s + _RAY_TEARDOWN_S,
-            )
-            logger.debug("push graph compiled in %.3fs", time.perf_counter() - started)
+            self._graph = self.runner.build(self._actors, self._connections, shape)
+            logger.debug("%s built in %.3fs", self._graph.describe(), time.perf_counter() - started)
             self._why_not = ""
         except Exception as e:  # e.g. an actor already runs another WeightSync's graph: ordinary calls then
-            self._refused, self._why_not = shape, f"Ray did not compile the push graph: {first_line(e)}"
+            self._refused = None if isinstance(e, self.transient) else shape
+            self._why_not = f"{self.refusal}: {first_line(e)}"
             logger.warning(
                 "WeightSync %s pushes through ordinary Ray calls: %s", self._connections.sync_id, e
             )
@@ -239,12 +254,12 @@ class GraphKeeper:
         """How push rounds reach the actors, for ``sync.plan``."""
         graph = self._graph if self._graph is not None and self._graph.alive else None
         if graph is None:
-            why = self._why_not or "none compiled yet"
+            why = self._why_not or "none built yet"
             return f"push rounds: one ordinary Ray call per endpoint ({why})"
         outside = [
             j for j, (e, _) in enumerate(self._actors.slots) if not in_graph(self._actors.receivers[e])
         ]
-        line = f"push rounds: one compiled Ray graph ({len(graph.keys)} actors)"
+        line = f"push rounds: {graph.describe()}"
         if outside:
             line += (
                 f"; receiver(s) {', '.join(f'#{j}' for j in outside)} (engine adapters) through ordinary Ray "
@@ -270,3 +285,18 @@ class RoundPlan(Plan):
 
     def __str__(self) -> str:
         return f"{super().__str__()}\n{self.rounds}"
+
+
+ROUNDS = ("calls", "graph", "loop")  # how push rounds reach the actors (keeper_for)
+
+
+def keeper_for(rounds: str, actors: SyncActors, connections: PairConnections) -> GraphKeeper:
+    """The keeper of how a WeightSync's push rounds reach its actors: "calls" (one ordinary Ray call per endpoint),
+    "graph" (a compiled Ray graph, this module) or "loop" (persistent push loops: raysync.ray.push_loop)."""
+    if rounds not in ROUNDS:
+        raise ValueError(f"push_rounds={rounds!r}: expected one of {', '.join(map(repr, ROUNDS))}")
+    if rounds == "loop":
+        from raysync.ray.push_loop import PushKeeper  # it builds on this module
+
+        return PushKeeper(actors, connections, enabled=True)
+    return GraphKeeper(actors, connections, enabled=rounds == "graph")

@@ -1,0 +1,432 @@
+"""Push rounds through persistent push loops: at setup every sender and every plain-actor receiver starts a loop (a
+thread) that waits on raysync's own control channel for the driver's "push version v": a round costs the driver a
+signed frame out and one back per actor, not a Ray call's submission, scheduling and answer.
+
+    driver (PushLoops, _DriverEnd)             each member actor (_serve, on a thread of its own)
+    ROUTER ─── go [round, version] ─────────>  DEALER   endpoint.sender_round / endpoint.receiver_round, as a
+           <── answer [round, results] ──────           compiled graph's tasks run them: EndpointResults
+
+# Note [push loops]
+# - The channel: the driver binds one ROUTER, ipc:// in a private directory (removed once every loop has said
+#   hello) when every member runs on the driver's node, else tcp:// on the driver's node IP; each loop connects a
+#   DEALER whose routing id names its member. Frames are msgpack signed with HMAC-SHA256 under a key per member and
+#   direction (from a secret Ray hands each actor at start), numbered (a replay is refused), and decode to scalars
+#   only: a result is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values. Nothing pickled.
+# - Ray keeps supervising: it starts the loops, and the driver asks it about the members that have not answered
+#   as soon as a member's connection drops (zmq says so at once) or a send finds no one, and every timeout_s
+#   otherwise: an actor that died is ActorGone, one Ray restarted (no loop in it) ActorUnavailable; a busy loop is
+#   waited for, up to push_timeout_s. A member lost, or a round past its deadline, ends every loop (each once its
+#   part of the push has ended, bounded by timeout_s); the next push starts new ones.
+# - A loop runs beside the actor's ordinary calls, as a graph's tasks do (Note [a push round in a compiled graph]):
+#   wait for the train step before pushing. Idle, it sleeps in zmq's poll, waking each second to see whether
+#   close() stopped it; it ends when told to, or when the driver's end closes. Engine adapters keep their calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import math
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from raysync.core import errors, leftovers
+from raysync.core.control import private_dir_base
+from raysync.core.report import PushReport
+from raysync.core.version import MIXED
+from raysync.ray import endpoint as ep
+from raysync.ray.actors import Key, SyncActors
+from raysync.ray.connections import PairConnections
+from raysync.ray.push_graph import GraphKeeper, GraphTimedOut, PushGraph
+from raysync.ray.results import EndpointResult, RemoteFailure
+
+logger = logging.getLogger(__name__)
+
+_PROTOCOL = "rs-loop1"
+_MAC_BYTES = 32
+_MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
+_MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
+_IDLE_POLL_MS = 1000  # an idle loop looks whether close() stopped it this often
+_LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
+
+
+# --- the frames between the driver and a loop (Note [push loops]) ---------------------------------------------------
+class _Codec:
+    """Signs what one side sends to, and checks what it receives from, one member's loop."""
+
+    def __init__(self, secret: bytes, member: str, role: str):
+        keys = {r: hmac.new(secret, f"raysync/{_PROTOCOL}/{member}/{r}".encode(), hashlib.sha256).digest()
+                for r in ("actor", "driver")}  # fmt: skip
+        self._send_key, self._recv_key = keys[role], keys["actor" if role == "driver" else "driver"]
+        self._sent = self._seen = 0
+
+    def encode(self, kind: str, body: list) -> bytes:
+        self._sent += 1
+        payload = msgpack.packb([_PROTOCOL, self._sent, kind, body])
+        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+
+    def decode(self, frame: bytes) -> tuple[str, list]:
+        """Checked in this order: the signature (before a byte is parsed), msgpack, header, sequence number."""
+        payload, mac = frame[:-_MAC_BYTES], frame[-_MAC_BYTES:]
+        want = hmac.new(self._recv_key, payload, hashlib.sha256).digest()
+        if len(frame) <= _MAC_BYTES or not hmac.compare_digest(mac, want):
+            raise errors.BadSignature("push loop frame: the signature does not match this member's key")
+        try:
+            header = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise errors.MalformedFrame(f"signed push loop frame is not valid msgpack: {e}") from None
+        protocol, seq, kind, body = header if type(header) is list and len(header) == 4 else (None,) * 4
+        if protocol != _PROTOCOL or type(seq) is not int or type(kind) is not str or type(body) is not list:
+            raise errors.MalformedFrame("signed frame does not carry a push loop header")
+        if seq <= self._seen:
+            raise errors.ReplayedFrame(f"sequence number {seq} is not above the last accepted {self._seen}")
+        self._seen = seq
+        return kind, body
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _to_wire(answer: dict[int, EndpointResult]) -> list:
+    """{receiver or slot: EndpointResult} as plain values: [[index, report fields, failure fields, version]]."""
+    return [
+        [
+            k,
+            r.report and dataclasses.astuple(r.report),
+            r.failure and dataclasses.astuple(r.failure),
+            r.version,
+        ]
+        for k, r in answer.items()
+    ]
+
+
+def _from_wire(items: list) -> dict[int, EndpointResult]:
+    """The inverse of _to_wire, every value checked: SchemaError for anything else."""
+    out: dict[int, EndpointResult] = {}
+    for item in items:
+        k, report, failure, version = item if type(item) is list and len(item) == 4 else (None,) * 4
+        if type(k) is not int or not (version is None or version == MIXED or type(version) is int):
+            raise errors.SchemaError(f"push loop answer: bad item {item!r:.200}")
+        try:
+            out[k] = EndpointResult(_build(PushReport, report), _build(RemoteFailure, failure), version)
+        except ValueError as e:  # a report and a failure, or neither
+            raise errors.SchemaError(f"push loop answer: {e}") from None
+    return out
+
+
+def _build(cls: type, values: object) -> Any:
+    """``cls`` (a dataclass of scalar fields) from its fields' values, in order; None stays None."""
+    if values is not None and (type(values) is not list or len(values) != len(dataclasses.fields(cls))
+                               or not all(type(v) in _SCALARS for v in values)):  # fmt: skip
+        raise errors.SchemaError(f"push loop answer: {cls.__name__} fields {values!r:.200}")
+    return None if values is None else cls(*values)
+
+
+# --- inside the actor -------------------------------------------------------------------------------------------------
+def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, secret: bytes) -> None:
+    """(Re)start this actor's push loop as ``member`` of WeightSync ``sync_id`` (through ``__ray_call__``); it has
+    connected and said hello when this returns. ``job``: ("sender", its receivers) or ("receiver", its slots)."""
+    import torch
+
+    stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
+    options = {zmq.IDENTITY: member.encode(), zmq.RECONNECT_IVL: -1, zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME}
+    sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
+    codec = _Codec(secret, member, "actor")
+    try:
+        sockets[1].connect(address)
+        sockets[1].send(codec.encode("hello", [os.getpid()]))
+    except BaseException:
+        _close(*sockets)
+        raise
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the thread works there
+    stop = threading.Event()
+    args = (actor, sync_id, job, sockets, codec, device, stop)
+    thread = threading.Thread(target=_serve, args=args, name=f"raysync-push-loop-{member}", daemon=True)
+    actor.__dict__.setdefault(_LOOPS, {})[(sync_id, member)] = (thread, stop)
+    thread.start()
+
+
+def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: _Codec, device, stop) -> None:
+    ctx, sock, monitor = sockets
+    if device is not None:
+        import torch
+
+        torch.cuda.set_device(device)
+    poller = zmq.Poller()
+    for s in (sock, monitor):
+        poller.register(s, zmq.POLLIN)
+    try:
+        while not stop.is_set():
+            events = dict(poller.poll(_IDLE_POLL_MS))
+            if monitor in events:
+                break  # the driver closed its end, or died
+            if sock not in events:
+                continue
+            try:
+                kind, body = codec.decode(sock.recv())
+            except errors.WireError as e:
+                logger.warning("a push loop dropped a frame: %s", e)
+                continue
+            if kind == "stop":
+                break
+            if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
+                sock.send(_run(codec, actor, sync_id, job, *body))
+    finally:
+        _close(ctx, sock, monitor)
+
+
+def _run(codec: _Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
+    """This member's part of the round, as the frame that answers it."""
+    role, members = job
+    try:
+        run = ep.sender_round if role == "sender" else ep.receiver_round
+        return codec.encode("answer", [round_, _to_wire(run(actor, version, sync_id, list(members)))])
+    except Exception as e:  # the endpoint functions answer failures themselves: this is anything else
+        text = "".join(traceback.format_exception(e))
+        return codec.encode("failed", [round_, f"{type(e).__name__}: {e}", text])
+
+
+def _open(kind: int, options: dict[int, Any]) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A context, its socket of ``kind``, and the monitor that hears the socket's connections drop."""
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    for option, value in {zmq.LINGER: 0, **options}.items():
+        sock.setsockopt(option, value)
+    return ctx, sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def _close(ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int = 0) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=linger_ms)
+    ctx.term()
+
+
+def stop_loops(actor: Any, sync_id: str, member: str, timeout_s: float) -> bool:
+    """End this actor's push loop as ``member`` of ``sync_id``; returns whether it still runs after ``timeout_s``
+    (busy with a push that has not ended)."""
+    thread, stop = actor.__dict__.get(_LOOPS, {}).pop((sync_id, member), (None, None))
+    if thread is None:
+        return False
+    stop.set()
+    thread.join(timeout_s)
+    return thread.is_alive()
+
+
+def loop_alive(actor: Any, sync_id: str, member: str) -> bool:
+    thread, _ = actor.__dict__.get(_LOOPS, {}).get((sync_id, member), (None, None))
+    return thread is not None and thread.is_alive()
+
+
+# --- on the driver ----------------------------------------------------------------------------------------------------
+class _DriverEnd:
+    """The driver's socket: every member's codec, the frames in and out, the disconnects zmq reports."""
+
+    def __init__(self, keys: list[Key], nodes: set[str]):
+        """``nodes``: where the members run (ipc when it is only the driver's node, else tcp)."""
+        import ray
+
+        self.secret, self._dir, self.keys = secrets.token_bytes(32), None, keys
+        self._ids = {key: _member(key).encode() for key in keys}
+        self._by_id = {i: key for key, i in self._ids.items()}
+        self._codecs = {key: _Codec(self.secret, _member(key), "driver") for key in keys}
+        options = {zmq.ROUTER_MANDATORY: 1, zmq.MAXMSGSIZE: _MAX_ANSWER_FRAME}
+        self._ctx, self.sock, self.monitor = _open(zmq.ROUTER, options)
+        self.poller = zmq.Poller()
+        for sock in (self.sock, self.monitor):
+            self.poller.register(sock, zmq.POLLIN)
+        try:
+            if nodes <= {ray.get_runtime_context().get_node_id()}:  # Note [names that outlive a crash]
+                self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())
+                self.sock.bind(f"ipc://{self._dir}/loop")
+            else:
+                self.sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
+        except BaseException:
+            self.close()
+            raise
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def hellos(self, timeout_s: float, label) -> None:
+        """Wait until every member has said hello; then nobody else needs to find the socket."""
+        deadline, waiting = time.monotonic() + timeout_s, set(self.keys)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, math.ceil(left * 1000))):
+                raise errors.PeerTimeout(", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s)
+            waiting -= {key for key, kind, _ in self.frames() if kind == "hello"}
+        self._forget()
+
+    def frames(self) -> Iterator[tuple[Key, str, list]]:
+        """The frames waiting on the socket, checked; those of strangers, or that fail their check, dropped."""
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            key = self._by_id.get(parts[0]) if len(parts) == 2 else None
+            try:
+                if key is None:
+                    raise errors.WireError("a frame from a connection that is no member's")
+                yield (key, *self._codecs[key].decode(parts[1]))
+            except errors.WireError as e:
+                logger.warning("push loops: dropped a frame: %s", e)
+
+    def send(self, key: Key, kind: str, body: list) -> None:
+        """Raises zmq.ZMQError when that member is not connected (ROUTER_MANDATORY)."""
+        self.sock.send_multipart([self._ids[key], self._codecs[key].encode(kind, body)], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        for key in self.keys:
+            with contextlib.suppress(zmq.ZMQError):  # not connected: its loop ends by its stop call
+                self.send(key, "stop", [])
+        _close(self._ctx, self.sock, self.monitor, linger_ms=200)  # the stops go out
+        self._forget()
+
+    def _forget(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+class PushLoops:
+    """The push loops of one set of connections (``shape``: PushGraph.shape_of); ``run`` keeps PushGraph.run's
+    contract. ``timeout_s`` (SyncConfig.timeout_s) bounds the start, each question to Ray, the stop."""
+
+    shape_of = staticmethod(PushGraph.shape_of)
+
+    def __init__(self, actors: SyncActors, sync_id: str, shape: tuple, *, timeout_s: float):
+        self.actors, self.sync_id, self.shape, self._timeout_s = actors, sync_id, shape, timeout_s
+        jobs = {("sender", i): ("sender", js) for i, js in shape[0]}
+        jobs |= {("receiver", e): ("receiver", slots) for e, slots in shape[1]}
+        self.keys: list[Key] = list(jobs)
+        nodes = {actors.sender_at[i].node_id for i, _ in shape[0]}
+        nodes |= {
+            actors.receiver_at[j].node_id for j, (e, _) in enumerate(actors.slots) if ("receiver", e) in jobs
+        }
+        self._end: _DriverEnd | None = _DriverEnd(self.keys, nodes)
+        self._round, self.alive = 0, False
+        try:
+            end = self._end
+            calls = {k: self._call(k, start_loop, job, end.address, end.secret) for k, job in jobs.items()}
+            for answer in actors.ask(calls, "push loop start", timeout_s).values():
+                if isinstance(answer, BaseException):
+                    raise answer
+            end.hellos(timeout_s, actors.label)
+        except BaseException:
+            self.teardown()
+            raise
+        self.alive = True
+
+    @classmethod
+    def build(cls, actors: SyncActors, connections: PairConnections, shape: tuple) -> PushLoops:
+        return cls(actors, connections.sync_id, shape, timeout_s=connections.config.timeout_s)
+
+    def describe(self) -> str:
+        return f"persistent push loops in {len(self.keys)} actors, triggered over raysync's control channel"
+
+    def run(self, version: int, deadline: float, timeout_s: float) -> dict[Key, Any]:
+        """Every member's answer to the round of ``version``, or a typed error in its place (an actor Ray lost,
+        a loop gone); raises GraphTimedOut past ``deadline``. Any error ends the loops (Note [push loops])."""
+        self._round += 1
+        end, answers = self._end, {}
+        next_check = time.monotonic() + self._timeout_s
+        for key in self.keys:
+            try:
+                end.send(key, "go", [self._round, version])
+            except zmq.ZMQError:  # no connection to that loop: ask Ray why, now
+                next_check = 0.0
+        while len(answers) < len(self.keys):
+            now = time.monotonic()
+            if now >= deadline:
+                self.teardown()
+                raise GraphTimedOut([k for k in self.keys if k not in answers])
+            end.poller.poll(max(1, math.ceil((min(deadline, next_check) - now) * 1000)))
+            self._take(answers, version)
+            while end.monitor.poll(0):  # a member's connection dropped: ask Ray at once
+                recv_monitor_message(end.monitor)
+                next_check = 0.0
+            if time.monotonic() >= next_check:
+                verdicts = self._check([k for k in self.keys if k not in answers], version)
+                self._take(answers, version)  # an answer that came meanwhile wins over a verdict
+                answers = verdicts | answers
+                next_check = time.monotonic() + self._timeout_s
+        if any(isinstance(a, Exception) for a in answers.values()):
+            self.teardown()
+        return answers
+
+    def _take(self, answers: dict[Key, Any], version: int) -> None:
+        for key, kind, body in self._end.frames():
+            if kind not in ("answer", "failed") or not body or body[0] != self._round:
+                continue  # a hello, or the answer of an earlier round that timed out
+            try:
+                if kind == "answer" and len(body) == 2 and type(body[1]) is list:
+                    answers[key] = _from_wire(body[1])
+                elif kind == "failed" and len(body) == 3 and all(type(s) is str for s in body[1:]):
+                    answers[key] = errors.RemoteError(self.actors.label(key), f"push v{version}", *body[1:])
+                else:
+                    raise errors.SchemaError(f"{self.actors.label(key)} answered a malformed {kind}")
+            except errors.SchemaError as e:
+                answers[key] = e
+
+    def _check(self, keys: list[Key], version: int) -> dict[Key, Exception]:
+        """Ask Ray about ``keys`` (Note [push loops]): a typed error for each one lost; none for those whose loop
+        runs, or that did not answer within timeout_s (Ray's ``ask`` waits for an actor it is restarting)."""
+        stage = f"push v{version}"
+        said = self.actors.ask({k: self._call(k, loop_alive) for k in keys}, stage, self._timeout_s)
+        out: dict[Key, Exception] = {}
+        for key, alive in said.items():
+            name = self.actors.label(key)
+            if alive is False:
+                why = f"{name} runs no push loop at stage '{stage}': Ray restarted it, or its loop ended"
+                out[key] = errors.ActorUnavailable(name, stage, why)
+            elif isinstance(alive, Exception) and not isinstance(alive, errors.PeerTimeout):
+                out[key] = alive
+        return out
+
+    def _call(self, key: Key, fn: Any, *args: Any) -> Any:
+        """The Ray call of ``fn(actor, sync_id, member, *args)`` in ``key``'s actor (call it to make it)."""
+        role, index = key
+        actor = self.actors.senders[index] if role == "sender" else self.actors.receivers[index].actor
+        return lambda: actor.__ray_call__.remote(fn, self.sync_id, _member(key), *args)
+
+    def teardown(self) -> None:
+        """End every loop (idempotent), each once its part of a push has ended; bounded by timeout_s."""
+        if self._end is None:
+            return
+        self.alive = False
+        self._end.close()
+        self._end = None
+        calls = {k: self._call(k, stop_loops, self._timeout_s) for k in self.keys}
+        said = self.actors.ask(calls, "push loop stop", self._timeout_s + 5.0)
+        running = {k: a for k, a in said.items() if a is not False and not isinstance(a, errors.ActorGone)}
+        if running:  # busy past timeout_s, or not answering: their next push fails
+            logger.warning("push loops of WeightSync %s not stopped: %s", self.sync_id, running)
+
+
+def _member(key: Key) -> str:
+    """How a member's loop is named, in its actor and on the channel."""
+    return f"{key[0]}-{key[1]}"
+
+
+class PushKeeper(GraphKeeper):
+    """A WeightSync's push loops (made by ``push_graph.keeper_for("loop", ...)``), kept as GraphKeeper keeps its
+    graph; when they cannot start, ordinary calls, and another try at the next push when an actor was why."""
+
+    runner = PushLoops
+    off = "WeightSync(push_rounds='calls')"
+    refusal = "the push loops did not start"
+    transient = (errors.PeerUnavailable,)

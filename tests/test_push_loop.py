@@ -1,0 +1,246 @@
+"""Push rounds through persistent push loops (raysync.ray.push_loop) on a real local Ray: bit-exact pushes and
+versions, an actor killed mid-push reaching the driver as a typed error, nothing left behind by close(), and the
+loop channel's frames (signed, numbered, checked) refusing what is not theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+from actors import Adapter, Engine, Trainer, engine_load  # noqa: E402
+from conftest import own_entries  # noqa: E402
+
+from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
+from raysync.core.errors import BadSignature, ReplayedFrame, SchemaError  # noqa: E402
+from raysync.core.report import PushReport  # noqa: E402
+from raysync.core.version import MIXED  # noqa: E402
+from raysync.ray.push_graph import keeper_for  # noqa: E402
+from raysync.ray.push_loop import PushKeeper, _Codec, _from_wire, _to_wire  # noqa: E402
+from raysync.ray.results import EndpointResult, RemoteFailure  # noqa: E402
+
+CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
+ACTOR = {"num_cpus": 0.25}
+LOOPS = "push rounds: persistent push loops in"
+
+
+def loop_sync(senders: list, receivers: list, config: SyncConfig, **kwargs) -> WeightSync:
+    """A WeightSync whose rounds run through push loops: ``WeightSync(push_rounds="loop")`` where the coordinator
+    has that option; until then the same WeightSync with its round keeper replaced by a PushKeeper right after
+    setup (what the option selects: keeper_for("loop", ...))."""
+    if "push_rounds" in inspect.signature(WeightSync).parameters:
+        return WeightSync(senders, receivers, config, push_rounds="loop", **kwargs)
+    sync = WeightSync(senders, receivers, config, **kwargs)
+    sync._graphs = keeper_for("loop", sync._actors, sync._connections)
+    assert isinstance(sync._graphs, PushKeeper)
+    sync._graphs.current()  # started at setup, as the coordinator does for its graph
+    return sync
+
+
+def threads_of(actor=None) -> tuple[int, list[str]]:
+    """zmq's I/O threads (named by libzmq) and the push loops' threads of this process (or ``actor``'s)."""
+    if actor is not None:
+        return ray.get(actor.__ray_call__.remote(lambda _: threads_of()))
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+    loops = [t.name for t in threading.enumerate() if t.name.startswith("raysync-push-loop")]
+    return sum(n.startswith("ZMQbg") for n in names), loops
+
+
+def thread_of_sink(actor: Engine) -> dict:
+    """The default sink, noting which thread of the actor called it."""
+    actor.sink_thread = threading.current_thread().name
+    return dict(actor.model.named_parameters())
+
+
+@pytest.fixture
+def made() -> list:
+    actors: list = []
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
+# --- through Ray ---------------------------------------------------------------------------------------------------
+def test_pushes_through_the_loops_are_bit_exact_and_each_engine_holds_the_version(
+    ray_local, no_leftovers, made
+):
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
+    made += [trainer, *engines]
+    with loop_sync([trainer], engines, CFG, sink=thread_of_sink) as sync:
+        assert f"{LOOPS} 3 actors" in str(sync.plan)
+        assert sync.versions() == [None, None]
+        for version in (1, 2, 3):
+            expected = ray.get(trainer.step.remote(version))
+            report = sync.push(version)
+            assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
+            assert report.version == version and len(report.pairs) == 2 and report.slowest.bytes > 0
+        assert sync.versions() == [3, 3]
+        for engine in engines:  # the round ran on the loop's thread, not through an ordinary call
+            thread = ray.get(engine.__ray_call__.remote(lambda a: a.sink_thread))
+            assert thread == f"raysync-push-loop-receiver-{engines.index(engine)}"
+
+
+def test_an_adapter_keeps_its_ordinary_call_beside_the_loops(ray_local, no_leftovers, made):
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
+    made += [trainer, *engines]
+    with loop_sync([trainer], [engines[0], Adapter(engines[1])], CFG) as sync:
+        assert f"{LOOPS} 2 actors" in str(sync.plan) and "receiver(s) #1 (engine adapters)" in str(sync.plan)
+        expected = ray.get(trainer.step.remote(1))
+        sync.push(1)
+        assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
+        assert sync.versions() == [1, 1]
+
+
+def test_an_engine_killed_mid_push_is_a_typed_error_then_the_loops_start_again(ray_local, no_leftovers, made):
+    """The engine dies in its second bucket: the driver names it with Ray's verdict (not a push_timeout_s
+    PeerTimeout: the push waits up to an hour here), and the next push starts a loop in the restarted actor."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(max_restarts=1, **ACTOR)(Engine).remote()
+    made += [trainer, engine]
+    with loop_sync([trainer], [engine], CFG, sink=engine_load) as sync:
+        ray.get(trainer.step.remote(1))
+        sync.push(1)
+        first_pid = ray.get(engine.pid.remote())
+        ray.get(engine.fail_at_call.remote(2, "die"))
+        started = time.monotonic()
+        with pytest.raises(SyncError) as e:
+            sync.push(2)
+        assert time.monotonic() - started < 3600  # not the push's deadline: PeerTimeout would have said so
+        receiver = [f for f in e.value.failures if f.endpoint.startswith("receiver #0")]
+        assert receiver and receiver[0].error.startswith(("ActorGone", "ActorUnavailable")), e.value.failures
+        assert sync.versions() == [None]  # the restarted actor has applied nothing yet, and says so
+        expected = ray.get(trainer.step.remote(3))
+        sync.push(3)
+        assert ray.get(engine.pid.remote()) != first_pid
+        assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
+        assert f"{LOOPS} 2 actors" in str(sync.plan)
+
+
+def test_an_engine_gone_between_pushes_fails_the_next_push_naming_it(ray_local, no_leftovers, made):
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    made += [trainer, engine]
+    with loop_sync([trainer], [engine], CFG) as sync:
+        sync.push(1)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(engine.die.remote())
+        with pytest.raises(SyncError) as e:
+            sync.push(2)
+        receiver = [f for f in e.value.failures if f.endpoint.startswith("receiver #0")]
+        assert receiver and receiver[0].error.startswith("ActorGone"), e.value.failures
+
+
+def test_members_on_another_node_are_reached_over_tcp_on_the_drivers_node_ip(ray_local, no_leftovers, made):
+    """The engine is said to run on another node (its placement as the plan knows it; really on this machine):
+    the driver's end binds tcp on its node's IP, not ipc, and the pushes go through as before."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    made += [trainer, engine]
+    with WeightSync([trainer], [engine], CFG) as sync:
+        at = sync._actors.receiver_at
+        at[0] = dataclasses.replace(at[0], node_id="another node")
+        loops = keeper_for("loop", sync._actors, sync._connections).current()
+        try:
+            assert loops._end.address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")
+            for version in (1, 2):
+                expected = ray.get(trainer.step.remote(version))
+                answers = loops.run(version, time.monotonic() + 60, 60)
+                assert answers[("receiver", 0)][0].version == version, answers
+                assert ray.get(engine.digest.remote()) == expected
+        finally:
+            loops.teardown()
+
+
+def test_close_leaves_no_threads_sockets_or_files(ray_local, no_leftovers, made, caplog):
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    made += [trainer, engine]
+    before = threads_of(), threads_of(trainer), threads_of(engine)
+    files = own_entries()
+    with loop_sync([trainer], [engine], CFG) as sync:
+        sync.push(1)
+        assert own_entries() == files  # the loops' socket directory is gone once they are connected
+        assert threads_of(engine)[1] == ["raysync-push-loop-receiver-0"]
+        assert threads_of(trainer)[1] == ["raysync-push-loop-sender-0"]
+    assert (threads_of(), threads_of(trainer), threads_of(engine)) == before
+    assert (
+        "not stopped" not in caplog.text
+    )  # each loop ended at its stop call, none was left to its driver's end
+
+
+# --- the loop channel's frames --------------------------------------------------------------------------------------
+REPORT = PushReport(version=3, transport="shm", bytes=1024, buckets=2, tensors=5, seconds=0.5)
+ANSWER = {
+    0: EndpointResult(report=REPORT, version=3),
+    1: EndpointResult(
+        failure=RemoteFailure("unpack bucket 1", "ValueError: bad", "Traceback ..."), version=MIXED
+    ),
+    2: EndpointResult(failure=RemoteFailure("session", "RuntimeError: no session", "")),
+}
+
+
+def pair() -> tuple[_Codec, _Codec]:
+    secret = os.urandom(32)
+    return _Codec(secret, "receiver-0", "actor"), _Codec(secret, "receiver-0", "driver")
+
+
+def test_an_answer_crosses_the_loop_channel_as_it_was():
+    actor, driver = pair()
+    kind, body = driver.decode(actor.encode("answer", [7, _to_wire(ANSWER)]))
+    assert kind == "answer" and body[0] == 7 and _from_wire(body[1]) == ANSWER
+
+
+def test_a_frame_forged_replayed_or_for_another_member_is_refused():
+    actor, driver = pair()
+    frame = actor.encode("answer", [1, _to_wire(ANSWER)])
+    with pytest.raises(BadSignature):
+        driver.decode(frame[:-1] + bytes([frame[-1] ^ 1]))
+    with pytest.raises(BadSignature):  # another member's key (same secret)
+        _Codec(b"k" * 32, "receiver-1", "driver").decode(frame)
+    with pytest.raises(BadSignature):  # reflected back at its sender: each direction has its own key
+        actor.decode(frame)
+    driver.decode(frame)
+    with pytest.raises(ReplayedFrame):
+        driver.decode(frame)
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        [
+            0,
+            [3, "shm", 1024, 2, 5, 0.5, False, 0, 1024, None, {"x": 1}],
+            None,
+            3,
+        ],  # a map where a scalar goes
+        [0, [3, "shm"], None, 3],  # a report of two fields
+        [0, None, None, 3],  # neither a report nor a failure
+        [0, None, ["receive", "E", ""], "a version"],  # a version that is no version
+        ["0", None, ["receive", "E", ""], None],  # an index that is not an int
+    ],
+)
+def test_a_signed_answer_that_is_not_an_endpoint_result_is_refused(item):
+    actor, driver = pair()
+    _, body = driver.decode(actor.encode("answer", [1, [item]]))
+    with pytest.raises(SchemaError):
+        _from_wire(body[1])
+
+
+def test_an_unknown_way_to_run_rounds_is_refused():
+    with pytest.raises(ValueError, match="push_rounds='loops': expected one of 'calls', 'graph', 'loop'"):
+        keeper_for("loops", None, None)  # type: ignore[arg-type]
