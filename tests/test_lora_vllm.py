@@ -192,3 +192,8 @@ def test_the_adapter_travels_to_vllm_over_the_collective(rollout, policy):
         expected = ray.get(policy.greedy.remote(PROMPTS, TOKENS))
         assert ray.get(rollout.generate.remote(PROMPTS, TOKENS)) == (4, expected)
         assert ray.get(rollout.state.remote())[0] == {4: 0}
+
+
+def test_an_engine_named_without_its_adapters_is_refused_at_set_up(rollout, policy):
+    with pytest.raises(TypeError, match="names the actor's VllmAdapters, not a LLM"):
+        WeightSync([policy], [VllmEngine(rollout, lora="llm")], CFG, source=AdapterOf(QWEN_LORA))

@@ -32,6 +32,7 @@ Driver side (Note [adapter pushes through WeightSync] in raysync.engines.torch_l
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,8 +200,8 @@ def on_adapter_engine(llm: Any, adapters: Any, name: str, args: list | dict[str,
         raise TypeError(
             f"VllmEngine(lora=...) names the actor's VllmAdapters, not a {type(adapters).__name__}"
         )
-    if not hasattr(llm, "llm_engine"):
-        raise TypeError("adapter pushes reach an LLM; an AsyncLLM is not supported for them")
+    if inspect.iscoroutinefunction(llm.collective_rpc):
+        raise TypeError("adapter pushes reach an LLM; an AsyncLLM does not take them (not built)")
     results: dict[int, Any] = {}
     ids: dict[int, int | None] = {}
     for reply in llm.collective_rpc("raysync_lora_call", args=(name, args)):
