@@ -4,23 +4,23 @@
     python benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --out ws_h200.json   # one GPU
 
 A trainer actor and an engine actor share one GPU (``num_gpus=0.5`` each) or the CPU; the trainer holds a
-layout's tensors (raysync.tools.models, allocated, not downloaded), the engine preallocated destinations. For
-each layout, each config is a row: ``SyncConfig()`` (the plan's choice) and every forced mode (a forced mode
-the plan refuses here is a row that says why), and ``SyncConfig()`` again with its push rounds in one compiled Ray
-graph (``WeightSync(compiled_graph=True)``). On a GPU the rows that stage 15 GB through host memory (shm) or need
-two NCCL ranks on one GPU (collective) are left out unless ``--all-rows``: the 7B and 1.5B run is meant to fit in
-4 minutes (not timed on a GPU yet; the JSON's ``wall_s`` says what it took). Each row, after one warm-up push:
+layout's tensors (raysync.tools.models, allocated, not downloaded), the engine preallocated destinations. Rows:
+``SyncConfig()`` once per way its push rounds reach the actors (``--driver``: ordinary Ray calls, a compiled Ray
+graph, persistent push loops: raysync.ray.push_loop), then every forced mode through ordinary calls (a row that
+says why where the plan refuses it; none with ``--default-only``); on a GPU, without ``--all-rows``, no row that
+stages 15 GB through host memory (shm) or needs two NCCL ranks on one GPU (collective), so that the 7B and 1.5B
+run fits in 4 minutes (the JSON's ``wall_s`` says what it took). Each row, after one warm-up push:
 
-    setup        ``WeightSync(...)`` until the first push can start (placement, plan, sessions, rings, the graph)
+    setup        ``WeightSync(...)`` until the first push can start (placement, plan, sessions, rings, graph, loops)
     WeightSync   ``sync.push(version)`` on the driver, end to end (every pair's answer back on the driver)
     raw session  WeightSender / WeightReceiver in two processes of their own (no Ray), with the config the plan
                  gave the pair: what the transport costs without Ray (measured once per pair config and layout:
-                 the compiled-graph row shares the default row's)
+                 the default config's rows share one)
     Ray's share  WeightSync minus raw session (medians)
 
 and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
-``--breakdown`` (on by default) splits the default config's WeightSync push (ordinary calls and compiled graph)
-into where the driver and the actors spend it (Ray's public calls timed in this process; the actors stamp when their source and sink are called).
+``--breakdown`` (on by default) splits the default config's push (each driver) into where the driver and the
+actors spend it (Ray's calls timed in this process; the actors stamp when their source and sink are called).
 The engine's destinations are checked against the trainer's tensors after every row. Prints a table and JSON.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import multiprocessing as mp
 import os
 import statistics
@@ -43,6 +44,7 @@ from common import emit
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import PlanError
 from raysync.ray.endpoint import applied_version
+from raysync.ray.push_graph import keeper_for
 from raysync.tools.models import allocate
 
 MiB = 1 << 20
@@ -167,9 +169,8 @@ class Stopwatch:
         setattr(owner, attr, timed)
 
     def __enter__(self) -> Stopwatch:
-        self._wrap(ray.actor.ActorMethod, "remote", "remote")
-        self._wrap(ray, "wait", "wait")
-        self._wrap(ray, "get", "get")
+        for owner, attr in ((ray.actor.ActorMethod, "remote"), (ray, "wait"), (ray, "get")):
+            self._wrap(owner, attr, attr)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -187,12 +188,12 @@ def bare_round_trip(trainer: Any, engine: Any) -> float:
 def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0: int) -> dict[str, float]:
     """Medians (ms) of each stage of a push, on one clock (time.monotonic, shared by the host's processes):
 
-    sender dispatch   push() called -> the sender's source called (calls built and submitted, or the graph's
-                      input written; Ray's dispatch into the actor, __ray_call__, the session looked up)
+    sender dispatch   push() called -> the sender's source called (calls built and submitted, the graph's input
+                      written, or the loops' frames sent; the dispatch into the actor, the session looked up)
     receiver dispatch push() called -> the receiver's sink called
     session           the sender's push session (its PushReport.seconds)
     answers back      session end -> push() returns (results to the driver, reports read, SyncReport built)
-    submit calls      the round's actor calls submitted (ActorMethod.remote, on the driver; none in a graph)
+    submit calls      the round's actor calls submitted (ActorMethod.remote, on the driver; none in a graph or loop)
     ray.wait, ray.get time the driver spent in them, and how many calls (ray.get: a graph's reads too)
     total             push() on the driver
     bare round trip   next to it, two calls that do nothing (endpoint.applied_version) through __ray_call__ on
@@ -224,22 +225,35 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
 
 
 # --- one layout, every config ---------------------------------------------------------------------------------------
-GRAPH_ROW = "default: SyncConfig(), compiled graph"  # the row pushed through WeightSync(compiled_graph=True)
+# --driver: how the default config's push rounds reach the actors, and the end of that row's name
+DRIVERS = {"calls": "", "graph": ", compiled graph", "loop": ", push loops"}
 
 
-def configs(device: str, all_rows: bool) -> dict[str, SyncConfig]:
+def weight_sync(actors: tuple[Any, Any], config: SyncConfig, rounds: str) -> WeightSync:
+    """WeightSync(push_rounds=rounds) where the coordinator has that option; else, for "loop", a WeightSync whose
+    round keeper is replaced right after setup by the one push_rounds="loop" selects."""
+    given = ([actors[0]], [actors[1]], config)
+    if "push_rounds" in inspect.signature(WeightSync).parameters:
+        return WeightSync(*given, source=source, sink=sink, push_rounds=rounds)
+    sync = WeightSync(*given, source=source, sink=sink, compiled_graph=rounds == "graph")
+    if rounds == "loop":
+        sync._graphs = keeper_for("loop", sync._actors, sync._connections)
+        sync._graphs.current()
+    return sync
+
+
+def configs(args) -> dict[str, tuple[SyncConfig, str]]:
+    """Each row's config and how its push rounds reach the actors (forced modes: through ordinary calls)."""
     base = SyncConfig(timeout_s=120, progress=False)
-    forced: dict[str, dict[str, Any]] = {"default: SyncConfig()": {}, GRAPH_ROW: {}}
-    if device == "cpu" or all_rows:  # on a GPU: 15 GB through host memory, two NCCL ranks on one GPU
+    rows = {f"default: SyncConfig(){DRIVERS[d]}": (base, d) for d in args.driver}
+    forced: dict[str, dict[str, Any]] = {}
+    if args.device == "cpu" or args.all_rows:  # on a GPU: 15 GB through host memory, 2 NCCL ranks on one GPU
         forced |= {
-            "shm, ring 2 x 512 MiB (the old default)": {
-                "transport": "shm",
-                "bucket_bytes": 512 * MiB,
-                "num_buffers": 2,
-            },
+            "shm, ring 2 x 512 MiB (the old default)": {"transport": "shm", "bucket_bytes": 512 * MiB,
+                                                        "num_buffers": 2},
             "collective": {"transport": "collective"},
-        }
-    if device == "cuda":
+        }  # fmt: skip
+    if args.device == "cuda":
         forced |= {
             "cuda_ipc ring, shape by the plan": {"transport": "cuda_ipc", "direct": False},
             "cuda_ipc ring 2 x 512 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 512 * MiB,
@@ -248,25 +262,25 @@ def configs(device: str, all_rows: bool) -> dict[str, SyncConfig]:
                                            "num_buffers": 2},
             "cuda_ipc direct": {"transport": "cuda_ipc", "direct": True},
         }  # fmt: skip
-        if all_rows:
+        if args.all_rows:
             forced["shm, shape by the plan"] = {"transport": "shm"}
     else:
         forced |= {"cuda_ipc direct": {"transport": "cuda_ipc", "direct": True}}
-    return {name: dataclasses.replace(base, **values) for name, values in forced.items()}
+    forced_rows = {name: (dataclasses.replace(base, **values), "calls") for name, values in forced.items()}
+    return rows if args.default_only else rows | forced_rows
 
 
 def run_config(
-    name: str, config: SyncConfig, actors: tuple[Any, Any], args, layout: str, raws: dict[str, Any]
+    name: str, spec: tuple[SyncConfig, str], actors: tuple[Any, Any], args, layout: str, raws: dict[str, Any]
 ) -> dict[str, Any]:
     """``raws``: the raw sessions measured so far for this layout, by the pair's config: a row whose pair has the
-    config of an earlier row (the compiled-graph row: the default's) takes that row's raw figure."""
-    trainer, engine = actors
-    row: dict[str, Any] = {"config": name}
+    config of an earlier row (the default config's rows: the first one's) takes that row's raw figure."""
+    (config, rounds), (trainer, engine) = spec, actors
+    row: dict[str, Any] = {"config": name, "rounds_by": rounds}
     ray.get(trainer.bump.remote(len(name) % 50 + 10))
-    graph = name == GRAPH_ROW
     try:
         t0 = time.perf_counter()
-        sync = WeightSync([trainer], [engine], config, source=source, sink=sink, compiled_graph=graph)
+        sync = weight_sync(actors, config, rounds)
         row["setup_s"] = time.perf_counter() - t0
     except PlanError as e:
         return row | {"refused": str(e)}
@@ -287,7 +301,7 @@ def run_config(
         want, got = ray.get([trainer.checksum.remote(), engine.checksum.remote()])
         assert want == got, f"{name}: the engine holds other bytes than the trainer"
         row |= {"weightsync_median_s": statistics.median(times), "weightsync_min_s": min(times)}
-        if args.breakdown and name.startswith("default"):  # both ways: ordinary calls, compiled graph
+        if args.breakdown and name.startswith("default"):  # each driver
             row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
         pair_config = pair.config(config)
     if pair.transport == "collective":
@@ -311,8 +325,7 @@ def run_layout(layout: str, args) -> dict[str, Any]:
     nbytes = sum(t.nbytes for t in allocate(layout, device="meta").values())
     raws: dict[str, Any] = {}
     rows = [
-        run_config(name, cfg, (trainer, engine), args, layout, raws)
-        for name, cfg in configs(args.device, args.all_rows).items()
+        run_config(name, spec, (trainer, engine), args, layout, raws) for name, spec in configs(args).items()
     ]
     for a in (trainer, engine):
         ray.kill(a)
@@ -336,40 +349,29 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
               f"{ms(row['weightsync_median_s']):>14}"
               f"{raw[0]:>9}{raw[1]:>8}"
               f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}")  # fmt: skip
-    for row in r["rows"]:
-        if "breakdown_ms" in row:
-            print(f"where the default config's WeightSync push goes ({row['config']}), median ms:")
-            for k, v in row["breakdown_ms"].items():
-                print(f"    {k:<20}{v:>9.3f}" if not k.endswith("count") else f"    {k:<20}{v:>9.0f}")
+    if split := [row for row in r["rows"] if "breakdown_ms" in row]:  # one column per driver
+        print(f"{'where the default config`s WeightSync push goes, median ms':<60}"
+              + "".join(f"{row['rounds_by']:>8}" for row in split))  # fmt: skip
+        for k in split[0]["breakdown_ms"]:
+            print(f"    {k:<56}" + "".join(f"{row['breakdown_ms'][k]:>8.{0 if k.endswith('count') else 3}f}" for row in split))  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0]
-        + " On a GPU, the default run (7B and 1.5B layouts, no --all-rows) leaves out the slow rows, meant to fit"
-        " in 4 minutes (not timed on a GPU yet: the JSON's wall_s says what it took)."
-    )
-    ap.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    ap.add_argument(
-        "--layout", nargs="+", default=None, help="default: 7B and 1.5B on a GPU, tiny and 0.5B on CPU"
-    )
-    ap.add_argument("--pushes", type=int, default=None, help="timed pushes per row (default: 20 GPU, 10 CPU)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads in every process (the raw session's two, the actors)",
-    )
-    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
-    ap.add_argument(
-        "--all-rows",
-        action="store_true",
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = ap.add_argument
+    add("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--layout", nargs="+", help="default: 7B and 1.5B on a GPU, tiny and 0.5B on CPU")
+    add("--pushes", type=int, help="timed pushes per row (default: 20 GPU, 10 CPU)")
+    add("--threads", type=int, default=1, help="torch intra-op threads of every process (raw, actors)")
+    add("--no-breakdown", dest="breakdown", action="store_false")
+    add("--driver", nargs="+", choices=list(DRIVERS), default=list(DRIVERS),
+        help="how the default config's push rounds reach the actors, a row each: ordinary Ray calls, a compiled "
+        "Ray graph, persistent push loops (default: all three)")  # fmt: skip
+    add("--default-only", action="store_true", help="only the default config's rows (no forced mode)")
+    add("--all-rows", action="store_true",
         help="on a GPU, also the slow rows (shm: the layout through host memory; collective: two NCCL ranks on "
-        "one GPU); left out by default so that a GPU run of 7B and 1.5B fits in 4 minutes",
-    )
-    ap.add_argument("--out", help="also write the JSON here")
+        "one GPU); left out by default so that a GPU run of 7B and 1.5B fits in 4 minutes")  # fmt: skip
+    add("--out", help="also write the JSON here")
     args = ap.parse_args()
     started = time.perf_counter()
     gpu = args.device == "cuda"
@@ -377,9 +379,7 @@ def main() -> None:
     args.pushes = args.pushes or (20 if gpu else 10)
     torch.set_num_threads(args.threads)  # this process is the raw session's sender
     hardware = torch.cuda.get_device_name() if gpu else f"CPU, {mp.cpu_count()} cores"
-    here = os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))
-    )  # a checkout works as well as an install
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout works as an install does
     ray.init(include_dashboard=False, logging_level="warning", num_gpus=1 if gpu else 0,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})  # fmt: skip
     try:
