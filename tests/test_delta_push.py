@@ -124,24 +124,33 @@ def test_a_receiver_at_another_version_gets_a_full_push_in_the_same_round(privat
                     dest[n].copy_(t)  # the engine's weights are the pushed ones again
 
 
-def test_a_fanout_reader_at_another_version_makes_the_push_full_for_all(private_tmp, in_thread):
+def test_a_fanout_reader_at_another_version_gets_a_full_push_after_the_others_delta(private_tmp, in_thread):
+    """N readers of one shm ring: the reader that lost its version waits while the other takes the delta,
+    then gets a full push, in the same push; both bit-exact; the next push is a delta for both again."""
     master = bf16(small_model(seed=5))
     dests = [bf16(small_model(seed=6)), bf16(small_model(seed=7))]
     secret = SessionSecret.generate()
+    full_bytes = sum(t.nbytes for t in master.values())
     with WeightSender(secret, CFG, receivers=2) as sender:
         receivers = [WeightReceiver(e, secret, CFG) for e in sender.endpoints]
         try:
-            for version in (1, 2, 3):
+            for version in (1, 2, 3, 4):
                 for t in master.values():
                     t.view(-1)[version::89].add_(1.0)
                 if version == 3:
                     receivers[1].version = None  # one reader lost its weights' version
                 got = [in_thread(r.receive, into=d) for r, d in zip(receivers, dests, strict=True)]
                 report = sender.push(master.items(), version)
-                assert [g.result(timeout=30).base_version for g in got] == [report.base_version] * 2
-                assert report.base_version == (1 if version == 2 else None)
-                assert sender.packed_buckets == report.buckets  # still packed once for both
-                assert all(same_bits(d[n], t) for d in dests for n, t in master.items())
+                bases = [g.result(timeout=30).base_version for g in got]
+                assert all(same_bits(d[n], t) for d in dests for n, t in master.items()), version
+                if version == 1:
+                    assert bases == [None, None] and report.base_version is None
+                elif version == 3:  # in turns: the delta to reader 0, then a full push to reader 1
+                    assert bases == [2, None] and report.base_version is None
+                    assert full_bytes < report.bytes < 1.5 * full_bytes  # both turns' bytes
+                else:
+                    assert bases == [version - 1] * 2 == [report.base_version] * 2
+                    assert sender.packed_buckets == report.buckets  # packed once for both
         finally:
             for r in receivers:
                 r.close()

@@ -38,9 +38,10 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 #   reference (one more copy of each bucket, on full pushes only). A delta push of a lazy source packs nothing
 #   ahead of PushStart: if a receiver then needs a full push, the packer walks its buckets once, in order
 #   (Note [every rank walks the same buckets] in raysync.sources.walk).
-# * N readers of one shm ring (fan-out) move together: one reader not at the base makes the round full for
-#   all N (they read the same buffers). WeightSync makes one session per pair, so there one engine's full
-#   push leaves the others on deltas.
+# * N readers of one shm ring (fan-out) that do not all take the delta are served in turns, in the same push:
+#   the delta to those that take it (the others wait for their go), then a full push to the rest (those that
+#   took the delta are not in it). The sender packs twice; the report counts the bytes of both turns, as a
+#   push from no single base. WeightSync makes one session per pair, so there each pair goes its own way.
 """
 
 from __future__ import annotations
@@ -231,6 +232,11 @@ class Reference:
             [(_words(self.bucket(k), c, specs), _words(self._scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
         ]  # the same offsets in both
+
+    def merge(self, first: DeltaStats) -> None:
+        """A push served in turns: what the delta turn (``first``) sent, with the full turn's bytes."""
+        s = self.stats
+        self.stats = DeltaStats(None, first.sent_as_delta, first.sent_as_full + s.sent_as_full, None, s.numel)
 
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket k's bytes in the reference, laid out as in a ring buffer (what verify digests)."""

@@ -3,7 +3,9 @@ broadcast group's ranks, or N readers of one ring)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -27,6 +29,17 @@ class Fanout:
     def peer(self) -> str:
         peers = [c.peer for c in self.channels]
         return peers[0] if len(peers) == 1 else f"{len(peers)} receivers ({', '.join(peers)})"
+
+    @contextlib.contextmanager
+    def only(self, indices: list[int]) -> Iterator[None]:
+        """Talk to the receivers at ``indices`` only, for a while: a fan-out ring serves its readers in turns
+        when some cannot take a delta (raysync.core.session.PushSender, Note [the delta reference])."""
+        every = self.channels
+        self.channels = [every[i] for i in indices]
+        try:
+            yield
+        finally:
+            self.channels = every
 
     def accept(self, stage: str = "handshake") -> list[Hello]:
         return [c.accept(stage) for c in self.channels]

@@ -159,14 +159,20 @@ class PushSender(OnPlane):
         """accept, stream (the first ``ahead`` buckets packed already) and commit; True when skipped."""
         self._push_id += 1
         selected = time.perf_counter()
-        accept = self._accept(version)
+        accept, stale = self._accept(version)
         accepted = streamed = time.perf_counter()
-        if accept.full:  # a receiver cannot take the delta: a full push, in this round (for all of a Fanout)
-            ahead = self._stream.go_full()
-        if not accept.skip:
-            self._stream.run(self._push_id, version, ahead)
+        if stale:  # fan-out readers that cannot take the delta: the others get it, then they a full push
+            self._in_turns(version, ahead, stale)
             streamed = time.perf_counter()
-            self._channel.expect(PushDone, self._push_id, "finish")
+        else:
+            if (
+                accept.full
+            ):  # a receiver cannot take the delta: a full push, in this round (for all of a group)
+                ahead = self._stream.go_full()
+            if not accept.skip:
+                self._stream.run(self._push_id, version, ahead)
+                streamed = time.perf_counter()
+                self._channel.expect(PushDone, self._push_id, "finish")
         self._delta.finish(version, accept.skip)
         self.last_stages_s = {
             "select": selected - start,
@@ -175,6 +181,30 @@ class PushSender(OnPlane):
             "finish": time.perf_counter() - streamed,
         }
         return accept.skip
+
+    def _in_turns(self, version: int, ahead: int, stale: list[int]) -> None:
+        """One push to the readers of a fan-out ring in two turns (Note [the delta reference]): the delta to
+        those that take it, then a full push to the ``stale`` ones, which wait for their go meanwhile; a
+        failure of the first turn is told to them too."""
+        pid, channel = self._push_id, self._channel
+        fresh = [i for i in range(len(channel.channels)) if i not in stale]
+        try:
+            with channel.only(fresh):
+                channel.send(Accept(pid, False, False), "accept: the go")
+                self._stream.run(pid, version, ahead)
+                channel.expect(PushDone, pid, "finish")
+        except BaseException as e:
+            with channel.only(stale):
+                channel.abort(pid, "the other readers' delta", e)
+            raise
+        sent = self._delta.stats
+        with channel.only(stale):
+            self._stream.go_full()
+            channel.send(Accept(pid, False, True), "accept: the go")
+            self._plane.begin(pid, self._agreed.buckets)
+            self._stream.run(pid, version, 0)
+            channel.expect(PushDone, pid, "finish")
+        self._delta.merge(sent)
 
     def abort(self, error: BaseException, stage: str = "source") -> None:
         """This push failed here before it started (e.g. the trainer's source raised): tell the receiver, which
@@ -199,7 +229,7 @@ class PushSender(OnPlane):
                 self.abort(e, stage)
             raise
 
-    def _accept(self, version: int) -> Accept:
+    def _accept(self, version: int) -> tuple[Accept, list[int]]:
         pid, base = self._push_id, self._delta.base
         self._plane.begin(pid, self._agreed.buckets)
         start = PushStart(
@@ -232,10 +262,12 @@ class PushSender(OnPlane):
         self._channel.close()
 
 
-def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> Accept:
+def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> tuple[Accept, list[int]]:
     """The accept stage, sender half: PushStart, every receiver's Accept, and the go for a plane that moves
     all receivers together and for a delta (skip if all have the version; full if any cannot take the delta).
-    A refusal by one is an Abort for all: nothing moved anywhere."""
+    A refusal by one is an Abort for all: nothing moved anywhere. Also returns the readers of a fan-out ring
+    that cannot take a delta the others take: they are served in turns (``PushSender._in_turns``), and no go
+    is sent here."""
     pid = start.push_id
     channel.send(start, "accept")
     try:
@@ -245,9 +277,12 @@ def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> Accept:
             channel.abort(pid, "accept", e)
         raise
     go = Accept(pid, all(a.skip for a in answers), any(a.full for a in answers))
+    stale = [i for i, a in enumerate(answers) if a.full]
+    if start.delta and plane.name == "shm" and 0 < len(stale) < len(answers) and not go.skip:
+        return Accept(pid, False, False), stale  # a fan-out ring (shm only) serves its readers in turns
     if plane.all_or_none or start.delta:
         channel.send(go, "accept: the go")
-    return go
+    return go, []
 
 
 def open_plane(channel: Fanout, config: SyncConfig, given: DataPlane | None) -> tuple[DataPlane, list[Hello]]:
