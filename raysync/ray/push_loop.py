@@ -104,12 +104,7 @@ _SCALARS = (int, float, str, bool, type(None))
 def _to_wire(answer: dict[int, EndpointResult]) -> list:
     """{receiver or slot: EndpointResult} as plain values: [[index, report fields, failure fields, version]]."""
     return [
-        [
-            k,
-            r.report and dataclasses.astuple(r.report),
-            r.failure and dataclasses.astuple(r.failure),
-            r.version,
-        ]
+        [k, *(x and dataclasses.astuple(x) for x in (r.report, r.failure)), r.version]
         for k, r in answer.items()
     ]
 
