@@ -41,7 +41,7 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # * N readers of one shm ring (fan-out) that do not all take the delta are served in turns, in the same push:
 #   the delta to those that take it (the others wait for their go), then a full push to the rest (those that
 #   took the delta are not in it). The sender packs twice; the report counts the bytes of both turns, as a
-#   push from no single base. WeightSync makes one session per pair, so there each pair goes its own way.
+#   push from no single base. A lazy source's push goes full for all instead (its packer walks once a push). WeightSync makes one session per pair, so there each pair goes its own way.
 """
 
 from __future__ import annotations

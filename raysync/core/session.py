@@ -165,9 +165,7 @@ class PushSender(OnPlane):
             self._in_turns(version, ahead, stale)
             streamed = time.perf_counter()
         else:
-            if (
-                accept.full
-            ):  # a receiver cannot take the delta: a full push, in this round (for all of a group)
+            if accept.full:  # a receiver cannot take the delta: a full push, in this round (for all)
                 ahead = self._stream.go_full()
             if not accept.skip:
                 self._stream.run(self._push_id, version, ahead)
@@ -235,7 +233,7 @@ class PushSender(OnPlane):
         start = PushStart(
             pid, version, self._agreed.layout.layout_id, self.config.verify, base is not None, base or 0
         )
-        return accept_round(self._channel, self._plane, start)
+        return accept_round(self._channel, self._plane, start, in_turns=not self._delta.lazy)
 
     # --- set-up, once per session ------------------------------------------------------------------------------
     def _ensure_session(self, specs: Sequence[TensorSpec] = ()) -> None:
@@ -262,12 +260,14 @@ class PushSender(OnPlane):
         self._channel.close()
 
 
-def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> tuple[Accept, list[int]]:
+def accept_round(
+    channel: Fanout, plane: DataPlane, start: PushStart, in_turns: bool = True
+) -> tuple[Accept, list[int]]:
     """The accept stage, sender half: PushStart, every receiver's Accept, and the go for a plane that moves
     all receivers together and for a delta (skip if all have the version; full if any cannot take the delta).
     A refusal by one is an Abort for all: nothing moved anywhere. Also returns the readers of a fan-out ring
-    that cannot take a delta the others take: they are served in turns (``PushSender._in_turns``), and no go
-    is sent here."""
+    that cannot take a delta the others take: they are served in turns (``PushSender._in_turns``; not for a
+    lazy source, whose packer walks its buckets once a push), and no go is sent here."""
     pid = start.push_id
     channel.send(start, "accept")
     try:
@@ -278,7 +278,7 @@ def accept_round(channel: Fanout, plane: DataPlane, start: PushStart) -> tuple[A
         raise
     go = Accept(pid, all(a.skip for a in answers), any(a.full for a in answers))
     stale = [i for i, a in enumerate(answers) if a.full]
-    if start.delta and plane.name == "shm" and 0 < len(stale) < len(answers) and not go.skip:
+    if in_turns and start.delta and plane.name == "shm" and 0 < len(stale) < len(answers) and not go.skip:
         return Accept(pid, False, False), stale  # a fan-out ring (shm only) serves its readers in turns
     if plane.all_or_none or start.delta:
         channel.send(go, "accept: the go")
