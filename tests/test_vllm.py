@@ -8,9 +8,10 @@ import copy
 import dataclasses
 import fnmatch
 import os
+import tempfile
 
 import pytest
-from vllm_cpu import require_vllm_cpu
+from vllm_cpu import EngineProcesses, require_vllm_cpu
 
 ray = require_vllm_cpu()
 
@@ -27,6 +28,7 @@ CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=30, progress=False)  # the emb
 PROMPTS = [list(range(3, 11)), [(7 * i) % 500 + 1 for i in range(80)]]  # the second fills 2 cache blocks
 TOKENS = 8
 ONE_PROCESS = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+TP2 = "tensor-parallel"  # shared_engines' key of the engine of two tensor-parallel workers
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +45,27 @@ def engine(model_dir: str, runtime_env: dict | None = None, host: type = VllmHos
     return ray.remote(num_cpus=0.5)(host).options(runtime_env=runtime_env).remote(model_dir, **overrides)
 
 
+def watch(host, processes: EngineProcesses) -> None:
+    """Add the engine actor's process tree (the actor, vLLM's EngineCore and workers) to ``processes``."""
+    pid, temp_dir = ray.get(host.__ray_call__.remote(lambda actor: (os.getpid(), tempfile.gettempdir())))
+    processes.look(pid, temp_dir)
+
+
+def stop(hosts: list, processes: EngineProcesses) -> None:
+    """Shut the engines down and kill their actors; then nothing raysync made in their processes may be left
+    (EngineProcesses.clean_up_and_check: vLLM's own segments are removed, not checked)."""
+    for h in hosts:
+        watch(h, processes)
+    ray.get([h.__ray_call__.remote(shut_down) for h in hosts])
+    for h in hosts:
+        ray.kill(h)
+    processes.clean_up_and_check()
+
+
 @pytest.fixture
 def engines():
-    """``engines(model_dir, runtime_env, host=..., **engine_args)`` starts an engine actor. At the end of the test
-    each is shut down, and the shared memory that vLLM made for it must be gone: the segments (psm_*, and
-    vllm_dist_* of tensor-parallel CPU workers) that its processes (the actor, EngineCore, workers) had mapped.
-    Any left are removed, then the test fails. Segments of other processes are not looked at."""
+    """``engines(model_dir, runtime_env, host=..., **engine_args)`` starts an engine actor for this test only;
+    at its end each is shut down and checked (``stop``)."""
     hosts: list = []
 
     def start(*args, **kwargs):
@@ -56,52 +73,66 @@ def engines():
         return hosts[-1]
 
     yield start
-    ours = set().union(*(vllm_segments(h) for h in hosts))
-    ray.get([h.__ray_call__.remote(shut_down) for h in hosts])
-    for h in hosts:
-        ray.kill(h)
-    left = sorted(n for n in ours if os.path.exists(os.path.join("/dev/shm", n)))
-    for name in left:  # leave the machine clean for the next test, then fail
-        os.unlink(os.path.join("/dev/shm", name))
-    assert not left, f"vLLM left {left} in /dev/shm"
+    stop(hosts, EngineProcesses())
+
+
+@pytest.fixture(scope="module")
+def shared_engines(ray_local, model_dirs):
+    """The module's engines, each started when a test first asks for it and shared by the tests (an engine
+    start is most of a test's time): {False: one-process, untied; True: one-process, tied; TP2: untied, two
+    tensor-parallel workers in vLLM's multiprocess layout}, with what each generated at its start.
+    ``fresh_engine`` hands them out."""
+    hosts: dict[bool | str, tuple] = {}
+
+    def get(kind: bool | str):
+        if kind not in hosts:
+            if kind == TP2:
+                env = {
+                    "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+                }  # one core per worker (one NUMA node)
+                host = engine(model_dirs[False], env, tensor_parallel_size=2)
+            else:
+                host = engine(model_dirs[kind], ONE_PROCESS, host=FaultyHost)
+            hosts[kind] = (host, ray.get(host.generate.remote(PROMPTS, TOKENS)))
+        return hosts[kind]
+
+    yield get
+    stop([h for h, _ in hosts.values()], EngineProcesses())
+
+
+@pytest.fixture
+def fresh_engine(shared_engines):
+    """``fresh_engine(kind)``: the module's engine of that kind (shared_engines), as if just started: vLLM's own
+    ``reload_weights`` loads its checkpoint again (the engine then holds no version), and it is checked to
+    generate what it generated when it started. The one-process engines' worker extension can break a reload
+    (FaultyLoads).
+
+    vLLM 0.32's reload_weights leaves an output head tied to the embedding as it was (the checkpoint holds no
+    lm_head: "ParallelLMHead: Failed to load weights"), so the tied engine is pushed its checkpoint's weights
+    first, from a trainer made from them."""
+    checkpoint_trainer = []
+
+    def get(kind: bool | str = False):
+        host, started = shared_engines(kind)
+        if kind is True:
+            if not checkpoint_trainer:
+                checkpoint_trainer.append(
+                    ray.remote(num_cpus=0.25)(TiedPolicy).remote(seed=1)
+                )  # model_dirs[True]
+            with WeightSync(checkpoint_trainer, [VllmEngine(host)], CFG) as sync:
+                sync.push(0)
+        ray.get(host.__ray_call__.remote(reload_from_checkpoint))
+        assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == started, "the checkpoint did not load again"
+        assert ray.get(host.weight_version.remote()) is None
+        return host
+
+    return get
 
 
 def shut_down(host: VllmHost) -> None:
     """vLLM's own shutdown, with time to finish: by default its EngineCore gets 5 s to stop its workers and
     remove its shared memory, then is killed, which on a loaded 2-core machine leaves the segments behind."""
     host.llm.llm_engine.engine_core.shutdown(timeout=60)
-
-
-def vllm_segments(host) -> set[str]:
-    """The segments in /dev/shm named as vLLM names its own (psm_*, vllm_dist_*) that the engine's processes
-    map: the actor's process and every process under it."""
-    pid = ray.get(host.__ray_call__.remote(lambda actor: os.getpid()))
-    found = set().union(*(mapped_from_dev_shm(p) for p in process_tree(pid)))
-    return {n for n in found if n.startswith(("psm_", "vllm_dist_"))}
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process under it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except OSError:
-            continue  # exited meanwhile
-    tree, todo = [], [root]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def mapped_from_dev_shm(pid: int) -> set[str]:
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            return {line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line}
-    except OSError:
-        return set()  # exited meanwhile
 
 
 class TiedPolicy(Policy):
@@ -116,11 +147,9 @@ class TiedPolicy(Policy):
     [("shm", False), ("shm", True), ("collective", True)],
     ids=["shm", "shm-tied", "gloo-tied"],
 )
-def test_one_engine_generates_with_the_pushed_weights(
-    transport, tied, ray_local, model_dirs, no_leftovers, engines
-):
+def test_one_engine_generates_with_the_pushed_weights(transport, tied, ray_local, no_leftovers, fresh_engine):
     trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote()
-    host = engines(model_dirs[tied], ONE_PROCESS)
+    host = fresh_engine(tied)
     with WeightSync([trainer], [VllmEngine(host)], CFG, transport=transport) as sync:
         assert [p.transport for p in sync.plan] == [transport]  # collective: a gloo group beside vLLM's
         before = ray.get(host.generate.remote(PROMPTS, TOKENS))
@@ -195,10 +224,10 @@ def refusal(sync: WeightSync, version: int, stage: str) -> str:
 
 
 def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_weights(
-    ray_local, model_dirs, no_leftovers, engines
+    ray_local, model_dirs, no_leftovers, fresh_engine
 ):
     trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=3)
-    host = engines(model_dirs[False], ONE_PROCESS)
+    host = fresh_engine()
     with WeightSync([trainer], [VllmEngine(host)], CFG, source=misfit_tensors) as sync:
         ray.get(trainer.step.remote(1))
         sync.push(1)
@@ -222,11 +251,11 @@ def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_
         assert sync.versions() == [2]
 
 
-def test_a_partial_push_writes_whole_parameters_only(ray_local, model_dirs, no_leftovers, engines):
+def test_a_partial_push_writes_whole_parameters_only(ray_local, no_leftovers, fresh_engine):
     """SyncConfig.include makes a push partial: engine parameters it leaves out keep their weights, but one it
     touches must be written completely (q_proj alone is a third of vLLM's qkv_proj)."""
     trainer = ray.remote(num_cpus=0.25)(MisfitPolicy).remote(seed=4)
-    host = engines(model_dirs[False], ONE_PROCESS)
+    host = fresh_engine()
     norms = ("*layernorm.weight", "model.norm.weight")
     with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
         ray.get(trainer.step.remote(1))
@@ -311,9 +340,9 @@ class FaultyHost(VllmHost):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_reload_that_fails_part_way_is_undone(tied, ray_local, model_dirs, no_leftovers, engines):
+def test_a_reload_that_fails_part_way_is_undone(tied, ray_local, no_leftovers, fresh_engine):
     trainer = ray.remote(num_cpus=0.25)(TiedPolicy if tied else Policy).remote(seed=6)
-    host = engines(model_dirs[tied], ONE_PROCESS, host=FaultyHost)
+    host = fresh_engine(tied)
     with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
         ray.get(trainer.step.remote(1))
         sync.push(1)
@@ -332,11 +361,11 @@ def test_a_reload_that_fails_part_way_is_undone(tied, ray_local, model_dirs, no_
 
 
 # --- more workers --------------------------------------------------------------------------------------------------
-def test_two_engines_one_in_vllms_multiprocess_layout(ray_local, model_dirs, no_leftovers, engines):
+def test_two_engines_one_in_vllms_multiprocess_layout(ray_local, no_leftovers, fresh_engine):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=5)
-    hosts = [engines(model_dirs[False], ONE_PROCESS), engines(model_dirs[False])]  # the second: multiprocess
+    hosts = [fresh_engine(), fresh_engine(TP2)]  # the second: vLLM's multiprocess layout, two workers
     with WeightSync([trainer], [VllmEngine(h) for h in hosts], CFG) as sync:
-        assert len(sync.plan) == 2
+        assert [p.receiver for p in sync.plan] == [0, 1, 2]  # the second engine's workers: receivers 1 and 2
         host_pids = ray.get([h.__ray_call__.remote(lambda a: os.getpid()) for h in hosts])
         plan = str(sync.plan)
         assert f"pid {host_pids[0]}" in plan  # one process: the worker runs in the actor
@@ -345,15 +374,12 @@ def test_two_engines_one_in_vllms_multiprocess_layout(ray_local, model_dirs, no_
         expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
         sync.push(1)
         assert ray.get([h.generate.remote(PROMPTS, TOKENS) for h in hosts]) == [expected, expected]
-        assert sync.versions() == [1, 1]
+        assert sync.versions() == [1, 1, 1]
 
 
-def test_a_tensor_parallel_engine_is_one_receiver_per_worker(ray_local, model_dirs, no_leftovers, engines):
+def test_a_tensor_parallel_engine_is_one_receiver_per_worker(ray_local, no_leftovers, fresh_engine):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=7)
-    env = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per worker (one NUMA node here)
-    host = engines(model_dirs[False], env, tensor_parallel_size=2)
-    # its CPU workers share memory of their own, which the fixture sees (and checks for at the end)
-    assert any(n.startswith("vllm_dist_") for n in vllm_segments(host))
+    host = fresh_engine(TP2)
     with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
         assert [(p.sender, p.receiver) for p in sync.plan] == [(0, 0), (0, 1)]  # each worker loads its shard
         ray.get(trainer.step.remote(1))
@@ -385,10 +411,10 @@ def negate_final_norm(host: VllmHost) -> None:
 
 
 def test_weights_changed_outside_raysync_leave_no_version_and_the_same_push_lands_again(
-    ray_local, model_dirs, no_leftovers, engines
+    ray_local, no_leftovers, fresh_engine
 ):
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=8)
-    host = engines(model_dirs[False], ONE_PROCESS)
+    host = fresh_engine()
     start = ray.get(host.generate.remote(PROMPTS, TOKENS))
     with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
         ray.get(trainer.step.remote(1))
@@ -427,12 +453,12 @@ def is_sleeping(host: VllmHost) -> bool:
     return host.llm.llm_engine.is_sleeping()
 
 
-def test_sleep_level_1_keeps_the_version_and_level_2_forgets_it(ray_local, model_dirs, no_leftovers, engines):
+def test_sleep_level_1_keeps_the_version_and_level_2_forgets_it(ray_local, no_leftovers, fresh_engine):
     """vLLM's CPU build accepts sleep and wake_up and leaves its workers' weights where they are (its workers
     ignore both), so what is tested through the real engine is raysync's side: the version kept at level 1,
     forgotten by raysync's sleep at level 2, and a push to a sleeping engine woken weights first."""
     trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=9)
-    host = engines(model_dirs[False], ONE_PROCESS)
+    host = fresh_engine()
     with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
         ray.get(trainer.step.remote(1))
         expected = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))

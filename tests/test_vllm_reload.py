@@ -11,7 +11,7 @@ engine started from the same weights does."""
 from __future__ import annotations
 
 import pytest
-from vllm_cpu import require_vllm_cpu
+from vllm_cpu import EngineProcesses, require_vllm_cpu
 
 ray = require_vllm_cpu()
 
@@ -26,7 +26,6 @@ from raysync.engines.vllm import VllmEngine, WorkerExtension  # noqa: E402
 from raysync.engines.vllm_reload import refusal as reload_refusal  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-engines = test_vllm.engines  # the fixture: engine actors, shut down at the end, their shared memory checked
 
 
 def tiny_moe(seed: int) -> torch.nn.Module:
@@ -55,24 +54,31 @@ class MoePolicy:
         return greedy(self.model, prompts, tokens)
 
 
-class BucketByBucket(WorkerExtension):
-    """Loads a CPU push bucket by bucket through vLLM's layerwise reload (the GPU path), not staged."""
+class SwitchableLoads(WorkerExtension):
+    """raysync's worker extension, with the way it loads a push chosen by the test (one engine serves every test
+    of this module): "staged" (the CPU default), "bucket-by-bucket" (through vLLM's layerwise reload, the GPU
+    path), or "without-layerwise" (the refusal raysync's rule gives this engine on a vLLM without layerwise
+    reload)."""
 
-    raysync_cpu_staged = False
-
-
-class WithoutLayerwise(WorkerExtension):
-    """The refusal raysync's rule gives this engine on a vLLM without layerwise reload."""
+    def raysync_test_load(self, how: str) -> None:
+        assert how in ("staged", "bucket-by-bucket", "without-layerwise"), how
+        self.raysync_cpu_staged = how == "staged"
+        self._raysync_test_without_layerwise = how == "without-layerwise"
 
     def raysync_reload_refusal(self) -> str | None:
-        return reload_refusal(self.model_runner, layerwise=False, on_cpu=self.device.type == "cpu")
+        if self.__dict__.get("_raysync_test_without_layerwise"):
+            return reload_refusal(self.model_runner, layerwise=False, on_cpu=self.device.type == "cpu")
+        return super().raysync_reload_refusal()
 
 
-class ExtensionHost(VllmHost):
-    def __init__(self, model_dir: str, extension: str):
+class MoeHost(VllmHost):
+    def __init__(self, model_dir: str):
         from vllm import LLM
 
-        self.llm = LLM(model_dir, worker_extension_cls=extension, **ENGINE_ARGS)
+        self.llm = LLM(model_dir, worker_extension_cls="test_vllm_reload.SwitchableLoads", **ENGINE_ARGS)
+
+    def load(self, how: str) -> None:
+        self.llm.collective_rpc("raysync_test_load", args=(how,))
 
 
 @pytest.fixture(scope="module")
@@ -83,39 +89,63 @@ def moe_dir(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize(
-    "extension",
-    ["raysync.engines.vllm.WorkerExtension", "test_vllm_reload.BucketByBucket"],
-    ids=["staged", "layerwise-bucket-by-bucket"],
-)
+@pytest.fixture(scope="module")
+def moe_engine(ray_local, moe_dir):
+    """The module's MoE engine (pushed to by every test: one engine start), and what it generated at its start."""
+    host = test_vllm.engine(moe_dir, ONE_PROCESS, host=MoeHost)
+    yield host, ray.get(host.generate.remote(PROMPTS, TOKENS))
+    test_vllm.stop([host], EngineProcesses())
+
+
+@pytest.fixture(scope="module")
+def from_disk(ray_local, tmp_path_factory) -> list[list[int]]:
+    """What an engine started from the trainer's weights after versions 1 and 2 generates: vLLM's own load and
+    processing of them (that engine is stopped before the tests run)."""
+    trainer = MoePolicy(seed=0)
+    for version in (1, 2):
+        trainer.step(version)
+    path = str(tmp_path_factory.mktemp("tiny-qwen2-moe-v2"))
+    trainer.save(path)
+    loaded = test_vllm.engine(path, ONE_PROCESS)
+    try:
+        return ray.get(loaded.generate.remote(PROMPTS, TOKENS))
+    finally:
+        test_vllm.stop([loaded], EngineProcesses())
+
+
+@pytest.mark.parametrize("how", ["staged", "bucket-by-bucket"], ids=["staged", "layerwise-bucket-by-bucket"])
 def test_a_pushed_moe_engine_generates_as_one_started_from_the_same_weights_on_disk(
-    extension, ray_local, moe_dir, no_leftovers, engines, tmp_path
+    how, ray_local, moe_engine, from_disk, no_leftovers
 ):
+    pushed, start = moe_engine
+    ray.get(pushed.load.remote(how))
     trainer = ray.remote(num_cpus=0.25)(MoePolicy).remote(seed=0)
-    pushed = engines(moe_dir, ONE_PROCESS, host=ExtensionHost, extension=extension)
-    start = ray.get(pushed.generate.remote(PROMPTS, TOKENS))
     with WeightSync([trainer], [VllmEngine(pushed)], CFG) as sync:
         for version in (1, 2):  # the second reloads what the first processed
             ray.get(trainer.step.remote(version))
             assert sync.push(version).pairs[0].bytes > 0
         assert sync.versions() == [2]
-    ray.get(trainer.save.remote(str(tmp_path)))
-    loaded = engines(str(tmp_path), ONE_PROCESS)  # vLLM's own load and processing of the same weights
     got = ray.get(pushed.generate.remote(PROMPTS, TOKENS))
-    assert got == ray.get(loaded.generate.remote(PROMPTS, TOKENS))
+    assert got == from_disk
     assert got == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))  # and both are transformers' tokens
     assert got != start
 
 
 def test_an_engine_whose_processing_cannot_be_redone_refuses_every_push_untouched(
-    ray_local, moe_dir, no_leftovers, engines
+    ray_local, moe_engine, moe_dir, no_leftovers
 ):
-    trainer = ray.remote(num_cpus=0.25)(MoePolicy).remote(seed=0)
-    host = engines(moe_dir, ONE_PROCESS, host=ExtensionHost, extension="test_vllm_reload.WithoutLayerwise")
-    start = ray.get(host.generate.remote(PROMPTS, TOKENS))
-    with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
-        ray.get(trainer.step.remote(1))
-        text = refusal(sync, 1, "accept")  # before a byte moved
-        assert "no layerwise reload" in text and "CPU backend" in text and moe_dir in text, text
-        assert sync.versions() == [None]
-    assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == start
+    host, _ = moe_engine
+    before = ray.get(host.generate.remote(PROMPTS, TOKENS))
+    held = ray.get(host.weight_version.remote())
+    ray.get(host.load.remote("without-layerwise"))
+    try:
+        trainer = ray.remote(num_cpus=0.25)(MoePolicy).remote(seed=0)
+        with WeightSync([trainer], [VllmEngine(host)], CFG) as sync:
+            ray.get(trainer.step.remote(3))
+            text = refusal(sync, 3, "accept")  # before a byte moved
+            assert "no layerwise reload" in text and "CPU backend" in text and moe_dir in text, text
+            assert sync.versions() == [None]  # refused at accept: this session applied nothing, not mixed
+    finally:
+        ray.get(host.load.remote("staged"))
+    assert ray.get(host.weight_version.remote()) == held  # the version the engine held, untouched
+    assert ray.get(host.generate.remote(PROMPTS, TOKENS)) == before

@@ -20,12 +20,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-from vllm_cpu import require_vllm_cpu
+from vllm_cpu import EngineProcesses, require_vllm_cpu
 
 ray = require_vllm_cpu()
 
 from actors import Policy  # noqa: E402
-from test_vllm import CFG, PROMPTS, TOKENS, mapped_from_dev_shm, process_tree  # noqa: E402
+from test_vllm import CFG, PROMPTS, TOKENS  # noqa: E402
 
 from raysync import WeightSync  # noqa: E402
 from raysync.engines.vllm_server import ServerEngine, signed_call  # noqa: E402
@@ -61,7 +61,7 @@ def wait_for_line(process: subprocess.Popen, marker: str, timeout_s: float) -> N
 @pytest.fixture
 def server(tmp_path):
     """A vLLM OpenAI server with raysync's extension, vLLM's dev endpoints and a key: (url, key, model dir).
-    At the end it is stopped, and the shared memory its processes mapped must be gone."""
+    At the end it is stopped, and nothing raysync made in its processes may be left (vllm_cpu.EngineProcesses)."""
     model_dir = str(tmp_path / "tiny-qwen2")
     tiny_qwen2(seed=1).save_pretrained(model_dir)
     port, key = free_port(), secrets.token_hex(32)
@@ -80,15 +80,16 @@ def server(tmp_path):
         start_new_session=True,
     )
     said: collections.deque[str] = collections.deque(maxlen=80)
-    reader = None
+    reader, processes = None, EngineProcesses()
     try:
         wait_for_line(process, "Application startup complete", START_S)
-        ours = set().union(*(mapped_from_dev_shm(p) for p in process_tree(process.pid)))
+        processes.look(process.pid)
         # read what the server says from here on (a full pipe would stall it); shown if it ends on its own
         reader = threading.Thread(target=lambda: said.extend(process.stdout), daemon=True)
         reader.start()
         yield f"http://127.0.0.1:{port}", key, model_dir
     finally:
+        processes.look(process.pid)
         ended = process.poll()
         if ended is not None:
             sys.stderr.write(
@@ -103,10 +104,7 @@ def server(tmp_path):
         else:
             process.wait(timeout=120)
             reader.join(timeout=30)
-    left = sorted(n for n in ours if n.startswith("psm_") and os.path.exists(f"/dev/shm/{n}"))
-    for name in left:
-        os.unlink(f"/dev/shm/{name}")
-    assert not left, f"vLLM left {left} in /dev/shm"
+    processes.clean_up_and_check()
 
 
 def post(url: str, path: str, body: dict) -> dict:
