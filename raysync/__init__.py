@@ -2,8 +2,10 @@
 
 from raysync.core.config import SyncConfig
 from raysync.core.errors import (
+    FlipFailed,
     IntegrityError,
     LayoutError,
+    NothingStaged,
     PeerLost,
     PeerTimeout,
     PeerUnavailable,
@@ -14,6 +16,8 @@ from raysync.core.errors import (
     SessionClosed,
     ShmSegmentResized,
     ShmSpaceError,
+    StageFailed,
+    StaleWeights,
     WeightsMixed,
     WireError,
 )
@@ -23,8 +27,14 @@ from raysync.core.sender import WeightSender
 from raysync.core.version import MIXED
 from raysync.core.wire import SessionSecret
 from raysync.ray.coordinator import ActorGone, ActorUnavailable, SyncClosed, SyncError, SyncReport, WeightSync
+from raysync.ray.staged_endpoint import engine_steps
 
 __all__ = [
+    "engine_steps",
+    "StaleWeights",
+    "StageFailed",
+    "NothingStaged",
+    "FlipFailed",
     "MIXED",
     "ActorGone",
     "ActorUnavailable",

@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from raysync.core.errors import PeerTimeout
-from raysync.core.staging import StaleWeights
+from raysync.core.errors import PeerTimeout, StaleWeights
 from raysync.ray.step_gate import LOOP, StepGate
 
 

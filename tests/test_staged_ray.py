@@ -15,8 +15,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from raysync import SyncConfig, WeightSync  # noqa: E402
-from raysync.core.staging import StaleWeights  # noqa: E402
-from raysync.ray.coordinator import FlipFailed, NothingStaged, StageFailed  # noqa: E402
+from raysync.core.errors import FlipFailed, NothingStaged, StageFailed, StaleWeights  # noqa: E402
 from raysync.ray.staged_endpoint import engine_steps  # noqa: E402
 
 DIM, LAYERS = 128, 3

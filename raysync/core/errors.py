@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raysync.core.version import Version
 
 
 class RaysyncError(Exception):
@@ -209,3 +213,74 @@ class SessionClosed(RaysyncError):
 
 class PlanError(RaysyncError):
     """No transport can serve a pair, or an override names one that cannot."""
+
+
+# --- staged pushes and the flip (raysync.core.staging, raysync.ray.staged_round) -----------------------------------
+class StagingError(RaysyncError):
+    """A staged push cannot be flipped or discarded now (the message says why and what to do)."""
+
+
+class StagingFailed(StagingError):
+    """The push being staged failed: there is nothing to flip. ``discard()`` acknowledges it (the next push
+    does too); the live weights and their version are the ones the engine is computing with."""
+
+    def __init__(self, version: int, reason: str, flipped: int = 0):
+        self.version, self.reason = version, reason
+        live = (
+            f"{flipped} of its groups were flipped: the live weights are MIXED until a push completes"
+            if flipped
+            else "the live weights were not touched by it"
+        )
+        super().__init__(
+            f"flip refused: staging version {version} failed ({reason}); {live}; call discard() or wait for "
+            f"the next push"
+        )
+
+
+class StaleWeights(PeerUnavailable, TimeoutError):
+    """A step waited past its bound for a flip that ``max_version_lag`` required (the push did not land)."""
+
+    def __init__(self, peer: str, stage: str, timeout_s: float, live: Version, newest: int, lag: int):
+        self.timeout_s = timeout_s
+        super().__init__(
+            peer,
+            stage,
+            f"the live weights are version {live!r}, version {newest} was announced by {peer} and "
+            f"max_version_lag={lag}; no staged version to flip came within {timeout_s:g}s at stage '{stage}' "
+            f"(the push is slow or stuck: raise wait_s, or the bound)",
+        )
+
+
+class StageFailed(SyncError):
+    """``push(version, staged=True)`` failed on one or more endpoints (each named, with its stage): nothing
+    flips; every receiver that had staged the version discarded it; every engine keeps its live weights."""
+
+    def __init__(self, version: int, failures: list[EndpointFailure], mixed: Sequence[int] = ()):
+        super().__init__(version, failures, mixed)
+        self.args = (
+            f"staged {self.args[0]}\nnothing flips: every receiver dropped what it staged of version {version} "
+            f"and keeps its live weights",
+        )
+
+
+class FlipFailed(SyncError):
+    """``flip()`` could not apply the staged version everywhere. ``flipped``: the receivers that did (none when
+    the check found the failure first: Note [all or nothing across engines]); the others discarded it."""
+
+    def __init__(self, version: int, failures: list[EndpointFailure], flipped: Sequence[int] = ()):
+        super().__init__(version, failures)
+        self.flipped = tuple(flipped)
+        first = failures[0]
+        where = (
+            f"receiver(s) {', '.join(f'#{j}' for j in self.flipped)} flipped before it; the others discarded it"
+            if self.flipped
+            else "no receiver flipped: every one discarded it and keeps its live weights"
+        )
+        text = f"flip of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at stage '{first.stage}': {first.error}; {where}"
+        if first.traceback:
+            text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
+        self.args = (text,)
+
+
+class NothingStaged(RaysyncError):
+    """``flip()`` with no staged push waiting for it."""

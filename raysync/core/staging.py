@@ -43,7 +43,14 @@ from dataclasses import dataclass
 import torch
 
 from raysync.core.copies import CopyList
-from raysync.core.errors import LayoutError, PeerTimeout, PeerUnavailable, RaysyncError, WeightsMixed
+from raysync.core.errors import (
+    LayoutError,
+    PeerTimeout,
+    StagingError,
+    StagingFailed,
+    StaleWeights,
+    WeightsMixed,
+)
 from raysync.core.sink import StagingSink, byte_view
 from raysync.core.version import MIXED, Version, is_version
 from raysync.core.wire import DTYPES, TensorSpec
@@ -53,41 +60,6 @@ logger = logging.getLogger(__name__)
 ALIGN_BYTES = 256  # every staged tensor starts at a multiple of this in its buffer: a view of any dtype
 
 EMPTY, LANDING, READY, FAILED = "empty", "landing", "ready", "failed"
-
-
-class StagingError(RaysyncError):
-    """A staged push cannot be flipped or discarded now (the message says why and what to do)."""
-
-
-class StagingFailed(StagingError):
-    """The push being staged failed: there is nothing to flip. ``discard()`` acknowledges it (the next push
-    does too); the live weights and their version are the ones the engine is computing with."""
-
-    def __init__(self, version: int, reason: str, flipped: int = 0):
-        self.version, self.reason = version, reason
-        live = (
-            f"{flipped} of its groups were flipped: the live weights are MIXED until a push completes"
-            if flipped
-            else "the live weights were not touched by it"
-        )
-        super().__init__(
-            f"flip refused: staging version {version} failed ({reason}); {live}; call discard() or wait for "
-            f"the next push"
-        )
-
-
-class StaleWeights(PeerUnavailable, TimeoutError):
-    """A step waited past its bound for a flip that ``max_version_lag`` required (the push did not land)."""
-
-    def __init__(self, peer: str, stage: str, timeout_s: float, live: Version, newest: int, lag: int):
-        self.timeout_s = timeout_s
-        super().__init__(
-            peer,
-            stage,
-            f"the live weights are version {live!r}, version {newest} was announced by {peer} and "
-            f"max_version_lag={lag}; no staged version to flip came within {timeout_s:g}s at stage '{stage}' "
-            f"(the push is slow or stuck: raise wait_s, or the bound)",
-        )
 
 
 @dataclass(frozen=True)

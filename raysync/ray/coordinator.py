@@ -41,6 +41,9 @@ from raysync.core.config import SyncConfig
 from raysync.core.errors import (  # the actor errors and SyncError are part of this module's API
     ActorGone,
     ActorUnavailable,
+    FlipFailed,
+    NothingStaged,
+    StageFailed,
     SyncClosed,
     SyncError,
 )
@@ -51,7 +54,7 @@ from raysync.ray.connections import PairConnections, Plan
 from raysync.ray.push_graph import GraphKeeper
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import FlipReport, PairReport, SyncReport
-from raysync.ray.staged_round import FlipFailed, NothingStaged, StagedPushes, StageFailed
+from raysync.ray.staged_round import StagedPushes
 
 __all__ = [
     "ActorGone",

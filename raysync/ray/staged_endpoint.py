@@ -19,9 +19,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from raysync.core.errors import StagingError
 from raysync.core.session_receiver import PushReceiver
 from raysync.core.sharded import ShardedReceiver
-from raysync.core.staging import StagingError
 from raysync.core.version import Version
 from raysync.ray.endpoint import _APPLIED, _failed, _sessions, applied_version
 from raysync.ray.results import EndpointResult, RemoteFailure, StagedState

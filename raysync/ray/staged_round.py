@@ -26,10 +26,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from raysync.core.errors import ActorUnavailable, EndpointFailure, PeerTimeout, RaysyncError, SyncError
+from raysync.core.errors import (
+    ActorUnavailable,
+    EndpointFailure,
+    FlipFailed,
+    NothingStaged,
+    PeerTimeout,
+    StageFailed,
+    SyncError,
+)
 from raysync.ray import staged_endpoint as se
 from raysync.ray.actors import SyncActors, first_line
 from raysync.ray.connections import PairConnections
@@ -38,41 +46,6 @@ from raysync.ray.report import FlipReport, SyncReport
 from raysync.ray.results import StagedState
 
 logger = logging.getLogger(__name__)
-
-
-class StageFailed(SyncError):
-    """``push(version, staged=True)`` failed on one or more endpoints (each named, with its stage): nothing
-    flips; every receiver that had staged the version discarded it; every engine keeps its live weights."""
-
-    def __init__(self, version: int, failures: list[EndpointFailure], mixed: Sequence[int] = ()):
-        super().__init__(version, failures, mixed)
-        self.args = (
-            f"staged {self.args[0]}\nnothing flips: every receiver dropped what it staged of version {version} "
-            f"and keeps its live weights",
-        )
-
-
-class FlipFailed(SyncError):
-    """``flip()`` could not apply the staged version everywhere. ``flipped``: the receivers that did (none when
-    the check found the failure first: Note [all or nothing across engines]); the others discarded it."""
-
-    def __init__(self, version: int, failures: list[EndpointFailure], flipped: Sequence[int] = ()):
-        super().__init__(version, failures)
-        self.flipped = tuple(flipped)
-        first = failures[0]
-        where = (
-            f"receiver(s) {', '.join(f'#{j}' for j in self.flipped)} flipped before it; the others discarded it"
-            if self.flipped
-            else "no receiver flipped: every one discarded it and keeps its live weights"
-        )
-        text = f"flip of version {version} failed on {len(failures)} endpoint(s); first: {first.endpoint} at stage '{first.stage}': {first.error}; {where}"
-        if first.traceback:
-            text += f"\n--- remote traceback ({first.endpoint}) ---\n{first.traceback.rstrip()}"
-        self.args = (text,)
-
-
-class NothingStaged(RaysyncError):
-    """``flip()`` with no staged push waiting for it."""
 
 
 class StagedPushes:

@@ -28,8 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raysync.core.errors import PeerTimeout
-from raysync.core.staging import StaleWeights
+from raysync.core.errors import PeerTimeout, StaleWeights
 from raysync.core.version import Version, is_version
 
 _GATE = "_raysync_step_gate"
