@@ -138,7 +138,8 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     import torch
 
     stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
-    options = {zmq.IDENTITY: member.encode(), zmq.RECONNECT_IVL: -1, zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME}
+    options = {zmq.IDENTITY: member.encode(), zmq.RECONNECT_IVL: -1, zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
+               zmq.SNDTIMEO: _IDLE_POLL_MS}  # fmt: skip
     sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
     codec = _Codec(secret, member, "actor")
     try:
@@ -157,14 +158,14 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
 
 def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: _Codec, device, stop) -> None:
     ctx, sock, monitor = sockets
-    if device is not None:
-        import torch
-
-        torch.cuda.set_device(device)
     poller = zmq.Poller()
     for s in (sock, monitor):
         poller.register(s, zmq.POLLIN)
     try:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
         while not stop.is_set():
             events = dict(poller.poll(_IDLE_POLL_MS))
             if monitor in events:
@@ -179,7 +180,9 @@ def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: _Codec, 
             if kind == "stop":
                 break
             if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
-                sock.send(_run(codec, actor, sync_id, job, *body))
+                sock.send(_run(codec, actor, sync_id, job, *body))  # zmq.Again: the driver is gone
+    except zmq.ZMQError as e:
+        logger.warning("a push loop of WeightSync %s ended: %s", sync_id, e)
     finally:
         _close(ctx, sock, monitor)
 
