@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import multiprocessing as mp
 import os
 import statistics
@@ -44,7 +43,6 @@ from common import emit
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import PlanError
 from raysync.ray.endpoint import applied_version
-from raysync.ray.push_graph import keeper_for
 from raysync.tools.models import allocate
 
 MiB = 1 << 20
@@ -230,16 +228,7 @@ DRIVERS = {"calls": "", "graph": ", compiled graph", "loop": ", push loops"}
 
 
 def weight_sync(actors: tuple[Any, Any], config: SyncConfig, rounds: str) -> WeightSync:
-    """WeightSync(push_rounds=rounds) where the coordinator has that option; else, for "loop", a WeightSync whose
-    round keeper is replaced right after setup by the one push_rounds="loop" selects."""
-    given = ([actors[0]], [actors[1]], config)
-    if "push_rounds" in inspect.signature(WeightSync).parameters:
-        return WeightSync(*given, source=source, sink=sink, push_rounds=rounds)
-    sync = WeightSync(*given, source=source, sink=sink, compiled_graph=rounds == "graph")
-    if rounds == "loop":
-        sync._graphs = keeper_for("loop", sync._actors, sync._connections)
-        sync._graphs.current()
-    return sync
+    return WeightSync([actors[0]], [actors[1]], config, source=source, sink=sink, push_rounds=rounds)
 
 
 def configs(args) -> dict[str, tuple[SyncConfig, str]]:

@@ -5,7 +5,6 @@ loop channel's frames (signed, numbered, checked) refusing what is not theirs.""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import threading
 import time
@@ -22,8 +21,8 @@ from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
 from raysync.core.errors import BadSignature, ReplayedFrame, SchemaError  # noqa: E402
 from raysync.core.report import PushReport  # noqa: E402
 from raysync.core.version import MIXED  # noqa: E402
+from raysync.ray.loop_wire import Codec, from_wire, to_wire  # noqa: E402
 from raysync.ray.push_graph import keeper_for  # noqa: E402
-from raysync.ray.push_loop import PushKeeper, _Codec, _from_wire, _to_wire  # noqa: E402
 from raysync.ray.results import EndpointResult, RemoteFailure  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
@@ -32,16 +31,8 @@ LOOPS = "push rounds: persistent push loops in"
 
 
 def loop_sync(senders: list, receivers: list, config: SyncConfig, **kwargs) -> WeightSync:
-    """A WeightSync whose rounds run through push loops: ``WeightSync(push_rounds="loop")`` where the coordinator
-    has that option; until then the same WeightSync with its round keeper replaced by a PushKeeper right after
-    setup (what the option selects: keeper_for("loop", ...))."""
-    if "push_rounds" in inspect.signature(WeightSync).parameters:
-        return WeightSync(senders, receivers, config, push_rounds="loop", **kwargs)
-    sync = WeightSync(senders, receivers, config, **kwargs)
-    sync._graphs = keeper_for("loop", sync._actors, sync._connections)
-    assert isinstance(sync._graphs, PushKeeper)
-    sync._graphs.current()  # started at setup, as the coordinator does for its graph
-    return sync
+    """A WeightSync whose rounds run through push loops."""
+    return WeightSync(senders, receivers, config, push_rounds="loop", **kwargs)
 
 
 def threads_of(actor=None) -> tuple[int, list[str]]:
@@ -207,24 +198,24 @@ ANSWER = {
 }
 
 
-def pair() -> tuple[_Codec, _Codec]:
+def pair() -> tuple[Codec, Codec]:
     secret = os.urandom(32)
-    return _Codec(secret, "receiver-0", "actor"), _Codec(secret, "receiver-0", "driver")
+    return Codec(secret, "receiver-0", "actor"), Codec(secret, "receiver-0", "driver")
 
 
 def test_an_answer_crosses_the_loop_channel_as_it_was():
     actor, driver = pair()
-    kind, body = driver.decode(actor.encode("answer", [7, _to_wire(ANSWER)]))
-    assert kind == "answer" and body[0] == 7 and _from_wire(body[1]) == ANSWER
+    kind, body = driver.decode(actor.encode("answer", [7, to_wire(ANSWER)]))
+    assert kind == "answer" and body[0] == 7 and from_wire(body[1]) == ANSWER
 
 
 def test_a_frame_forged_replayed_or_for_another_member_is_refused():
     actor, driver = pair()
-    frame = actor.encode("answer", [1, _to_wire(ANSWER)])
+    frame = actor.encode("answer", [1, to_wire(ANSWER)])
     with pytest.raises(BadSignature):
         driver.decode(frame[:-1] + bytes([frame[-1] ^ 1]))
     with pytest.raises(BadSignature):  # another member's key (same secret)
-        _Codec(b"k" * 32, "receiver-1", "driver").decode(frame)
+        Codec(b"k" * 32, "receiver-1", "driver").decode(frame)
     with pytest.raises(BadSignature):  # reflected back at its sender: each direction has its own key
         actor.decode(frame)
     driver.decode(frame)
@@ -251,7 +242,7 @@ def test_a_signed_answer_that_is_not_an_endpoint_result_is_refused(item):
     actor, driver = pair()
     _, body = driver.decode(actor.encode("answer", [1, [item]]))
     with pytest.raises(SchemaError):
-        _from_wire(body[1])
+        from_wire(body[1])
 
 
 def test_an_unknown_way_to_run_rounds_is_refused():

@@ -26,6 +26,7 @@ WeightSync is the facade over the pieces, each in its module:
     connections.py  PairConnections: the plan, each pair's session, repair of the pairs a push broke
     push_round.py   PushRound: one push across every pair at once, into a SyncReport or a SyncError
     push_graph.py   PushGraph: the push round as one compiled Ray graph, rebuilt when the connections change
+    push_loop.py    PushLoops: push rounds through a loop in each actor, over raysync's control channel
     staged_round.py StagedPushes: a push staged on every receiver, its flip (all or nothing), its discard
     results.py      what the actors answer the driver (EndpointResult, ...); report.py what push returns
 """
@@ -51,7 +52,7 @@ from raysync.core.version import Version
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import SyncActors
 from raysync.ray.connections import PairConnections, Plan
-from raysync.ray.push_graph import GraphKeeper
+from raysync.ray.push_graph import keeper_for
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import FlipReport, PairReport, SyncReport
 from raysync.ray.staged_round import StagedPushes
@@ -90,6 +91,7 @@ class WeightSync:
         shard_sources: bool = False,
         compiled_graph: bool = False,
         max_version_lag: int | None = None,
+        push_rounds: str = "calls",
     ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
@@ -97,7 +99,10 @@ class WeightSync:
         own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks).
         ``compiled_graph``: push rounds through one compiled Ray graph, a fraction of the ordinary calls' cost
         per push (raysync.ray.push_graph; what changes for the actors, and why it is not the default, is in its
-        Note); False: one ordinary Ray call per endpoint and round. ``max_version_lag``: an engine that runs
+        Note); False: one ordinary Ray call per endpoint and round. ``push_rounds``: how push rounds reach the
+        actors: "calls" (one ordinary Ray call per endpoint, the default), "graph" (= ``compiled_graph=True``) or
+        "loop" (a loop in each actor, started at setup and triggered over raysync's own signed control channel,
+        Ray supervising: raysync.ray.push_loop). ``max_version_lag``: an engine that runs
         its steps in ``engine_steps`` (raysync.ray.staged_endpoint) waits at a step boundary, rather than start a
         step on weights more than this many versions older than the newest staged on it (docs/staged.md)."""
         self._actors = SyncActors(senders, receivers, source, sink)
@@ -117,7 +122,7 @@ class WeightSync:
             setup_timeout_s=setup_timeout_s,
         )
         self._closed = False
-        self._graphs = GraphKeeper(self._actors, self._connections, enabled=compiled_graph)
+        self._graphs = keeper_for("graph" if compiled_graph else push_rounds, self._actors, self._connections)
         self._staged = StagedPushes(
             self._actors, self._connections, setup_timeout_s=setup_timeout_s, max_version_lag=max_version_lag
         )

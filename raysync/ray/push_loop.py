@@ -25,9 +25,6 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -40,95 +37,23 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from raysync.core import errors, leftovers
 from raysync.core.control import private_dir_base
-from raysync.core.report import PushReport
-from raysync.core.version import MIXED
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
+from raysync.ray.loop_wire import Codec, from_wire, to_wire
 from raysync.ray.push_graph import GraphKeeper, GraphTimedOut, PushGraph
-from raysync.ray.results import EndpointResult, RemoteFailure
 
 logger = logging.getLogger(__name__)
 
-_PROTOCOL = "rs-loop1"
-_MAC_BYTES = 32
 _MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
 _MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
 _IDLE_POLL_MS = 1000  # an idle loop looks whether close() stopped it this often
 _LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
-
-
-# --- the frames between the driver and a loop (Note [push loops]) ---------------------------------------------------
-class _Codec:
-    """Signs what one side sends to, and checks what it receives from, one member's loop."""
-
-    def __init__(self, secret: bytes, member: str, role: str):
-        keys = {r: hmac.new(secret, f"raysync/{_PROTOCOL}/{member}/{r}".encode(), hashlib.sha256).digest()
-                for r in ("actor", "driver")}  # fmt: skip
-        self._send_key, self._recv_key = keys[role], keys["actor" if role == "driver" else "driver"]
-        self._sent = self._seen = 0
-
-    def encode(self, kind: str, body: list) -> bytes:
-        self._sent += 1
-        payload = msgpack.packb([_PROTOCOL, self._sent, kind, body])
-        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
-
-    def decode(self, frame: bytes) -> tuple[str, list]:
-        """Checked in this order: the signature (before a byte is parsed), msgpack, header, sequence number."""
-        payload, mac = frame[:-_MAC_BYTES], frame[-_MAC_BYTES:]
-        want = hmac.new(self._recv_key, payload, hashlib.sha256).digest()
-        if len(frame) <= _MAC_BYTES or not hmac.compare_digest(mac, want):
-            raise errors.BadSignature("push loop frame: the signature does not match this member's key")
-        try:
-            header = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise errors.MalformedFrame(f"signed push loop frame is not valid msgpack: {e}") from None
-        protocol, seq, kind, body = header if type(header) is list and len(header) == 4 else (None,) * 4
-        if protocol != _PROTOCOL or type(seq) is not int or type(kind) is not str or type(body) is not list:
-            raise errors.MalformedFrame("signed frame does not carry a push loop header")
-        if seq <= self._seen:
-            raise errors.ReplayedFrame(f"sequence number {seq} is not above the last accepted {self._seen}")
-        self._seen = seq
-        return kind, body
-
-
-_SCALARS = (int, float, str, bool, type(None))
-
-
-def _to_wire(answer: dict[int, EndpointResult]) -> list:
-    """{receiver or slot: EndpointResult} as plain values: [[index, report fields, failure fields, version]]."""
-    return [
-        [k, *(x and dataclasses.astuple(x) for x in (r.report, r.failure)), r.version]
-        for k, r in answer.items()
-    ]
-
-
-def _from_wire(items: list) -> dict[int, EndpointResult]:
-    """The inverse of _to_wire, every value checked: SchemaError for anything else."""
-    out: dict[int, EndpointResult] = {}
-    for item in items:
-        k, report, failure, version = item if type(item) is list and len(item) == 4 else (None,) * 4
-        if type(k) is not int or not (version is None or version == MIXED or type(version) is int):
-            raise errors.SchemaError(f"push loop answer: bad item {item!r:.200}")
-        try:
-            out[k] = EndpointResult(_build(PushReport, report), _build(RemoteFailure, failure), version)
-        except ValueError as e:  # a report and a failure, or neither
-            raise errors.SchemaError(f"push loop answer: {e}") from None
-    return out
-
-
-def _build(cls: type, values: object) -> Any:
-    """``cls`` (a dataclass of scalar fields) from its fields' values, in order; None stays None."""
-    if values is not None and (type(values) is not list or len(values) != len(dataclasses.fields(cls))
-                               or not all(type(v) in _SCALARS for v in values)):  # fmt: skip
-        raise errors.SchemaError(f"push loop answer: {cls.__name__} fields {values!r:.200}")
-    return None if values is None else cls(*values)
 
 
 # --- inside the actor -------------------------------------------------------------------------------------------------
@@ -141,7 +66,7 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     options = {zmq.IDENTITY: member.encode(), zmq.RECONNECT_IVL: -1, zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
                zmq.SNDTIMEO: _IDLE_POLL_MS}  # fmt: skip
     sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
-    codec = _Codec(secret, member, "actor")
+    codec = Codec(secret, member, "actor")
     try:
         sockets[1].connect(address)
         sockets[1].send(codec.encode("hello", [os.getpid()]))
@@ -156,7 +81,7 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     thread.start()
 
 
-def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: _Codec, device, stop) -> None:
+def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: Codec, device, stop) -> None:
     ctx, sock, monitor = sockets
     poller = zmq.Poller()
     for s in (sock, monitor):
@@ -187,12 +112,12 @@ def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: _Codec, 
         _close(ctx, sock, monitor)
 
 
-def _run(codec: _Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
+def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
     """This member's part of the round, as the frame that answers it."""
     role, members = job
     try:
         run = ep.sender_round if role == "sender" else ep.receiver_round
-        return codec.encode("answer", [round_, _to_wire(run(actor, version, sync_id, list(members)))])
+        return codec.encode("answer", [round_, to_wire(run(actor, version, sync_id, list(members)))])
     except Exception as e:  # the endpoint functions answer failures themselves: this is anything else
         text = "".join(traceback.format_exception(e))
         return codec.encode("failed", [round_, f"{type(e).__name__}: {e}", text])
@@ -241,7 +166,7 @@ class _DriverEnd:
         self.secret, self._dir, self.keys = secrets.token_bytes(32), None, keys
         self._ids = {key: _member(key).encode() for key in keys}
         self._by_id = {i: key for key, i in self._ids.items()}
-        self._codecs = {key: _Codec(self.secret, _member(key), "driver") for key in keys}
+        self._codecs = {key: Codec(self.secret, _member(key), "driver") for key in keys}
         options = {zmq.ROUTER_MANDATORY: 1, zmq.MAXMSGSIZE: _MAX_ANSWER_FRAME}
         self._ctx, self.sock, self.monitor = _open(zmq.ROUTER, options)
         self.poller = zmq.Poller()
@@ -372,7 +297,7 @@ class PushLoops:
                 continue  # a hello, or the answer of an earlier round that timed out
             try:
                 if kind == "answer" and len(body) == 2 and type(body[1]) is list:
-                    answers[key] = _from_wire(body[1])
+                    answers[key] = from_wire(body[1])
                 elif kind == "failed" and len(body) == 3 and all(type(s) is str for s in body[1:]):
                     answers[key] = errors.RemoteError(self.actors.label(key), f"push v{version}", *body[1:])
                 else:

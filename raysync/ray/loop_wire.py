@@ -1,0 +1,91 @@
+"""The frames between WeightSync's driver and a push loop in an actor (raysync.ray.push_loop, Note [push loops]):
+msgpack signed with HMAC-SHA256 under a key per member and direction, numbered (a replay is refused), decoding
+to scalars only; a round's answer is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from typing import Any
+
+import msgpack
+
+from raysync.core import errors
+from raysync.core.report import PushReport
+from raysync.core.version import MIXED
+from raysync.ray.results import EndpointResult, RemoteFailure
+
+_PROTOCOL = "rs-loop1"
+_MAC_BYTES = 32
+
+
+class Codec:
+    """Signs what one side sends to, and checks what it receives from, one member's loop."""
+
+    def __init__(self, secret: bytes, member: str, role: str):
+        keys = {
+            r: hmac.new(secret, f"raysync/{_PROTOCOL}/{member}/{r}".encode(), hashlib.sha256).digest()
+            for r in ("actor", "driver")
+        }
+        self._send_key, self._recv_key = keys[role], keys["actor" if role == "driver" else "driver"]
+        self._sent = self._seen = 0
+
+    def encode(self, kind: str, body: list) -> bytes:
+        self._sent += 1
+        payload = msgpack.packb([_PROTOCOL, self._sent, kind, body])
+        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+
+    def decode(self, frame: bytes) -> tuple[str, list]:
+        """Checked in this order: the signature (before a byte is parsed), msgpack, header, sequence number."""
+        payload, mac = frame[:-_MAC_BYTES], frame[-_MAC_BYTES:]
+        want = hmac.new(self._recv_key, payload, hashlib.sha256).digest()
+        if len(frame) <= _MAC_BYTES or not hmac.compare_digest(mac, want):
+            raise errors.BadSignature("push loop frame: the signature does not match this member's key")
+        try:
+            header = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise errors.MalformedFrame(f"signed push loop frame is not valid msgpack: {e}") from None
+        protocol, seq, kind, body = header if type(header) is list and len(header) == 4 else (None,) * 4
+        if protocol != _PROTOCOL or type(seq) is not int or type(kind) is not str or type(body) is not list:
+            raise errors.MalformedFrame("signed frame does not carry a push loop header")
+        if seq <= self._seen:
+            raise errors.ReplayedFrame(f"sequence number {seq} is not above the last accepted {self._seen}")
+        self._seen = seq
+        return kind, body
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def to_wire(answer: dict[int, EndpointResult]) -> list:
+    """{receiver or slot: EndpointResult} as plain values: [[index, report fields, failure fields, version]]."""
+    return [
+        [k, *(x and dataclasses.astuple(x) for x in (r.report, r.failure)), r.version]
+        for k, r in answer.items()
+    ]
+
+
+def from_wire(items: list) -> dict[int, EndpointResult]:
+    """The inverse of to_wire, every value checked: SchemaError for anything else."""
+    out: dict[int, EndpointResult] = {}
+    for item in items:
+        k, report, failure, version = item if type(item) is list and len(item) == 4 else (None,) * 4
+        if type(k) is not int or not (version is None or version == MIXED or type(version) is int):
+            raise errors.SchemaError(f"push loop answer: bad item {item!r:.200}")
+        try:
+            out[k] = EndpointResult(_build(PushReport, report), _build(RemoteFailure, failure), version)
+        except ValueError as e:  # a report and a failure, or neither
+            raise errors.SchemaError(f"push loop answer: {e}") from None
+    return out
+
+
+def _build(cls: type, values: object) -> Any:
+    """``cls`` (a dataclass of scalar fields) from its fields' values, in order; None stays None."""
+    if values is not None and (
+        type(values) is not list
+        or len(values) != len(dataclasses.fields(cls))
+        or not all(type(v) in _SCALARS for v in values)
+    ):
+        raise errors.SchemaError(f"push loop answer: {cls.__name__} fields {values!r:.200}")
+    return None if values is None else cls(*values)
