@@ -8,10 +8,9 @@ import copy
 import dataclasses
 import fnmatch
 import os
-import tempfile
 
 import pytest
-from vllm_cpu import EngineProcesses, require_vllm_cpu
+from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop
 
 ray = require_vllm_cpu()
 
@@ -39,27 +38,6 @@ def model_dirs(tmp_path_factory) -> dict[bool, str]:
         paths[tied] = str(tmp_path_factory.mktemp("tiny-qwen2-tied" if tied else "tiny-qwen2"))
         tiny_qwen2(seed=1, tied=tied).save_pretrained(paths[tied])
     return paths
-
-
-def engine(model_dir: str, runtime_env: dict | None = None, host: type = VllmHost, **overrides):
-    return ray.remote(num_cpus=0.5)(host).options(runtime_env=runtime_env).remote(model_dir, **overrides)
-
-
-def watch(host, processes: EngineProcesses) -> None:
-    """Add the engine actor's process tree (the actor, vLLM's EngineCore and workers) to ``processes``."""
-    pid, temp_dir = ray.get(host.__ray_call__.remote(lambda actor: (os.getpid(), tempfile.gettempdir())))
-    processes.look(pid, temp_dir)
-
-
-def stop(hosts: list, processes: EngineProcesses) -> None:
-    """Shut the engines down and kill their actors; then nothing raysync made in their processes may be left
-    (EngineProcesses.clean_up_and_check: vLLM's own segments are removed, not checked)."""
-    for h in hosts:
-        watch(h, processes)
-    ray.get([h.__ray_call__.remote(shut_down) for h in hosts])
-    for h in hosts:
-        ray.kill(h)
-    processes.clean_up_and_check()
 
 
 @pytest.fixture
@@ -127,12 +105,6 @@ def fresh_engine(shared_engines):
         return host
 
     return get
-
-
-def shut_down(host: VllmHost) -> None:
-    """vLLM's own shutdown, with time to finish: by default its EngineCore gets 5 s to stop its workers and
-    remove its shared memory, then is killed, which on a loaded 2-core machine leaves the segments behind."""
-    host.llm.llm_engine.engine_core.shutdown(timeout=60)
 
 
 class TiedPolicy(Policy):

@@ -11,11 +11,10 @@ engine started from the same weights does."""
 from __future__ import annotations
 
 import pytest
-from vllm_cpu import EngineProcesses, require_vllm_cpu
+from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop
 
 ray = require_vllm_cpu()
 
-import test_vllm  # noqa: E402
 import torch  # noqa: E402
 from actors import ENGINE_ARGS, VllmHost, greedy  # noqa: E402
 from test_vllm import CFG, ONE_PROCESS, PROMPTS, TOKENS, refusal  # noqa: E402
@@ -92,9 +91,9 @@ def moe_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def moe_engine(ray_local, moe_dir):
     """The module's MoE engine (pushed to by every test: one engine start), and what it generated at its start."""
-    host = test_vllm.engine(moe_dir, ONE_PROCESS, host=MoeHost)
+    host = engine(moe_dir, ONE_PROCESS, host=MoeHost)
     yield host, ray.get(host.generate.remote(PROMPTS, TOKENS))
-    test_vllm.stop([host], EngineProcesses())
+    stop([host], EngineProcesses())
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +105,11 @@ def from_disk(ray_local, tmp_path_factory) -> list[list[int]]:
         trainer.step(version)
     path = str(tmp_path_factory.mktemp("tiny-qwen2-moe-v2"))
     trainer.save(path)
-    loaded = test_vllm.engine(path, ONE_PROCESS)
+    loaded = engine(path, ONE_PROCESS)
     try:
         return ray.get(loaded.generate.remote(PROMPTS, TOKENS))
     finally:
-        test_vllm.stop([loaded], EngineProcesses())
+        stop([loaded], EngineProcesses())
 
 
 @pytest.mark.parametrize("how", ["staged", "bucket-by-bucket"], ids=["staged", "layerwise-bucket-by-bucket"])

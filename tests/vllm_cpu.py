@@ -107,3 +107,40 @@ class EngineProcesses:
         for path in left:  # leave the machine clean for the next test, then fail
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
         assert not left, f"raysync left {left} behind in the engines' processes"
+
+
+# --- engine actors (raysync's tests.actors.VllmHost and its kind) ----------------------------------------------------
+def engine(model_dir: str, runtime_env: dict | None = None, host: type | None = None, **overrides):
+    """An engine actor: ``host(model_dir, **overrides)`` (default actors.VllmHost), half a CPU."""
+    import ray
+    from actors import VllmHost
+
+    actor = ray.remote(num_cpus=0.5)(host or VllmHost)
+    return actor.options(runtime_env=runtime_env).remote(model_dir, **overrides)
+
+
+def watch(host, processes: EngineProcesses) -> None:
+    """Add the engine actor's process tree (the actor, vLLM's EngineCore and workers) to ``processes``."""
+    import ray
+
+    pid, temp_dir = ray.get(host.__ray_call__.remote(lambda actor: (os.getpid(), tempfile.gettempdir())))
+    processes.look(pid, temp_dir)
+
+
+def stop(hosts: list, processes: EngineProcesses) -> None:
+    """Shut the engines down and kill their actors; then nothing raysync made in their processes may be left
+    (EngineProcesses.clean_up_and_check: vLLM's own segments are removed, not checked)."""
+    import ray
+
+    for h in hosts:
+        watch(h, processes)
+    ray.get([h.__ray_call__.remote(shut_down) for h in hosts])
+    for h in hosts:
+        ray.kill(h)
+    processes.clean_up_and_check()
+
+
+def shut_down(host) -> None:
+    """vLLM's own shutdown, with time to finish: by default its EngineCore gets 5 s to stop its workers and
+    remove its shared memory, then is killed, which on a loaded 2-core machine leaves the segments behind."""
+    host.llm.llm_engine.engine_core.shutdown(timeout=60)
