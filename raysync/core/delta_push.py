@@ -158,6 +158,7 @@ class Reference:
         elif not made_here and not hasattr(plane, "encoded"):
             self.off = f"the {plane.name} plane moves whole buffers only, so its pushes go full"
         self.enabled = self.off is None
+        self.active = self.active and self.enabled  # the push under way (the first: it opened the plane) too
         if self.off:
             logger.warning("delta pushes off: %s", self.off)
 
