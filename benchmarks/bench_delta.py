@@ -184,20 +184,30 @@ def run_push(
     for density in densities:
         delta_s, reports = pushes(delta_cfg, density, False)
         full_on, _ = pushes(delta_cfg, density, True)
-        runs.append({
-            "density_asked": density,
-            "density": statistics.median(r.density for r in reports),
-            "delta_bytes": statistics.median(r.bytes for r in reports),
-            "seconds": {"delta push": delta_s, "full push (delta on)": full_on},
-        })  # fmt: skip
-    return {"layout": layout, "model_bytes": nbytes, "bucket_bytes": bucket_bytes, "floor_copy_s": floor,
-            "full_push_delta_off_s": full_off, "runs": runs}  # fmt: skip
+        runs.append(
+            {
+                "density_asked": density,
+                "density": statistics.median(r.density for r in reports),
+                "delta_bytes": statistics.median(r.bytes for r in reports),
+                "seconds": {"delta push": delta_s, "full push (delta on)": full_on},
+            }
+        )
+    return {
+        "layout": layout,
+        "model_bytes": nbytes,
+        "bucket_bytes": bucket_bytes,
+        "floor_copy_s": floor,
+        "full_push_delta_off_s": full_off,
+        "runs": runs,
+    }
 
 
 def print_push(r: dict) -> None:
     full, floor = r["full_push_delta_off_s"], r["floor_copy_s"]
-    print(f"pushes of {r['layout']} over shm ({r['model_bytes'] / 1e6:.0f} MB, buckets of {r['bucket_bytes'] >> 20} MiB); "
-          f"floor (one copy of the model's bytes) {floor * 1e3:.1f} ms; full push, delta off {full * 1e3:.1f} ms")  # fmt: skip
+    print(
+        f"pushes of {r['layout']} over shm ({r['model_bytes'] / 1e6:.0f} MB, buckets of {r['bucket_bytes'] >> 20} MiB); "
+        f"floor (one copy of the model's bytes) {floor * 1e3:.1f} ms; full push, delta off {full * 1e3:.1f} ms"
+    )
     print(f"{'density':>8}  {'':22}  {'ms':>9}  {'x full':>6}  {'x floor':>7}  {'bytes / full':>12}")
     for run in r["runs"]:
         for name, s in run["seconds"].items():
@@ -239,12 +249,18 @@ def main() -> None:
     olds = bucket(args.layout, args.layers, device, seed=0)
     full = sum(2 * o.numel() for o in olds)
     result = {
-        "layout": args.layout, "layers": args.layers, "chunks": len(olds), "full_bytes": full,
-        "device": str(device), "hardware": hardware(device),
+        "layout": args.layout,
+        "layers": args.layers,
+        "chunks": len(olds),
+        "full_bytes": full,
+        "device": str(device),
+        "hardware": hardware(device),
         "runs": [run_density(olds, d, device, args.repeats) for d in args.densities],
-    }  # fmt: skip
-    print(f"bucket: {args.layers} layer(s) of {args.layout}, {len(olds)} bf16 tensors, {full / 1e6:.1f} MB; "
-          f"on {result['hardware']}")  # fmt: skip
+    }
+    print(
+        f"bucket: {args.layers} layer(s) of {args.layout}, {len(olds)} bf16 tensors, {full / 1e6:.1f} MB; "
+        f"on {result['hardware']}"
+    )
     print(f"{'density':>8}  {'':30}  {'ms':>8}  {'GB/s':>6}  {'x floor':>7}  {'bytes / full':>12}")
     for r in result["runs"]:
         floor = r["seconds"]["floor: copy of the full bytes"]

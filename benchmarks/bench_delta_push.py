@@ -249,9 +249,15 @@ def run(args) -> dict:
             r["floor_s"] = read_s + r.pop("move_s")
         results.append({**on, "full_push_delta_off_s": full_off})
     return {
-        "layout": args.layout, "layers": args.layers, "model_bytes_bf16": nbytes, "lr": args.lr,
-        "device": str(device), "hardware": hardware(device), "read_floor_s": read_s, "transports": results,
-    }  # fmt: skip
+        "layout": args.layout,
+        "layers": args.layers,
+        "model_bytes_bf16": nbytes,
+        "lr": args.lr,
+        "device": str(device),
+        "hardware": hardware(device),
+        "read_floor_s": read_s,
+        "transports": results,
+    }
 
 
 def free(device: torch.device) -> None:
@@ -262,9 +268,11 @@ def free(device: torch.device) -> None:
 
 
 def report(result: dict) -> None:
-    print(f"{result['layout']} ({result['model_bytes_bf16'] / 1e6:.0f} MB in bf16), Adam lr {result['lr']}, "
-          f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms) "
-          f"+ moving the delta's bytes")  # fmt: skip
+    print(
+        f"{result['layout']} ({result['model_bytes_bf16'] / 1e6:.0f} MB in bf16), Adam lr {result['lr']}, "
+        f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms) "
+        f"+ moving the delta's bytes"
+    )
     head = f"{'transport':10}  {'step':>4}  {'density':>8}  {'delta MB':>8}  {'/ full':>7}  {'delta ms':>9}  "
     print(
         head + f"{'floor ms':>9}  {'x floor':>7}  {'full ms (on)':>12}  {'full ms (off)':>13}  {'x full':>6}"

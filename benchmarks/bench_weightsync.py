@@ -206,19 +206,21 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
         s_stamp, r_stamp = ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
         remote, waits, gets = watch.calls["remote"], watch.calls["wait"], watch.calls["get"]
         session_end = s_stamp["source"] + report.slowest.seconds
-        rows.append({
-            "sender dispatch": s_stamp["source"] - t0,
-            "receiver dispatch": r_stamp["sink"] - t0,
-            "session": report.slowest.seconds,
-            "answers back": t_end - session_end,
-            "submit calls": remote[-1][1] - remote[0][0] if remote else 0.0,
-            "ray.wait": sum(b - a for a, b in waits),
-            "ray.wait count": len(waits),
-            "ray.get": sum(b - a for a, b in gets),
-            "ray.get count": len(gets),
-            "total": t_end - t0,
-            "bare round trip": bare_round_trip(trainer, engine),
-        })  # fmt: skip
+        rows.append(
+            {
+                "sender dispatch": s_stamp["source"] - t0,
+                "receiver dispatch": r_stamp["sink"] - t0,
+                "session": report.slowest.seconds,
+                "answers back": t_end - session_end,
+                "submit calls": remote[-1][1] - remote[0][0] if remote else 0.0,
+                "ray.wait": sum(b - a for a, b in waits),
+                "ray.wait count": len(waits),
+                "ray.get": sum(b - a for a, b in gets),
+                "ray.get count": len(gets),
+                "total": t_end - t0,
+                "bare round trip": bare_round_trip(trainer, engine),
+            }
+        )
     return {k: statistics.median(r[k] for r in rows) * (1 if k.endswith("count") else 1e3) for k in rows[0]}
 
 
@@ -238,19 +240,30 @@ def configs(args) -> dict[str, tuple[SyncConfig, str]]:
     forced: dict[str, dict[str, Any]] = {}
     if args.device == "cpu" or args.all_rows:  # on a GPU: 15 GB through host memory, 2 NCCL ranks on one GPU
         forced |= {
-            "shm, ring 2 x 512 MiB (the old default)": {"transport": "shm", "bucket_bytes": 512 * MiB,
-                                                        "num_buffers": 2},
+            "shm, ring 2 x 512 MiB (the old default)": {
+                "transport": "shm",
+                "bucket_bytes": 512 * MiB,
+                "num_buffers": 2,
+            },
             "collective": {"transport": "collective"},
-        }  # fmt: skip
+        }
     if args.device == "cuda":
         forced |= {
             "cuda_ipc ring, shape by the plan": {"transport": "cuda_ipc", "direct": False},
-            "cuda_ipc ring 2 x 512 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 512 * MiB,
-                                          "num_buffers": 2},
-            "cuda_ipc ring 2 x 2048 MiB": {"transport": "cuda_ipc", "direct": False, "bucket_bytes": 2048 * MiB,
-                                           "num_buffers": 2},
+            "cuda_ipc ring 2 x 512 MiB": {
+                "transport": "cuda_ipc",
+                "direct": False,
+                "bucket_bytes": 512 * MiB,
+                "num_buffers": 2,
+            },
+            "cuda_ipc ring 2 x 2048 MiB": {
+                "transport": "cuda_ipc",
+                "direct": False,
+                "bucket_bytes": 2048 * MiB,
+                "num_buffers": 2,
+            },
             "cuda_ipc direct": {"transport": "cuda_ipc", "direct": True},
-        }  # fmt: skip
+        }
         if args.all_rows:
             forced["shm, shape by the plan"] = {"transport": "shm"}
     else:
@@ -323,8 +336,10 @@ def run_layout(layout: str, args) -> dict[str, Any]:
 
 def print_layout(r: dict[str, Any], hardware: str) -> None:
     ms: Callable[[float], str] = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
-    print(f"\n{r['layout']}: {r['bytes'] / 1e9:.3f} GB, {hardware}; floor (one copy per tensor): "
-          f"{ms(r['floor_one_copy_s'])} ms")  # fmt: skip
+    print(
+        f"\n{r['layout']}: {r['bytes'] / 1e9:.3f} GB, {hardware}; floor (one copy per tensor): "
+        f"{ms(r['floor_one_copy_s'])} ms"
+    )
     print(
         f"{'config':<42}{'transport':<11}{'mode':<20}{'setup ms':>9}{'WeightSync ms':>14}{'raw ms':>9}"
         f"{'Ray ms':>8}{'/floor':>8}"
@@ -334,15 +349,22 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
             print(f"{row['config']:<42}refused: {row['refused'][:110]}")
             continue
         raw = (ms(row["raw_median_s"]), ms(row["ray_share_s"])) if "raw_median_s" in row else ("-", "-")
-        print(f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['setup_s']):>9}"
-              f"{ms(row['weightsync_median_s']):>14}"
-              f"{raw[0]:>9}{raw[1]:>8}"
-              f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}")  # fmt: skip
+        print(
+            f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['setup_s']):>9}"
+            f"{ms(row['weightsync_median_s']):>14}"
+            f"{raw[0]:>9}{raw[1]:>8}"
+            f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}"
+        )
     if split := [row for row in r["rows"] if "breakdown_ms" in row]:  # one column per driver
-        print(f"{'where the default config`s WeightSync push goes, median ms':<60}"
-              + "".join(f"{row['rounds_by']:>8}" for row in split))  # fmt: skip
+        print(
+            f"{'where the default config`s WeightSync push goes, median ms':<60}"
+            + "".join(f"{row['rounds_by']:>8}" for row in split)
+        )
         for k in split[0]["breakdown_ms"]:
-            print(f"    {k:<56}" + "".join(f"{row['breakdown_ms'][k]:>8.{0 if k.endswith('count') else 3}f}" for row in split))  # fmt: skip
+            print(
+                f"    {k:<56}"
+                + "".join(f"{row['breakdown_ms'][k]:>8.{0 if k.endswith('count') else 3}f}" for row in split)
+            )
 
 
 def main() -> None:
@@ -353,13 +375,21 @@ def main() -> None:
     add("--pushes", type=int, help="timed pushes per row (default: 20 GPU, 10 CPU)")
     add("--threads", type=int, default=1, help="torch intra-op threads of every process (raw, actors)")
     add("--no-breakdown", dest="breakdown", action="store_false")
-    add("--driver", nargs="+", choices=list(DRIVERS), default=list(DRIVERS),
+    add(
+        "--driver",
+        nargs="+",
+        choices=list(DRIVERS),
+        default=list(DRIVERS),
         help="how the default config's push rounds reach the actors, a row each: ordinary Ray calls, a compiled "
-        "Ray graph, persistent push loops (default: all three)")  # fmt: skip
+        "Ray graph, persistent push loops (default: all three)",
+    )
     add("--default-only", action="store_true", help="only the default config's rows (no forced mode)")
-    add("--all-rows", action="store_true",
+    add(
+        "--all-rows",
+        action="store_true",
         help="on a GPU, also the slow rows (shm: the layout through host memory; collective: two NCCL ranks on "
-        "one GPU); left out by default so that a GPU run of 7B and 1.5B fits in 4 minutes")  # fmt: skip
+        "one GPU); left out by default so that a GPU run of 7B and 1.5B fits in 4 minutes",
+    )
     add("--out", help="also write the JSON here")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -369,11 +399,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # this process is the raw session's sender
     hardware = torch.cuda.get_device_name() if gpu else f"CPU, {mp.cpu_count()} cores"
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a checkout works as an install does
-    ray.init(include_dashboard=False, logging_level="warning", num_gpus=1 if gpu else 0,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})  # fmt: skip
+    ray.init(
+        include_dashboard=False,
+        logging_level="warning",
+        num_gpus=1 if gpu else 0,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        },
+    )
     try:
-        result = {"hardware": hardware, "torch": torch.__version__, "ray": ray.__version__, "pushes": args.pushes,
-                  "layouts": []}  # fmt: skip
+        result = {
+            "hardware": hardware,
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "pushes": args.pushes,
+            "layouts": [],
+        }
         for layout in args.layout:
             result["layouts"].append(run_layout(layout, args))
             print_layout(result["layouts"][-1], hardware)

@@ -288,8 +288,11 @@ def test_sharded_sources_every_trainer_broadcasts_its_share_to_every_engine(
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
     with WeightSync(trainers, engines, CFG, sink=engine_load, shard_sources=True) as sync:
         assert [(p.sender, p.receiver, p.transport) for p in sync.plan] == [
-            (0, 0, "collective"), (0, 1, "collective"), (1, 0, "collective"), (1, 1, "collective")
-        ]  # fmt: skip
+            (0, 0, "collective"),
+            (0, 1, "collective"),
+            (1, 0, "collective"),
+            (1, 1, "collective"),
+        ]
         assert "sharded sources: share 1 of 2" in str(sync.plan)
         for version in (1, 2):
             expected = ray.get([t.step.remote(version) for t in trainers])[0]

@@ -144,9 +144,11 @@ def test_decode_writes_in_place_into_slices_of_a_larger_tensor():
 # --- bit-exact round trips, properties ----------------------------------------------------------------------------
 def masks() -> st.SearchStrategy:
     return st.one_of(
-        st.just(("none", 0.0)), st.just(("all", 1.0)), st.just(("single", 0.0)),
+        st.just(("none", 0.0)),
+        st.just(("all", 1.0)),
+        st.just(("single", 0.0)),
         st.tuples(st.just("density"), st.floats(0.0, 1.0)),
-    )  # fmt: skip
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -239,9 +241,18 @@ def test_the_density_rule_sends_full_where_a_delta_does_not_pay(dtype, density, 
 # --- versions: a delta applies on top of exactly its base ---------------------------------------------------------
 @pytest.mark.parametrize(
     "held, base, applies",
-    [(3, 3, True), (4, 3, False), (None, 3, False), (MIXED, 3, False), (3, None, False), (MIXED, MIXED, False),
-     (None, None, False), (True, 1, False), (0, 0, True)],
-)  # fmt: skip
+    [
+        (3, 3, True),
+        (4, 3, False),
+        (None, 3, False),
+        (MIXED, 3, False),
+        (3, None, False),
+        (MIXED, MIXED, False),
+        (None, None, False),
+        (True, 1, False),
+        (0, 0, True),
+    ],
+)
 def test_a_delta_applies_only_on_top_of_the_version_it_was_computed_from(held, base, applies):
     assert delta.delta_applies(held, base) is applies
     if applies:
@@ -364,11 +375,13 @@ def test_encode_refuses_a_buffer_too_small_and_writes_nothing():
 
 @pytest.mark.parametrize(
     "pair, out_offset, match",
-    [((torch.zeros(8, dtype=BF16), torch.zeros(8, dtype=F16)), 0, "dtype, size and device"),
-     ((torch.zeros(8), torch.zeros(9)), 0, "dtype, size and device"),
-     ((torch.zeros(8, 2)[:, 0], torch.zeros(8)), 0, "not a contiguous tensor"),
-     ((torch.zeros(8), torch.zeros(8)), 8, "multiple of 16")],
-)  # fmt: skip
+    [
+        ((torch.zeros(8, dtype=BF16), torch.zeros(8, dtype=F16)), 0, "dtype, size and device"),
+        ((torch.zeros(8), torch.zeros(9)), 0, "dtype, size and device"),
+        ((torch.zeros(8, 2)[:, 0], torch.zeros(8)), 0, "not a contiguous tensor"),
+        ((torch.zeros(8), torch.zeros(8)), 8, "multiple of 16"),
+    ],
+)
 def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
     out = torch.zeros(4096, dtype=torch.uint8)[out_offset:]
     with pytest.raises(LayoutError, match=match):

@@ -213,10 +213,14 @@ def test_a_sender_killed_mid_delta_push_leaves_mixed_not_wrong_weights(private_t
 
 @pytest.mark.parametrize(
     "body, ok",
-    [({"delta": True, "base_version": 3}, True), ({"delta": False, "base_version": 0}, True),
-     ({"delta": False, "base_version": 3}, False), ({"delta": 1, "base_version": 3}, False),
-     ({"delta": True, "base_version": -1}, False)],
-)  # fmt: skip
+    [
+        ({"delta": True, "base_version": 3}, True),
+        ({"delta": False, "base_version": 0}, True),
+        ({"delta": False, "base_version": 3}, False),
+        ({"delta": 1, "base_version": 3}, False),
+        ({"delta": True, "base_version": -1}, False),
+    ],
+)
 def test_push_start_schema_refuses_a_base_version_without_a_delta(body, ok):
     frame = {"push_id": 1, "version": 4, "layout_id": 1, "verify": False, **body}
     if ok:

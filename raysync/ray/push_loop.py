@@ -63,8 +63,12 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     import torch
 
     stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
-    options = {zmq.IDENTITY: member.encode(), zmq.RECONNECT_IVL: -1, zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
-               zmq.SNDTIMEO: _IDLE_POLL_MS}  # fmt: skip
+    options = {
+        zmq.IDENTITY: member.encode(),
+        zmq.RECONNECT_IVL: -1,
+        zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
+        zmq.SNDTIMEO: _IDLE_POLL_MS,
+    }
     sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
     codec = Codec(secret, member, "actor")
     try:
