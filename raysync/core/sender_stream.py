@@ -23,7 +23,7 @@ from raysync.core.config import SyncConfig
 from raysync.core.delta_push import Reference
 from raysync.core.errors import PeerLost, PeerTimeout, RemoteError
 from raysync.core.fanout import Fanout
-from raysync.core.wire import PushDigest
+from raysync.core.wire import Accept, PushDigest, PushDone
 from raysync.transport.base import DataPlane
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,30 @@ class SenderStream:
             raise
         finally:
             bar.close()
+
+    def run_in_turns(self, push_id: int, version: int, ahead: int, stale: list[int]) -> None:
+        """One push to the readers of a fan-out ring in two turns (Note [the delta reference]): the delta to
+        those that take it, then a full push to the ``stale`` ones, which wait for their go meanwhile; a
+        failure of the first turn is told to them too."""
+        channel = self._channel
+        fresh = [i for i in range(len(channel.channels)) if i not in stale]
+        try:
+            with channel.only(fresh):
+                channel.send(Accept(push_id, False, False), "accept: the go")
+                self.run(push_id, version, ahead)
+                channel.expect(PushDone, push_id, "finish")
+        except BaseException as e:
+            with channel.only(stale):
+                channel.abort(push_id, "the other readers' delta", e)
+            raise
+        sent = self._ref.stats
+        with channel.only(stale):
+            self.go_full()
+            channel.send(Accept(push_id, False, True), "accept: the go")
+            self._plane.begin(push_id, self._agreed.buckets)
+            self.run(push_id, version, 0)
+            channel.expect(PushDone, push_id, "finish")
+        self._ref.merge(sent)
 
     def _send_digests(self, push_id: int) -> None:
         """Verified pushes: each tensor's digest of what was packed (read in place: of the tensor itself)."""

@@ -162,7 +162,7 @@ class PushSender(OnPlane):
         accept, stale = self._accept(version)
         accepted = streamed = time.perf_counter()
         if stale:  # fan-out readers that cannot take the delta: the others get it, then they a full push
-            self._in_turns(version, ahead, stale)
+            self._stream.run_in_turns(self._push_id, version, ahead, stale)
             streamed = time.perf_counter()
         else:
             if accept.full:  # a receiver cannot take the delta: a full push, in this round (for all)
@@ -179,30 +179,6 @@ class PushSender(OnPlane):
             "finish": time.perf_counter() - streamed,
         }
         return accept.skip
-
-    def _in_turns(self, version: int, ahead: int, stale: list[int]) -> None:
-        """One push to the readers of a fan-out ring in two turns (Note [the delta reference]): the delta to
-        those that take it, then a full push to the ``stale`` ones, which wait for their go meanwhile; a
-        failure of the first turn is told to them too."""
-        pid, channel = self._push_id, self._channel
-        fresh = [i for i in range(len(channel.channels)) if i not in stale]
-        try:
-            with channel.only(fresh):
-                channel.send(Accept(pid, False, False), "accept: the go")
-                self._stream.run(pid, version, ahead)
-                channel.expect(PushDone, pid, "finish")
-        except BaseException as e:
-            with channel.only(stale):
-                channel.abort(pid, "the other readers' delta", e)
-            raise
-        sent = self._delta.stats
-        with channel.only(stale):
-            self._stream.go_full()
-            channel.send(Accept(pid, False, True), "accept: the go")
-            self._plane.begin(pid, self._agreed.buckets)
-            self._stream.run(pid, version, 0)
-            channel.expect(PushDone, pid, "finish")
-        self._delta.merge(sent)
 
     def abort(self, error: BaseException, stage: str = "source") -> None:
         """This push failed here before it started (e.g. the trainer's source raised): tell the receiver, which
