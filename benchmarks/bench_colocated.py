@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from bench_ipc import checksum
-from common import emit
+from common import emit, timed
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.tools.models import allocate
@@ -54,15 +54,7 @@ def floor_s(src: dict[str, torch.Tensor], device: str, engines: int, repeats: in
             for k, v in src.items():
                 out[k].copy_(v, non_blocking=True)
 
-    once()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        once()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed(once, torch.device(device), repeats)
 
 
 def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool, bucket_mb: int) -> dict:
