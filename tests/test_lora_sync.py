@@ -137,6 +137,7 @@ def test_each_push_through_weightsync_serves_the_trainers_adapter_and_moves_only
     engines = [TorchLoraEngine(s) for s in servers]
     with WeightSync([trainer], engines, CFG, source=AdapterOf(LORA), transport=transport) as sync:
         assert [p.transport for p in sync.plan] == [transport] * 2, str(sync.plan)
+        assert all("LoRA adapter mode" in p.how for p in sync.plan), str(sync.plan)  # the plan says the mode
         for version in (1, 2, 3):
             ray.get(trainer.train.remote(steps=2, seed=version))
             report = sync.push(version)
@@ -209,6 +210,7 @@ def test_merged_mode_through_weightsync_writes_the_merged_weights_into_an_ordina
     ray.get(trainer.train.remote(steps=3, seed=4))
     expected = ray.get(trainer.merged.remote())
     with WeightSync([trainer], [server], CFG, source=MergedOf(LORA)) as sync:
+        assert "LoRA merged mode" in sync.plan[0].how, str(sync.plan)
         report = sync.push(1)
         assert report.bytes == sum(
             t.nbytes for t in expected.values()

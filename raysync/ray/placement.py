@@ -10,8 +10,7 @@ Every endpoint reports a Placement from inside its own process (``probe``), ever
     other nodes                                  -> collective (NCCL on GPUs, gloo on CPUs)
 then, on cuda_ipc, direct mode or the ring (Note [direct or ring]), and the ring's shape (Note [ring shape]).
 What the user sets (SyncConfig's transport, direct, bucket_bytes, num_buffers; WeightSync's ``transport=``) is
-forced instead: one that cannot serve a pair is a PlanError before any session opens. A transport not built
-falls back to the first one that can (shm needs one host). GPUs are matched by UUID, never by index.
+forced (if it cannot serve a pair: PlanError, before any session); a transport not built falls back. UUIDs, not indices.
 """
 
 from __future__ import annotations
@@ -138,6 +137,7 @@ class SourceReport:
     push_bytes: int  # what a push moves, in wire dtypes
     not_in_place: str  # why direct mode cannot read the tensors in place, naming one; "" where it can
     stable: bool  # a second call of the source gave the same tensors (Note [direct or ring])
+    note: str = ""  # what the source says of itself in the plan (``source.plan_note``: LoRA's mode)
 
 
 def report_source(
@@ -150,9 +150,9 @@ def report_source(
     from raysync.core.wire import DTYPES
     from raysync.transport.cuda_ipc_direct import _not_in_place  # the direct plane's own rule
 
-    given = source(actor)
+    given, note = source(actor), str(getattr(source, "plan_note", ""))
     if is_source(given):  # a lazy Source: the layout from metadata, tensors made as their buckets are packed
-        return SourceReport(sum(s.nbytes for s in given.specs(config)), "the source is lazy", False)
+        return SourceReport(sum(s.nbytes for s in given.specs(config)), "the source is lazy", False, note)
     first = select(given, config)  # held until the second call is compared
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     why = "" if device is not None else "the sender has no GPU"
@@ -169,7 +169,7 @@ def report_source(
             if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() != pointers[name]:
                 stable = False
                 break
-    return SourceReport(sum(s.spec.nbytes for s in first), why, stable and seen == len(pointers))
+    return SourceReport(sum(s.spec.nbytes for s in first), why, stable and seen == len(pointers), note)
 
 
 @dataclass(frozen=True)
@@ -244,12 +244,12 @@ def choose(
         override, forced_by = str(config.transport), " (SyncConfig.transport)"
     transport, wanted, reason = _transport(s, r, built, override, forced_by)
     direct, why = _mode(transport, s, r, config, source)
+    note = getattr(source, "note", "")  # None: no report
     if direct:
-        return PairPlan(i, j, wanted, transport, reason, True, how=why)
+        return PairPlan(i, j, wanted, transport, reason, True, how="; ".join(filter(None, (why, note))))
     bucket, buffers, shape = _ring_shape(transport, s, r, config, source, rings or {})
-    return PairPlan(
-        i, j, wanted, transport, reason, False, bucket, buffers, "; ".join(filter(None, (why, shape)))
-    )
+    how = "; ".join(filter(None, (why, shape, note)))
+    return PairPlan(i, j, wanted, transport, reason, False, bucket, buffers, how)
 
 
 def _transport(

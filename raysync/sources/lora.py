@@ -335,6 +335,11 @@ class AdapterOf:
     adapter: str = "default"
     attr: str = "model"
 
+    @property
+    def plan_note(self) -> str:
+        """What the plan says of this source (raysync.ray.placement.report_source)."""
+        return f"LoRA adapter mode: only the adapter {self.adapter!r} (r={self.config.r}) and its manifest travel"
+
     def __call__(self, actor: Any) -> LoraSource:
         fresh = LoraSource(getattr(actor, self.attr).named_parameters(), self.config, self.adapter)
         kept = actor.__dict__.setdefault(_KEPT, {}).get(self)
@@ -352,6 +357,11 @@ class MergedOf:
     config: LoraConfig
     adapter: str | None = None
     attr: str = "model"
+
+    @property
+    def plan_note(self) -> str:
+        """What the plan says of this source (raysync.ray.placement.report_source)."""
+        return "LoRA merged mode: full pushes of the base weights with B @ A * scaling added"
 
     def __call__(self, actor: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return merged(getattr(actor, self.attr).named_parameters(), self.config, self.adapter)
