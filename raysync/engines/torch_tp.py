@@ -12,7 +12,7 @@
 # each rank's ``ShardLoader`` copies its shard out of zero-copy views of the ring, Note [ring buffer views] in
 # raysync.core.sink). Both move the same bytes into the ranks and pack the model once in total, but the whole
 # tensors make every rank wait for the buckets of the others' shards and gather each sliced tensor whole:
-# shard-only measured faster over shm (benchmarks/bench_tp_engine.py, docs/benchmarks.md, section 13). The rule:
+# shard-only measured faster over shm (benchmarks/bench_tp_engine.py, docs/benchmarks.md, section 15). The rule:
 #   - over a ring (shm, cuda_ipc ring, another node's collective): shard-only, where the engine's tensors are
 #     plain shards of the trainer's (a torch engine: ``dims``);
 #   - in place (cuda_ipc direct: the ranks read the trainer's tensors on its GPU, nothing is packed): whole
