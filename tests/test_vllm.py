@@ -178,8 +178,9 @@ class MisfitPolicy(Policy):
         """Greedy tokens of the kept weights with the tensors matching ``patterns`` taken from the current ones."""
         mixed = copy.deepcopy(self.model)
         now = self.model.state_dict()
-        mixed.load_state_dict({n: now[n] if any(fnmatch.fnmatch(n, p) for p in patterns) else t
-                               for n, t in self.kept.items()})  # fmt: skip
+        mixed.load_state_dict(
+            {n: now[n] if any(fnmatch.fnmatch(n, p) for p in patterns) else t for n, t in self.kept.items()}
+        )
         return greedy(mixed, prompts, tokens)
 
 
@@ -206,8 +207,11 @@ def test_a_push_that_does_not_fit_the_model_is_refused_and_the_engine_keeps_its_
         old = ray.get(host.generate.remote(PROMPTS, TOKENS))
         assert old == ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
         ray.get(trainer.step.remote(2))  # a refused push would change the tokens if any of it landed
-        for misfit, named in [("unknown name", [EXTRA]), ("wrong shape", [NORM]),
-                              ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"])]:  # fmt: skip
+        for misfit, named in [
+            ("unknown name", [EXTRA]),
+            ("wrong shape", [NORM]),
+            ("missing tensor", ["model.layers.0.self_attn.qkv_proj.weight"]),
+        ]:
             ray.get(trainer.set_misfit.remote(misfit))
             text = refusal(sync, 2, "accept")  # before a byte moved
             assert all(n in text for n in named), f"{misfit}: {text}"

@@ -255,8 +255,11 @@ def test_an_async_engine_keeps_the_version_rules_across_sleep_wake_and_vllms_rel
         order = [
             c for c in ray.get(host.take_calls.remote()) if c[0] == "wake_up" or c[1] == "receiver_receive"
         ]
-        assert order == [("wake_up", ("weights",)), ("raysync_call", "receiver_receive"),
-                         ("wake_up", ("kv_cache",))], order  # fmt: skip
+        assert order == [
+            ("wake_up", ("weights",)),
+            ("raysync_call", "receiver_receive"),
+            ("wake_up", ("kv_cache",)),
+        ], order
         assert not ray.get(host.is_sleeping.remote()) and sync.versions() == [1]
         assert ray.get(host.generate_now.remote(PROMPTS, TOKENS), timeout=WAIT_S) == v1  # the gate is open
 

@@ -31,10 +31,19 @@ def tiny_moe(seed: int) -> torch.nn.Module:
     """A small Qwen2-MoE (transformers, random init): 4 experts, 2 per token, a shared expert."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    config = Qwen2MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
-                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                            max_position_embeddings=256)  # fmt: skip
+    config = Qwen2MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(seed)
     return Qwen2MoeForCausalLM(config).eval()
 

@@ -66,11 +66,31 @@ def server(tmp_path):
     tiny_qwen2(seed=1).save_pretrained(model_dir)
     port, key = free_port(), secrets.token_hex(32)
     env = {**os.environ, "RAYSYNC_SERVER_KEY": key, "VLLM_SERVER_DEV_MODE": "1"}
-    args = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-            "--worker-extension-cls", "raysync.engines.vllm.WorkerExtension", "--dtype", "float32",
-            "--max-model-len", "160", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-            "--kv-cache-memory-bytes", str(32 << 20), "--block-size", "32", "--enforce-eager",
-            "--enable-prefix-caching"]  # fmt: skip
+    args = [
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--worker-extension-cls",
+        "raysync.engines.vllm.WorkerExtension",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "160",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "256",
+        "--kv-cache-memory-bytes",
+        str(32 << 20),
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+    ]
     process = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
         env=env,
@@ -108,8 +128,12 @@ def server(tmp_path):
 
 
 def post(url: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.loads(response.read())
 
@@ -118,8 +142,14 @@ def completions(url: str, model: str) -> list[list[int]]:
     """Greedy tokens for PROMPTS, asked over HTTP as any client of the server would."""
     out = []
     for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "min_tokens": TOKENS, "temperature": 0,
-                "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": TOKENS,
+            "min_tokens": TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         out.append(post(url, "/v1/completions", body)["choices"][0]["token_ids"])
     return out
 

@@ -68,8 +68,11 @@ def note_receive(worker: Any, result: EndpointResult, parameters: frozenset[str]
     ep.forget_version(worker)
     logger.info(
         "vLLM worker %s holds no version after push %s: %d parameter(s) hold weights no push wrote (%s)",
-        worker.rank, version, len(missing), ", ".join(missing[:3]),
-    )  # fmt: skip
+        worker.rank,
+        version,
+        len(missing),
+        ", ".join(missing[:3]),
+    )
     return dataclasses.replace(result, version=None)
 
 
