@@ -22,28 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from bench_ipc import checksum
+from bench_shm import checksum, receiver_main
 from common import emit, timed
 
-from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import SessionSecret, SyncConfig, WeightSender
 from raysync.tools.models import allocate
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def engine_main(endpoint, secret, config, layout, device, pushes, out) -> None:
-    torch.set_num_threads(1)
-    dest = allocate(layout, device=device, fill=False)
-    for t in dest.values():
-        t.zero_()
-    with WeightReceiver(endpoint, secret, config) as receiver:
-        for _ in range(pushes):
-            receiver.receive(into=dest)
-        _sync(device)
-        out.put(checksum(dest))
 
 
 def floor_s(src: dict[str, torch.Tensor], device: str, engines: int, repeats: int) -> float:
@@ -73,7 +56,9 @@ def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool
     pool = ThreadPoolExecutor(engines)
     try:
         procs = [
-            ctx.Process(target=engine_main, args=(s.endpoint, sec, config, layout, device, pushes + 1, out))
+            ctx.Process(
+                target=receiver_main, args=(s.endpoint, sec, config, layout, device, pushes + 1, 1, out)
+            )
             for s, sec in zip(senders, secrets, strict=True)
         ]
         for p in procs:
