@@ -10,11 +10,12 @@
 # Two ways to feed N ranks: shard-only (one session per rank pushes ``rank_tensors``: the sender packs each
 # rank's 1/N, column blocks copied from strided views) or whole tensors (one ring read by the N ranks, a fan-out;
 # each rank's ``ShardLoader`` copies its shard out of zero-copy views of the ring, Note [ring buffer views] in
-# raysync.core.sink). Both move the same bytes into the ranks and pack the model once in total, but the whole
-# tensors make every rank wait for the buckets of the others' shards and gather each sliced tensor whole:
-# shard-only measured faster over shm (benchmarks/bench_tp_engine.py, docs/benchmarks.md, section 15). The rule:
-#   - over a ring (shm, cuda_ipc ring, another node's collective): shard-only, where the engine's tensors are
-#     plain shards of the trainer's (a torch engine: ``dims``);
+# raysync.core.sink). Both move the same bytes into the ranks and pack the model once in total; shard-only
+# measured 1.5-1.8x faster over shm (benchmarks/bench_tp_engine.py, docs/benchmarks.md, section 15; where the
+# whole-tensor way loses, every rank waiting for the others' buckets or gathering sliced tensors whole, was not
+# broken down). The rule:
+#   - over a ring (measured over shm; the cuda_ipc ring and the collective not measured): shard-only, where the
+#     engine's tensors are plain shards of the trainer's (a torch engine: ``dims``);
 #   - in place (cuda_ipc direct: the ranks read the trainer's tensors on its GPU, nothing is packed): whole
 #     tensors, each rank copying only its shard (``ShardLoader``); a column block cannot be read in place;
 #   - vLLM engines: whole tensors always. A vLLM worker's ``load_weights`` cuts the checkpoint's tensors for its
