@@ -123,52 +123,91 @@ def _direction_key(key: bytes, role: str) -> bytes:
     return hmac.new(key, f"raysync/{PROTOCOL}/{role}".encode(), hashlib.sha256).digest()
 
 
+class SignedFrames:
+    """The signing half of a channel, shared by the session's FrameCodec and WeightSync's push loops
+    (raysync.ray.loop_wire): msgpack frames ``[protocol, channel, seq, kind, body]`` followed by an HMAC-SHA256
+    of them under this direction's key, numbered per direction. ``open`` checks, cheapest and safest first: size
+    cap, length, signature (before a byte is parsed), msgpack (no ext types, strict map keys), protocol and
+    channel, then that the sequence number is above the last accepted one; ``accept(seq)`` records it once the
+    caller has checked the body too, so that a frame refused for its body does not use up its number."""
+
+    def __init__(
+        self,
+        send_key: bytes,
+        recv_key: bytes,
+        *,
+        protocol: str,
+        channel: str,
+        max_frame_bytes: int,
+        what: str = "frame",
+        scope: str = "session",
+        use_list: bool = False,
+    ):
+        self._send_key, self._recv_key = send_key, recv_key
+        self._protocol, self._channel, self._max, self._what = protocol, channel, max_frame_bytes, what
+        self._scope, self._use_list = scope, use_list
+        self._sent_seq = self._seen_seq = 0
+
+    def seal(self, kind: str, body: object) -> bytes:
+        self._sent_seq += 1
+        payload = msgpack.packb([self._protocol, self._channel, self._sent_seq, kind, body])
+        if len(payload) + MAC_BYTES > self._max:
+            raise FrameTooLarge(
+                f"{kind} {self._what} of {len(payload)} bytes exceeds max_frame_bytes={self._max}"
+            )
+        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+
+    def open(self, frame: bytes) -> tuple[int, object, object]:
+        """(seq, kind, body) of a frame whose signature, header and number are good; ``kind`` and ``body``
+        are unchecked values for the caller's schema."""
+        if len(frame) > self._max:
+            raise FrameTooLarge(f"{self._what} of {len(frame)} bytes exceeds max_frame_bytes={self._max}")
+        if len(frame) <= MAC_BYTES:
+            raise MalformedFrame(f"{self._what} of {len(frame)} bytes is too short to carry a signature")
+        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self._recv_key, payload, hashlib.sha256).digest()):
+            raise BadSignature(f"{self._what} signature does not match this {self._scope}'s key")
+        try:
+            header = msgpack.unpackb(payload, raw=False, use_list=self._use_list, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise MalformedFrame(f"signed {self._what} is not valid msgpack: {e}") from None
+        if not (isinstance(header, (tuple, list)) and len(header) == 5 and header[0] == self._protocol):
+            raise MalformedFrame(f"signed {self._what} does not carry a raysync header")
+        _, channel, seq, kind, body = header
+        if channel != self._channel:
+            raise BadSignature(f"{self._what} belongs to another {self._scope}")
+        if type(seq) is not int or seq <= self._seen_seq:
+            raise ReplayedFrame(f"sequence number {seq!r} is not above the last accepted {self._seen_seq}")
+        return seq, kind, body
+
+    def accept(self, seq: int) -> None:
+        self._seen_seq = seq
+
+
 class FrameCodec:
     """Signs what this side sends and checks what its peer sends. One per endpoint per session."""
 
     def __init__(self, secret: SessionSecret, role: str, peer_role: str, max_frame_bytes: int):
-        self._session_id = secret.session_id
-        self._send_key = _direction_key(secret.key, role)
-        self._recv_key = _direction_key(secret.key, peer_role)
-        self._max = max_frame_bytes
-        self._sent_seq = 0
-        self._seen_seq = 0
+        self._frames = SignedFrames(
+            _direction_key(secret.key, role),
+            _direction_key(secret.key, peer_role),
+            protocol=PROTOCOL,
+            channel=secret.session_id,
+            max_frame_bytes=max_frame_bytes,
+        )
 
     def encode(self, msg: Message) -> bytes:
         body = dataclasses.asdict(msg)  # type: ignore[call-overload]
         _decode_body(
             type(msg), body, type(msg).__name__
         )  # never send what the peer would refuse (e.g. version -1)
-        self._sent_seq += 1
-        payload = msgpack.packb([PROTOCOL, self._session_id, self._sent_seq, type(msg).__name__, body])
-        if len(payload) + MAC_BYTES > self._max:
-            raise FrameTooLarge(
-                f"{type(msg).__name__} frame of {len(payload)} bytes exceeds max_frame_bytes={self._max}"
-            )
-        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+        return self._frames.seal(type(msg).__name__, body)
 
     def decode(self, frame: bytes) -> Message:
-        if len(frame) > self._max:
-            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self._max}")
-        if len(frame) <= MAC_BYTES:
-            raise MalformedFrame(f"frame of {len(frame)} bytes is too short to carry a signature")
-        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self._recv_key, payload, hashlib.sha256).digest()):
-            raise BadSignature("frame signature does not match this session's key")
-        try:
-            header = msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise MalformedFrame(f"signed frame is not valid msgpack: {e}") from None
-        if not (isinstance(header, tuple) and len(header) == 5 and header[0] == PROTOCOL):
-            raise MalformedFrame("signed frame does not carry a raysync header")
-        _, session_id, seq, kind, body = header
-        if session_id != self._session_id:
-            raise BadSignature("frame belongs to another session")
-        if type(seq) is not int or seq <= self._seen_seq:
-            raise ReplayedFrame(f"sequence number {seq!r} is not above the last accepted {self._seen_seq}")
+        seq, kind, body = self._frames.open(frame)
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise SchemaError(f"unknown message kind {kind!r}")
         msg = _decode_body(cls, body, kind)
-        self._seen_seq = seq
+        self._frames.accept(seq)
         return msg  # type: ignore[return-value]

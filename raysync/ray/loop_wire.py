@@ -9,49 +9,45 @@ import hashlib
 import hmac
 from typing import Any
 
-import msgpack
-
 from raysync.core import errors
+from raysync.core.frames import SignedFrames
 from raysync.core.report import PushReport
 from raysync.core.version import MIXED
 from raysync.ray.results import EndpointResult, RemoteFailure
 
 _PROTOCOL = "rs-loop1"
-_MAC_BYTES = 32
+_MAX_FRAME = 64 << 20  # an answer carries failures' tracebacks
 
 
 class Codec:
-    """Signs what one side sends to, and checks what it receives from, one member's loop."""
+    """Signs what one side sends to, and checks what it receives from, one member's loop: core.frames'
+    SignedFrames under a key per member and direction, the member's name as the channel; bodies are lists."""
 
     def __init__(self, secret: bytes, member: str, role: str):
         keys = {
             r: hmac.new(secret, f"raysync/{_PROTOCOL}/{member}/{r}".encode(), hashlib.sha256).digest()
             for r in ("actor", "driver")
         }
-        self._send_key, self._recv_key = keys[role], keys["actor" if role == "driver" else "driver"]
-        self._sent = self._seen = 0
+        peer = "actor" if role == "driver" else "driver"
+        self._frames = SignedFrames(
+            keys[role],
+            keys[peer],
+            protocol=_PROTOCOL,
+            channel=member,
+            max_frame_bytes=_MAX_FRAME,
+            what="push loop frame",
+            scope="push loop member",
+            use_list=True,
+        )
 
     def encode(self, kind: str, body: list) -> bytes:
-        self._sent += 1
-        payload = msgpack.packb([_PROTOCOL, self._sent, kind, body])
-        return payload + hmac.new(self._send_key, payload, hashlib.sha256).digest()
+        return self._frames.seal(kind, body)
 
     def decode(self, frame: bytes) -> tuple[str, list]:
-        """Checked in this order: the signature (before a byte is parsed), msgpack, header, sequence number."""
-        payload, mac = frame[:-_MAC_BYTES], frame[-_MAC_BYTES:]
-        want = hmac.new(self._recv_key, payload, hashlib.sha256).digest()
-        if len(frame) <= _MAC_BYTES or not hmac.compare_digest(mac, want):
-            raise errors.BadSignature("push loop frame: the signature does not match this member's key")
-        try:
-            header = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise errors.MalformedFrame(f"signed push loop frame is not valid msgpack: {e}") from None
-        protocol, seq, kind, body = header if type(header) is list and len(header) == 4 else (None,) * 4
-        if protocol != _PROTOCOL or type(seq) is not int or type(kind) is not str or type(body) is not list:
+        seq, kind, body = self._frames.open(frame)
+        if type(kind) is not str or type(body) is not list:
             raise errors.MalformedFrame("signed frame does not carry a push loop header")
-        if seq <= self._seen:
-            raise errors.ReplayedFrame(f"sequence number {seq} is not above the last accepted {self._seen}")
-        self._seen = seq
+        self._frames.accept(seq)
         return kind, body
 
 
