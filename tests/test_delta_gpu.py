@@ -17,7 +17,9 @@ LAYOUT = "qwen2.5-0.5b"
 
 @pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
 def test_deltas_over_a_cuda_ipc_ring_and_full_pushes_in_direct_mode(spawn, no_leftovers, direct):
-    config = SyncConfig(transport="cuda_ipc", direct=direct, delta=True, timeout_s=120, progress=False)
+    config = SyncConfig(
+        transport="cuda_ipc", direct=direct, delta=True, timeout_s=120, progress=False, delta_by_time=False
+    )
     torch.cuda.set_device(0)
     named = allocate(LAYOUT, device="cuda")
     full = sum(t.nbytes for t in named.values())

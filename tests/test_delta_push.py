@@ -20,7 +20,9 @@ from raysync.core.frames import _decode_body
 from raysync.core.version import MIXED
 from raysync.core.wire import PushStart
 
-CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=30, progress=False, delta=True, verify=True)
+CFG = SyncConfig(
+    bucket_bytes=64 << 10, timeout_s=30, progress=False, delta=True, verify=True, delta_by_time=False
+)
 LR = 3e-6  # an RL learning rate: most bf16 elements keep their bits
 
 

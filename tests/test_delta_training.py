@@ -17,7 +17,9 @@ from raysync.sources.lazy import LazySource
 
 pytest.importorskip("transformers")
 LR = 3e-6  # an RL learning rate: most bf16 elements keep their bits from one step to the next
-CFG = SyncConfig(bucket_bytes=256 << 10, timeout_s=60, progress=False, delta=True, verify=True)
+CFG = SyncConfig(
+    bucket_bytes=256 << 10, timeout_s=60, progress=False, delta=True, verify=True, delta_by_time=False
+)
 
 
 class Trainer:

@@ -107,6 +107,9 @@ class SyncConfig:
     delta_full_every  delta: every N-th push is full (an anchor); 0: only when a receiver needs one
     delta_max_density delta: a chunk whose fraction of changed elements is above this goes full (it goes full
                     anyway where the delta would not be smaller than its bytes)
+    delta_by_time   delta: a push goes as a delta only when the sender measured delta pushes faster than full
+                    ones on its plane (the first delta push measures; Note [the density rule by time] in
+                    raysync.core.delta_rule); False: every push that can be a delta is one
     """
 
     bucket_bytes: int | None = None
@@ -127,6 +130,7 @@ class SyncConfig:
     delta: bool = False
     delta_full_every: int = 0
     delta_max_density: float = 1.0
+    delta_by_time: bool = True
 
     def __post_init__(self) -> None:
         self._fill_auto()
@@ -154,6 +158,8 @@ class SyncConfig:
             check_dtype_name(self.cast_dtype)
         if type(self.delta_full_every) is not int or self.delta_full_every < 0:
             raise ValueError(f"delta_full_every={self.delta_full_every!r}: an int >= 0 (0: no anchors)")
+        if self.delta_by_time not in (True, False):
+            raise TypeError(f"delta_by_time={self.delta_by_time!r}: True or False")
         if not 0.0 <= self.delta_max_density <= 1.0:
             raise ValueError(f"delta_max_density={self.delta_max_density!r}: a fraction of elements, 0 to 1")
         if self.direct not in (None, True, False):

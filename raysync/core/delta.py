@@ -1,8 +1,9 @@
 """Delta pushes (issue 24): one bucket's tensors encoded as the elements whose bits changed since the version
 the receiver holds, and decoded by a scatter into the receiver's tensors, in place. Pure functions of tensors;
-the session plugs them into its pack and unpack stages (Note [delta pushes]).
+the session plugs them into its pack and unpack stages (Note [delta pushes]). This module is the format and
+the receiver's half (decode and its checks); the sender's half is raysync.core.delta_encode.
 
-    encode(pairs, out, base_version=v)  ->  BucketCode   (pairs: (reference as of v, new values) per chunk)
+    delta_encode.encode(pairs, out, base_version=v)  ->  BucketCode   (pairs: (reference as of v, new) per chunk)
     decode(buffer, destinations, held_version=v)  ->  BucketCode   (the destinations hold version v)
 
 # Note [delta pushes]
@@ -29,9 +30,9 @@ the session plugs them into its pack and unpack stages (Note [delta pushes]).
 # (where issue 24 expects RL steps to be) and larger above; the gaps decoder has one case and unpacks no
 # bits, and decoded faster than the bitmask's at every density benchmarks/bench_delta.py measured on a CPU
 # (it times both side by side; their encodes were close). The density rule, per chunk:
-# FULL when the GAPS payload would not be smaller than the full bytes, or the changed fraction is above
-# ``max_density`` (the caller's break-even from the benchmark: where encode + decode stops being faster than
-# moving the full bytes over its transport).
+# FULL when the GAPS payload would not be smaller than the full bytes ("size"), or the changed fraction is
+# above ``max_density`` ("density": a user's cap). Whether a push is encoded at all is decided by time, from
+# what the sender measured on its plane (raysync.core.delta_rule, Note [the density rule by time]).
 #
 # How it plugs into the push (raysync.core.delta_push, Note [the delta reference], says what was built of it):
 # * The reference: the sender keeps the wire-dtype bytes of the last version it pushed, one tensor per
@@ -43,9 +44,11 @@ the session plugs them into its pack and unpack stages (Note [delta pushes]).
 #   device first: encode compares the wire dtype's bits, which is what receivers hold.
 # * pack (sender, per bucket k): claim the buffer as today, then encode(pairs, buffer, base_version=the
 #   reference's version) instead of the Packer's copies; the buffer must hold ``capacity`` bytes (the bucket
-#   plus 32 + 32 per chunk and padding: ring buffers in delta mode are made that much larger). Then the sender
-#   applies what it sent to its own reference with the same decode the receivers run, so the reference equals
-#   what every delta receiver holds, by construction. The reference's version is None from the first bucket of
+#   plus 32 + 32 per chunk and padding: ring buffers in delta mode are made that much larger). Then the
+#   reference takes the new bytes (one copy on its device): decoding an encoding onto its base gives the new
+#   bits exactly (tests/test_delta.py), so that is what every delta receiver holds; and verify compares the
+#   receivers' result with what the trainer meant, so a fault in the codec shows there rather than being
+#   copied into the reference as well. The reference's version is None from the first bucket of
 #   a push until the last one is applied to it; a push that fails between leaves None, and the next push is
 #   full for every receiver (a FULL chunk rewrites the reference too).
 # * plane: the bytes of a bucket are ``BucketCode.nbytes``, not the bucket's: the collective broadcasts only
@@ -102,6 +105,7 @@ class ChunkCode:
     itemsize: int
     entries: int  # GAPS: indices with their values (changed, plus one per 65536 elements); else 0
     changed: int | None  # elements whose bits changed (None on the receiver: the delta does not say)
+    why: str = ""  # FULL on the sender: "base" (no reference), "size" or "density" (the density rule)
 
     @property
     def full_bytes(self) -> int:
@@ -135,6 +139,9 @@ class BucketCode:
     @property
     def sent_as_delta(self) -> int:  # everything else: SAME and GAPS payloads, header, table, padding
         return self.nbytes - self.sent_as_full
+
+    def full_by(self, why: str) -> int:  # FULL payload bytes the sender chose for that reason
+        return sum(c.payload_bytes for c in self.chunks if c.mode == Mode.FULL and c.why == why)
 
     @property
     def numel(self) -> int:
@@ -183,101 +190,6 @@ def check_base(held: Version, base: Version, sender: str = "the sender") -> None
         )
 
 
-# --- encode -----------------------------------------------------------------------------------------------------
-def encode(
-    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
-    out: torch.Tensor,
-    *,
-    base_version: int | None,
-    max_density: float = 1.0,
-) -> BucketCode:
-    """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
-    bytes). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype and size; a
-    reference of None, or ``base_version`` None, sends that chunk FULL. The references are not modified (apply
-    the returned code to them with ``decode`` to advance them). Host syncs: one per device for the counts, and
-    one per GAPS chunk on a GPU (``nonzero``; ``nonzero_static`` could drop it where torch has it for CUDA)."""
-    _check_buffer(out, "out")
-    views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
-    for (old, new), (o, n) in zip(pairs, views, strict=True):
-        if o is not None and (old.dtype != new.dtype or o.numel() != n.numel() or o.device != n.device):
-            raise LayoutError(
-                f"reference {old.dtype}[{o.numel()}] on {o.device} and new values {new.dtype}[{n.numel()}] on "
-                f"{n.device}: a chunk's reference must have its dtype, size and device"
-            )
-    if base_version is not None and not is_version(base_version):
-        raise LayoutError(f"base_version={base_version!r}: an int version, or None for a full bucket")
-    masks = [o != n if o is not None and base_version is not None else None for o, n in views]
-    counts = _host_counts(masks)
-    codes = tuple(
-        _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
-    )
-    used = _layout_end(codes)
-    if used > out.numel():
-        raise LayoutError(
-            f"bucket buffer of {out.numel()} bytes, {used} needed: size delta buffers with "
-            f"raysync.core.delta.capacity (the bucket's bytes, plus header, table and padding)"
-        )
-    header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
-    rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
-    _write_words(out, header + [w for row in rows for w in row])
-    offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
-    for code, (_, new), mask in zip(codes, views, masks, strict=True):
-        _write_payload(code, new, mask, out[offset : offset + code.payload_bytes])
-        offset = _align(offset + code.payload_bytes)
-    return BucketCode(base_version, codes, used)
-
-
-def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_density: float) -> ChunkCode:
-    """The density rule: GAPS when it is smaller than the full bytes and dense enough to pay, else FULL."""
-    if counts is None:
-        return ChunkCode(Mode.FULL, numel, itemsize, 0, None)
-    changed, forced = counts
-    if changed == 0:
-        return ChunkCode(Mode.SAME, numel, itemsize, 0, 0)
-    entries = changed + forced
-    if changed > max_density * numel or gaps_bytes(entries, itemsize) >= numel * itemsize:
-        return ChunkCode(Mode.FULL, numel, itemsize, 0, changed)
-    return ChunkCode(Mode.GAPS, numel, itemsize, entries, changed)
-
-
-def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
-    """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
-    stats = [
-        None
-        if m is None
-        else torch.stack([m.count_nonzero(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).count_nonzero()])
-        for m in masks
-    ]
-    return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
-
-
-def _write_payload(
-    code: ChunkCode, new: torch.Tensor, mask: torch.Tensor | None, region: torch.Tensor
-) -> None:
-    if code.mode == Mode.FULL:
-        region.copy_(new.view(torch.uint8))
-    elif code.mode == Mode.GAPS:
-        assert mask is not None
-        mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
-        index = _nonzero_sparse(mask) if 32 * code.entries < code.numel else mask.nonzero().view(-1)
-        assert index.numel() == code.entries, "the mask changed between count and encode"
-        gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
-        split = _align(2 * code.entries)
-        region[: 2 * code.entries].view(torch.int16).copy_(gaps)
-        region[split:].view(new.dtype).copy_(new[index])
-
-
-def _nonzero_sparse(mask: torch.Tensor) -> torch.Tensor:
-    """``mask.nonzero()`` of a 1-d bool mask with few True (a GAPS chunk's), as increasing int64 indices: first
-    the 8-element words holding any (one pass over numel / 8 words), then the elements of those words only."""
-    pad = -mask.numel() % 8
-    padded = torch.cat([mask, mask.new_zeros(pad)]) if pad or mask.storage_offset() % 8 else mask
-    rows = padded.view(torch.uint8).view(-1, 8)
-    words = rows.view(torch.int64).view(-1).nonzero().view(-1)
-    hits = rows[words].nonzero()  # row-major: increasing
-    return words[hits[:, 0]].mul_(8).add_(hits[:, 1])
-
-
 # --- decode -----------------------------------------------------------------------------------------------------
 def decode(
     buffer: torch.Tensor, destinations: Sequence[torch.Tensor], *, held_version: Version
@@ -299,8 +211,8 @@ def decode(
         region = buffer[offset : offset + c.payload_bytes]
         offset = _align(offset + c.payload_bytes)
         if c.mode == Mode.GAPS:
-            gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device, torch.int64)
-            index = gaps.add_(1 + 32768).cumsum_(0).sub_(1)  # gaps >= 1: strictly increasing
+            gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device)  # 2 bytes an entry cross
+            index = gaps.to(torch.int64).add_(1 + 32768).cumsum_(0).sub_(1)  # gaps >= 1: strictly increasing
             values = region[_align(2 * c.entries) :].view(dest.dtype).to(dest.device)
             work.append((i, dest, index, values))
         elif c.mode == Mode.FULL:
@@ -378,10 +290,6 @@ def _check_buffer(buffer: torch.Tensor, what: str) -> None:
         raise LayoutError(
             f"{what} starts at byte {buffer.storage_offset()} of its storage, not at a multiple of 16"
         )
-
-
-def _write_words(out: torch.Tensor, words: list[int]) -> None:
-    out[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
 
 
 def _to_host(tensors: Sequence[torch.Tensor | None]) -> list:

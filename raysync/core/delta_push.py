@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +57,8 @@ import torch
 
 from raysync.core import delta
 from raysync.core.config import SyncConfig
+from raysync.core.delta_encode import Workspace, encode
+from raysync.core.delta_rule import StageClock, TimeRule
 from raysync.core.plan import Bucket, align_up, plan_buckets
 from raysync.core.source import Packer, Source, SourcePacker
 from raysync.core.wire import TensorSpec
@@ -73,26 +76,40 @@ DIRECT_OFF = (
 
 @dataclass(frozen=True)
 class DeltaStats:
-    """What one push sent, summed over its buckets (raysync.core.delta.BucketCode's fields)."""
+    """What one push sent, summed over its buckets (raysync.core.delta.BucketCode's fields), and why."""
 
     base_version: int | None = None  # the version the deltas were computed from (None: a full push)
     sent_as_delta: int = 0  # SAME and GAPS payloads, headers, tables, padding
     sent_as_full: int = 0  # FULL payloads (a full push: every tensor byte)
     changed: int | None = None  # elements whose bits changed (known for delta pushes only)
     numel: int = 0
+    why: str = ""  # why the push went full, or why the time rule let it be a delta (Note [the density ...])
+    full_by_size: int = 0  # FULL payloads of a delta push whose gaps would not have been smaller
+    full_by_density: int = 0  # FULL payloads of a delta push denser than SyncConfig.delta_max_density
 
     @property
     def density(self) -> float | None:
         return None if self.changed is None else self.changed / max(self.numel, 1)
 
+    @property
+    def explain(self) -> str:
+        """Which rule sent what full, and why: the report's words."""
+        parts = [self.why] if self.why else []
+        for rule, nbytes in (("size", self.full_by_size), ("density", self.full_by_density)):
+            if nbytes:
+                parts.append(f"{nbytes / 1e6:.2f} MB full by {rule}")
+        return "; ".join(parts)
+
     def add(self, code: delta.BucketCode) -> DeltaStats:
         changed = code.changed
-        return DeltaStats(
-            self.base_version,
-            self.sent_as_delta + code.sent_as_delta,
-            self.sent_as_full + code.sent_as_full,
-            None if self.changed is None or changed is None else self.changed + changed,
-            self.numel + code.numel,
+        return dataclasses.replace(
+            self,
+            sent_as_delta=self.sent_as_delta + code.sent_as_delta,
+            sent_as_full=self.sent_as_full + code.sent_as_full,
+            changed=None if self.changed is None or changed is None else self.changed + changed,
+            numel=self.numel + code.numel,
+            full_by_size=self.full_by_size + code.full_by("size"),
+            full_by_density=self.full_by_density + code.full_by("density"),
         )
 
 
@@ -140,10 +157,15 @@ class Reference:
         self.version: int | None = None  # what the reference holds; None while a push writes it
         self.base: int | None = None  # this push's base version: None for a full push
         self.stats = DeltaStats()
+        self.rule = TimeRule()  # Note [the density rule by time] (raysync.core.delta_rule)
+        self.clock = StageClock()  # per-stage seconds of a push, when enabled (benchmarks)
         self._since_full = 0  # delta pushes since the last full one (SyncConfig.delta_full_every)
         self._layout_id, self._fits, self._source = 0, False, None
+        self._started, self._measured = 0.0, False  # this push's start, and whether the rule learns from it
         self._bytes: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._space: Workspace | None = None  # encode's work tensors, reused by every push
+        self._ring_device: torch.device | None = None
         self._offsets: list[int] = []
         self._pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per bucket: (reference, scratch)
         self._packer: Packer | SourcePacker | None = None
@@ -169,21 +191,34 @@ class Reference:
 
     def start(self, full: bool, lazy: bool = False) -> int | None:
         """Choose this push's encoding before anything is packed: a delta from the reference's version, unless
-        ``full``, a full anchor is due, or there is no valid reference. The reference's version is None from
-        here until ``finish``."""
+        ``full``, a full anchor is due, there is no valid reference, or the time rule measured full pushes
+        faster (Note [the density rule by time]). The reference's version is None from here until ``finish``."""
         self.active, self.lazy = self.enabled, lazy
+        self._started = time.perf_counter()
         every = self.config.delta_full_every
-        anchor = every > 0 and self._since_full + 1 >= every
         usable = self.active and self._fits and self._packer is not None
-        self.base = self.version if usable and not full and not anchor else None
+        self._measured = usable
+        as_delta, why = False, ""
+        if not usable or self.version is None:
+            why = "no reference of the receivers' version: full"
+        elif full:
+            why = "full=True"
+        elif every > 0 and self._since_full + 1 >= every:
+            why = f"an anchor (delta_full_every={every})"
+        elif self.config.delta_by_time:
+            as_delta, why = self.rule.choose()
+        else:
+            as_delta = True
+        self.base = self.version if as_delta else None
         self.version = None
-        self.stats = DeltaStats(self.base, changed=None if self.base is None else 0)
+        self.stats = DeltaStats(self.base, changed=None if self.base is None else 0, why=why)
+        self.clock.start(self._bytes.device if self._bytes is not None else None)
         return self.base
 
-    def demote(self) -> None:
+    def demote(self, why: str = "a receiver needs a full push") -> None:
         """This push goes full after all (a receiver cannot take the delta, or the tensors changed after the
         first buckets were encoded): whatever was applied to the reference is rewritten by the full push."""
-        self.base, self.stats = None, DeltaStats()
+        self.base, self.stats, self._measured = None, DeltaStats(why=why), False
 
     def prepare(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor]) -> None:
         """After the layout agreement made new copies (new tensors, or a new layout): a new reference for a
@@ -191,7 +226,7 @@ class Reference:
         read other tensors)."""
         if not self.active:
             return
-        self.demote()
+        self.demote("new tensors or a new layout: full")
         sources = agreed.sources
         device = sources[0].tensor.device if sources else torch.device("cpu")
         self._new_layout(agreed, buffers, device)
@@ -203,7 +238,7 @@ class Reference:
         source (then this push is full)."""
         if not self.active or (source is self._source and agreed.layout.layout_id == self._layout_id):
             return
-        self.demote()
+        self.demote("a new source or layout: full")
         self._new_layout(agreed, buffers, buffers[0].device)
         self._packer = source.packer(self.config, agreed.buckets, [self._scratch])
         self._source = source
@@ -229,6 +264,8 @@ class Reference:
                 logger.warning("delta pushes off: %s", self.off)
         size = max((b.nbytes for b in buckets), default=0)
         self._scratch = torch.empty(size, dtype=torch.uint8, device=device)
+        self._space = Workspace.for_buckets([chunk_sizes(b, specs) for b in buckets], device)
+        self._ring_device = buffers[0].device if buffers else device
         self._pairs = [
             [(_words(self.bucket(k), c, specs), _words(self._scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
@@ -236,21 +273,38 @@ class Reference:
 
     def merge(self, first: DeltaStats) -> None:
         """A push served in turns: what the delta turn (``first``) sent, with the full turn's bytes."""
-        s = self.stats
-        self.stats = DeltaStats(None, first.sent_as_delta, first.sent_as_full + s.sent_as_full, None, s.numel)
+        full = self.stats.sent_as_full
+        why = f"in turns: the delta turn: {first.explain}" if first.explain else "in turns"
+        self.stats = dataclasses.replace(
+            first, base_version=None, sent_as_full=first.sent_as_full + full, changed=None, why=why
+        )
 
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket k's bytes in the reference, laid out as in a ring buffer (what verify digests)."""
         return self._bytes[self._offsets[k] : self._offsets[k + 1]]
 
+    @property
+    def packs_full(self) -> bool:
+        """A full push in delta mode packs through the scratch (then one copy into the ring, one into the
+        reference) instead of copying the ring into the reference: a lazy source, or a ring on another device
+        than the reference (a host ring of a GPU trainer: that copy would cross PCIe a second time)."""
+        return self.lazy or (self._bytes is not None and self._ring_device != self._bytes.device)
+
     def encode(self, k: int, buffer: torch.Tensor) -> int:
         """A delta push's bucket k: pack it into the scratch bucket, encode it into ``buffer`` against the
-        reference, and apply that very encoding to the reference, as every receiver does. Returns the bytes
-        of ``buffer`` the encoding uses."""
+        reference (on the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded]
+        in raysync.core.delta_encode), and the reference takes the new bytes (Note [delta pushes]). Returns
+        the bytes of ``buffer`` the encoding uses."""
+        self.clock.restart()
         self._packer.pack(k)
-        pairs = self._pairs[k]
-        code = delta.encode(pairs, buffer, base_version=self.base, max_density=self.config.delta_max_density)
-        delta.decode(buffer, [ref for ref, _ in pairs], held_version=self.base)
+        self.clock.mark("pack")
+        pairs, cap = self._pairs[k], self.config.delta_max_density
+        code = encode(
+            pairs, buffer, base_version=self.base, max_density=cap, space=self._space, mark=self.clock.mark
+        )
+        size = self._offsets[k + 1] - self._offsets[k]
+        self.bucket(k).copy_(self._scratch[:size])
+        self.clock.mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes
 
@@ -258,20 +312,29 @@ class Reference:
         """A full push's bucket k, packed into ``buffer`` (``nbytes`` bytes, ``payload`` of them tensors'):
         the reference takes it."""
         self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
+        self.clock.mark("reference")
         s = self.stats
-        self.stats = DeltaStats(None, s.sent_as_delta, s.sent_as_full + payload, None, s.numel)
+        self.stats = dataclasses.replace(
+            s, base_version=None, sent_as_full=s.sent_as_full + payload, changed=None
+        )
 
     def pack_full(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
-        """A lazy source's full push, bucket k: packed into the scratch, copied into ``buffer`` and kept."""
+        """A full push's bucket k packed through the scratch (``packs_full``): copied into ``buffer`` and
+        kept."""
+        self.clock.restart()
         self._packer.pack(k)
+        self.clock.mark("pack")
         buffer[:nbytes].copy_(self._scratch[:nbytes])
+        self.clock.mark("copy out")
         self.keep(k, self._scratch, nbytes, payload)
 
     def finish(self, version: int, skipped: bool) -> None:
         """Every receiver applied the push (or had the version: then the reference may hold part of this
-        push's bytes over the last one's, and stays None)."""
+        push's bytes over the last one's, and stays None). The time rule learns what it cost."""
         if not self.active or skipped:
             return
+        if self._measured and self.config.delta_by_time:
+            self.rule.observe(self.base is not None, time.perf_counter() - self._started, self._offsets[-1])
         self.version = version
         self._since_full = self._since_full + 1 if self.base is not None else 0
 

@@ -27,6 +27,7 @@ class PushReport:
     sent_as_full: int = 0  # tensor bytes sent whole
     density: float | None = None  # changed elements / elements (delta pushes, on the sender)
     base_version: int | None = None  # the version a delta push was computed from; None for a full push
+    why: str = ""  # delta mode, sender: which rule sent what full, and why (DeltaStats.explain)
 
     @classmethod
     def sent(
@@ -59,6 +60,7 @@ class PushReport:
             full,
             stats.density,
             stats.base_version,
+            stats.explain,
         )
 
     @classmethod
@@ -108,4 +110,4 @@ class PushReport:
                 f"; a delta from version {self.base_version}: {self.sent_as_delta / 1e6:.2f} MB as delta, "
                 f"{self.sent_as_full / 1e6:.2f} MB full{density}"
             )
-        return text
+        return f"{text} ({self.why})" if self.why else text

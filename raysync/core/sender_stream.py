@@ -79,7 +79,7 @@ class SenderStream:
             payload = sum(c.nbytes for c in bucket.chunks)
             if ref is not None and ref.base is not None:  # a delta push: encoded against the reference
                 self._encoded[k] = ref.encode(k, buffer)
-            elif ref is not None and ref.lazy:  # a lazy source packs through the reference's scratch
+            elif ref is not None and ref.packs_full:  # through the reference's scratch (a lazy source, ...)
                 ref.pack_full(k, buffer, bucket.nbytes, payload)
             else:
                 self._agreed.packer.pack(k)

@@ -1,0 +1,239 @@
+"""The sender's half of the delta encoding (raysync.core.delta, Note [delta pushes], has the format and the
+receiver's half): one bucket's chunks compared with their reference and written as FULL, SAME or GAPS
+payloads, on the device that holds the chunks (Note [where a delta is encoded]).
+
+    space = Workspace.for_bucket(chunks, device)       # once per layout: reused by every push
+    encode(pairs, out, base_version=v, space=space)  ->  BucketCode
+
+# Note [where a delta is encoded]
+# Every pass over a bucket's elements runs on the device that holds the chunks (the trainer's GPU, or the CPU),
+# and the bytes cross to another device at most once, compact: the encoding is written into the workspace's
+# buffer on the chunks' device and copied into ``out`` (a host ring buffer, for shm) in one copy of the bytes
+# it uses. Writing it straight into a host buffer instead made every payload a blocking copy of its own, and
+# each int64 -> int16 conversion of gaps ran on the host through a pageable temporary (torch converts the dtype
+# of a blocking cross-device copy on the CPU), eight bytes an entry across PCIe. Per bucket:
+#
+#     compare  ne(reference, new) into the workspace's mask, chunk by chunk       (reads 2 x, writes 1 byte)
+#     count    changed and forced entries of every chunk, stacked: one host sync  (reads the mask)
+#     choose   FULL / SAME / GAPS per chunk on the host (the density rule, its reason)
+#     compact  GAPS: indices (nonzero_static where the count is known: no sync on CUDA), gaps as int16,
+#              values gathered straight into the payload (index_select out=); FULL: one copy of the chunk
+#     copy     the used bytes into ``out`` when it lives on another device (one copy, one sync)
+#
+# ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
+# them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from raysync.core.delta import (
+    GAP_SPAN,
+    HEADER_BYTES,
+    MAGIC,
+    ROW_BYTES,
+    BucketCode,
+    ChunkCode,
+    Mode,
+    _align,
+    _bits,
+    _check_buffer,
+    _layout_end,
+    _to_host,
+    capacity,
+    gaps_bytes,
+)
+from raysync.core.errors import LayoutError
+from raysync.core.version import is_version
+
+Mark = Callable[[str], None]
+
+
+@dataclass
+class Workspace:
+    """Work tensors one bucket's encoding needs, made once and reused by every push: a bool mask of the
+    bucket's elements and, where ``out`` lives on another device, a buffer to encode into first."""
+
+    mask: torch.Tensor  # bool, at least the bucket's elements
+    buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
+
+    @classmethod
+    def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
+        """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each."""
+        elements = max((sum(n for n, _ in chunks) for chunks in sizes), default=0)
+        return cls(torch.empty(elements, dtype=torch.bool, device=device))
+
+    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.buffer[:nbytes]
+
+
+def encode(
+    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    out: torch.Tensor,
+    *,
+    base_version: int | None,
+    max_density: float = 1.0,
+    space: Workspace | None = None,
+    mark: Mark | None = None,
+) -> BucketCode:
+    """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
+    bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
+    and size, all on one device; a reference of None, or ``base_version`` None, sends that chunk FULL. Nothing
+    is modified but ``out`` and ``space``. One host sync per bucket for the counts (two when ``out`` is on
+    another device than the chunks: the copy of the bytes used)."""
+    _check_buffer(out, "out")
+    views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
+    device = _check_pairs(pairs, views)
+    if base_version is not None and not is_version(base_version):
+        raise LayoutError(f"base_version={base_version!r}: an int version, or None for a full bucket")
+    mark = mark or _no_mark
+    masks = _compare(views, base_version is not None, space, device)
+    counts = _host_counts(masks)
+    mark("compare")
+    codes = tuple(
+        _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
+    )
+    used = _layout_end(codes)
+    if used > out.numel():
+        raise LayoutError(
+            f"bucket buffer of {out.numel()} bytes, {used} needed: size delta buffers with "
+            f"raysync.core.delta.capacity (the bucket's bytes, plus header, table and padding)"
+        )
+    target = out
+    if device is not None and out.device != device:  # Note [where a delta is encoded]
+        space = space or Workspace(torch.empty(0, dtype=torch.bool, device=device))
+        target = space.staging(used, device)
+    header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
+    rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
+    _write_words(target, header + [w for row in rows for w in row])
+    offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
+    for code, (_, new), mask in zip(codes, views, masks, strict=True):
+        _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
+        offset = _align(offset + code.payload_bytes)
+    mark("compact")
+    if target is not out:
+        out[:used].copy_(target[:used])
+        mark("copy out")
+    return BucketCode(base_version, codes, used)
+
+
+def _no_mark(stage: str) -> None:
+    pass
+
+
+def _check_pairs(pairs, views) -> torch.device | None:
+    """The chunks' one device (None: no chunks); a reference must match its chunk's dtype, size and device."""
+    devices = {n.device for _, n in views}
+    if len(devices) > 1:
+        raise LayoutError(
+            f"a bucket's chunks on {sorted(map(str, devices))}: encode takes one device a bucket"
+        )
+    for (old, new), (o, n) in zip(pairs, views, strict=True):
+        if o is not None and (old.dtype != new.dtype or o.numel() != n.numel() or o.device != n.device):
+            raise LayoutError(
+                f"reference {old.dtype}[{o.numel()}] on {o.device} and new values {new.dtype}[{n.numel()}] on "
+                f"{n.device}: a chunk's reference must have its dtype, size and device"
+            )
+    return next(iter(devices), None)
+
+
+def _compare(views, based: bool, space: Workspace | None, device) -> list[torch.Tensor | None]:
+    """Per chunk, the mask of elements whose bits changed (None: no reference), in the workspace's mask."""
+    total = sum(n.numel() for o, n in views if o is not None) if based else 0
+    if space is None or space.mask.numel() < total or space.mask.device != device:
+        slab = torch.empty(total, dtype=torch.bool, device=device)
+        if space is not None:
+            space.mask = slab
+    else:
+        slab = space.mask
+    masks, start = [], 0
+    for o, n in views:
+        if o is None or not based:
+            masks.append(None)
+            continue
+        mask = slab[start : start + n.numel()]
+        torch.ne(o, n, out=mask)
+        masks.append(mask)
+        start += n.numel()
+    return masks
+
+
+def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_density: float) -> ChunkCode:
+    """The density rule: GAPS when it is smaller than the full bytes and not denser than ``max_density``,
+    else FULL (``why`` says which rule); SAME when nothing changed."""
+    if counts is None:
+        return ChunkCode(Mode.FULL, numel, itemsize, 0, None, "base")
+    changed, forced = counts
+    if changed == 0:
+        return ChunkCode(Mode.SAME, numel, itemsize, 0, 0)
+    entries = changed + forced
+    if gaps_bytes(entries, itemsize) >= numel * itemsize:
+        return ChunkCode(Mode.FULL, numel, itemsize, 0, changed, "size")
+    if changed > max_density * numel:
+        return ChunkCode(Mode.FULL, numel, itemsize, 0, changed, "density")
+    return ChunkCode(Mode.GAPS, numel, itemsize, entries, changed)
+
+
+def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
+    """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
+    stats = [
+        None
+        if m is None
+        else torch.stack([m.count_nonzero(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).count_nonzero()])
+        for m in masks
+    ]
+    return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
+
+
+def _write_payload(
+    code: ChunkCode, new: torch.Tensor, mask: torch.Tensor | None, region: torch.Tensor
+) -> None:
+    """One chunk's payload into ``region``, on the chunk's device (Note [where a delta is encoded])."""
+    if code.mode == Mode.FULL:
+        region.copy_(new.view(torch.uint8))
+    elif code.mode == Mode.GAPS:
+        assert mask is not None
+        mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
+        index = _indices(mask, code.entries)
+        gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
+        split = _align(2 * code.entries)
+        region[: 2 * code.entries].view(torch.int16).copy_(gaps)
+        values = region[split : split + code.entries * code.itemsize].view(new.dtype)
+        torch.index_select(new, 0, index, out=values)
+
+
+def _indices(mask: torch.Tensor, entries: int) -> torch.Tensor:
+    """The increasing int64 indices of ``mask``'s ``entries`` True elements. On CUDA ``nonzero_static`` (the
+    count is known: no host sync); on the CPU ``nonzero``, or two passes when few are True."""
+    if mask.device.type != "cpu" and hasattr(torch, "nonzero_static"):
+        try:
+            return torch.nonzero_static(mask, size=entries).view(-1)
+        except NotImplementedError:  # a torch without it for this device
+            pass
+    index = _nonzero_sparse(mask) if 32 * entries < mask.numel() else mask.nonzero().view(-1)
+    assert index.numel() == entries, "the mask changed between count and encode"
+    return index
+
+
+def _nonzero_sparse(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.nonzero()`` of a 1-d bool mask with few True (a GAPS chunk's), as increasing int64 indices: first
+    the 8-element words holding any (one pass over numel / 8 words), then the elements of those words only."""
+    pad = -mask.numel() % 8
+    padded = torch.cat([mask, mask.new_zeros(pad)]) if pad or mask.storage_offset() % 8 else mask
+    rows = padded.view(torch.uint8).view(-1, 8)
+    words = rows.view(torch.int64).view(-1).nonzero().view(-1)
+    hits = rows[words].nonzero()  # row-major: increasing
+    return words[hits[:, 0]].mul_(8).add_(hits[:, 1])
+
+
+def _write_words(out: torch.Tensor, words: list[int]) -> None:
+    out[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+
+
+__all__ = ["Workspace", "encode", "capacity"]

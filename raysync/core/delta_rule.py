@@ -1,0 +1,114 @@
+"""Which pushes go as a delta, by time (issue 24, item 3), and the clock that times a push's stages. Pure host
+code: the sender's reference (raysync.core.delta_push.Reference) asks ``TimeRule.choose`` before each push and
+tells it what each push cost; ``StageClock`` sums the seconds of each stage of a push when asked to.
+
+# Note [the density rule by time]
+# A delta is worth sending only when encoding it and moving its bytes is faster than moving the full bytes on
+# this plane, and which is faster depends on the plane and the machine, not only on the sizes: on a GPU
+# trainer over a host ring (shm) the full push is bounded by PCIe and the delta's compare runs at GPU memory
+# speed; on one GPU (a cuda_ipc ring) a full push is two device copies, which one compare pass already costs;
+# on a CPU trainer over shm a memcpy beats the compare and the compaction; over other nodes (the collective)
+# the network is slow and a delta wins. So the sender measures, per push, the seconds from ``start`` to
+# ``finish`` (the receivers have applied it) over the layout's full bytes, for full pushes and for delta
+# pushes separately (the last of each), and before a push:
+#   * no delta push measured yet on this session: a delta (the first attempt measures);
+#   * no full push measured yet (the first push of a layout sets the session up, so it is not counted): full;
+#   * else a delta when its last measured time is below the last full one; full otherwise ("time" in the
+#     report's ``why``), with a delta again after ``probe_every`` full pushes, in case the density fell or the
+#     plane changed, the interval doubling each time the probe confirms full (up to 64 x) and back to
+#     ``probe_every`` when a delta wins.
+# Within a delta push the chunk rule still applies ("size": a GAPS payload no smaller than the full bytes,
+# "density": denser than SyncConfig.delta_max_density, a user's cap). A push that went full after all (a
+# receiver could not take the delta), one served in turns and one that set a layout up are not measured.
+# SyncConfig(delta_by_time=False) turns this rule off: every push that can be a delta is one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_EVERY = 8  # full pushes chosen by time before a delta is measured again (doubling, Note above)
+PROBE_MAX = 64 * PROBE_EVERY
+
+
+@dataclass
+class TimeRule:
+    """Note [the density rule by time]: the last measured seconds per full byte of each kind of push."""
+
+    probe_every: int = PROBE_EVERY
+    full_s_per_byte: float | None = None
+    delta_s_per_byte: float | None = None
+    _probe_in: int = field(default=PROBE_EVERY, repr=False)  # full pushes until the next delta probe
+    _interval: int = field(default=PROBE_EVERY, repr=False)
+
+    def choose(self) -> tuple[bool, str]:
+        """(send this push as a delta, why): the reason is for the report either way."""
+        d, f = self.delta_s_per_byte, self.full_s_per_byte
+        if d is None:
+            return True, "time: no delta push measured yet, this one measures"
+        if f is None:
+            return False, "time: no full push measured yet, this one measures"
+        measured = f"the last delta push took {_per_gb(d)}, the last full push {_per_gb(f)}"
+        if d < f:
+            return True, f"time: {measured}"
+        if self._probe_in <= 0:
+            return True, f"time: {measured}; measured again after {self._interval} full pushes"
+        return False, f"time: {measured}"
+
+    def observe(self, delta: bool, seconds: float, full_bytes: int) -> None:
+        """A push of ``full_bytes`` (the layout's: what a full push moves) took ``seconds`` end to end."""
+        rate = seconds / max(full_bytes, 1)
+        if not delta:
+            self.full_s_per_byte = rate
+            self._probe_in -= 1
+            return
+        wins = self.full_s_per_byte is None or rate < self.full_s_per_byte
+        probed = self._probe_in <= 0
+        self.delta_s_per_byte = rate
+        if wins:
+            self._interval = self.probe_every
+        elif probed:
+            self._interval = min(2 * self._interval, PROBE_MAX)
+        self._probe_in = self._interval
+
+
+def _per_gb(seconds_per_byte: float) -> str:
+    return f"{seconds_per_byte * 1e12:.1f} ms/GB"
+
+
+class StageClock:
+    """Seconds per stage of a push, summed over its buckets (``seconds``), when ``enabled`` (off by default:
+    on a GPU each mark synchronizes the device first, which ordinary pushes must not). ``mark(stage)`` ends
+    the stage under way; ``start`` begins a push."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter):
+        self.enabled = False
+        self.device: torch.device | None = None
+        self.seconds: dict[str, float] = {}
+        self._now, self._last = now, 0.0
+
+    def start(self, device: torch.device | None = None) -> None:
+        self.seconds, self.device = {}, device
+        self.restart()
+
+    def restart(self) -> None:
+        """The next stage starts now (time between pushes' stages, e.g. waiting for a buffer, not counted)."""
+        if self.enabled:
+            self._sync()
+            self._last = self._now()
+
+    def mark(self, stage: str) -> None:
+        if not self.enabled:
+            return
+        self._sync()
+        now = self._now()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    def _sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
