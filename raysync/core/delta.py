@@ -69,7 +69,7 @@ the receiver's half (decode and its checks); the sender's half is raysync.core.d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -192,13 +192,19 @@ def check_base(held: Version, base: Version, sender: str = "the sender") -> None
 
 # --- decode -----------------------------------------------------------------------------------------------------
 def decode(
-    buffer: torch.Tensor, destinations: Sequence[torch.Tensor], *, held_version: Version
+    buffer: torch.Tensor,
+    destinations: Sequence[torch.Tensor],
+    *,
+    held_version: Version,
+    mark: Callable[[str], None] | None = None,
 ) -> BucketCode:
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
     destination, every payload within the bytes used, every index within its destination, and the base
-    version against ``held_version`` (BadDelta, BaseMismatch). One host sync per bucket, two with GAPS
-    chunks."""
+    version against ``held_version`` (BadDelta, BaseMismatch). Destinations on another device than
+    ``buffer`` (a GPU engine reading a host ring) get the bytes used in one copy, then everything runs
+    there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``mark(stage)``
+    ends each stage when given (raysync.core.delta_rule.StageClock)."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
     code = _read_table(buffer, dests)
@@ -206,28 +212,40 @@ def decode(
         if code.base_version is None:
             raise BadDelta("a delta bucket without a base version: only FULL chunks can come without one")
         check_base(held_version, code.base_version)
+    mark = mark or _no_mark
+    devices = {d.device for d in dests}
+    if len(devices) == 1 and buffer.device not in devices:  # cross once, with the bytes used only
+        buffer = buffer[: code.nbytes].to(devices.pop())
+    mark("copy in")
     offset, work = _align(HEADER_BYTES + ROW_BYTES * len(dests)), []
     for i, (c, dest) in enumerate(zip(code.chunks, dests, strict=True)):
         region = buffer[offset : offset + c.payload_bytes]
         offset = _align(offset + c.payload_bytes)
         if c.mode == Mode.GAPS:
-            gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device)  # 2 bytes an entry cross
+            gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device)
             index = gaps.to(torch.int64).add_(1 + 32768).cumsum_(0).sub_(1)  # gaps >= 1: strictly increasing
             values = region[_align(2 * c.entries) :].view(dest.dtype).to(dest.device)
             work.append((i, dest, index, values))
         elif c.mode == Mode.FULL:
             work.append((i, dest, None, region))
     gapped = [(i, dest.numel(), index[-1]) for i, dest, index, _ in work if index is not None]
+    mark("index")
     lasts = _to_host([last for _, _, last in gapped])
     for (i, numel, _), last in zip(gapped, lasts, strict=True):
         if last >= numel:
             raise BadDelta(f"chunk {i}: a delta writes element {last} of a destination of {numel} elements")
+    mark("check")
     for _, dest, index, values in work:  # nothing was written before this loop
         if index is None:
             dest.view(torch.uint8).copy_(values)
         else:
             dest.index_copy_(0, index, values)
+    mark("apply")
     return code
+
+
+def _no_mark(stage: str) -> None:
+    pass
 
 
 def _read_table(buffer: torch.Tensor, dests: list[torch.Tensor]) -> BucketCode:

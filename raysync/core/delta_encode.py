@@ -43,6 +43,7 @@ from raysync.core.delta import (
     _bits,
     _check_buffer,
     _layout_end,
+    _no_mark,
     _to_host,
     capacity,
     gaps_bytes,
@@ -121,10 +122,6 @@ def encode(
         out[:used].copy_(target[:used])
         mark("copy out")
     return BucketCode(base_version, codes, used)
-
-
-def _no_mark(stage: str) -> None:
-    pass
 
 
 def _check_pairs(pairs, views) -> torch.device | None:

@@ -1,0 +1,130 @@
+"""The density rule by time (raysync.core.delta_rule, Note [the density rule by time]): a push goes as a delta
+only when the sender measured delta pushes faster than full ones on its plane; the first delta attempt
+measures; full pushes chosen by time are probed again; the report says which rule sent what full and why.
+Costs are injected through the rule's ``observe`` (what the session calls with the seconds it measured), the
+pushes themselves are real (an shm ring between two threads) and checked bit-exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import same_bits, session_pair
+from test_delta_push import CFG, bf16, rl_step, small_model
+
+from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule
+
+GB = 10**9
+
+
+# --- the rule alone -------------------------------------------------------------------------------------------------
+def test_the_first_delta_measures_then_a_full_push_then_the_faster_one_wins():
+    rule = TimeRule()
+    assert rule.choose() == (True, "time: no delta push measured yet, this one measures")
+    rule.observe(True, 2.0, GB)
+    assert rule.choose() == (False, "time: no full push measured yet, this one measures")
+    rule.observe(False, 1.0, GB)
+    delta, why = rule.choose()
+    assert not delta and why == "time: the last delta push took 2000.0 ms/GB, the last full push 1000.0 ms/GB"
+    rule.observe(True, 0.5, GB)  # the delta got cheaper (a sparser step): it wins
+    assert rule.choose()[0]
+
+
+@pytest.mark.parametrize(
+    "delta_s, full_s, as_delta", [(5.0, 1.0, False), (0.2, 1.0, True), (1.0, 1.0, False)]
+)
+def test_expensive_encoding_picks_full_and_cheap_encoding_picks_delta(delta_s, full_s, as_delta):
+    rule = TimeRule()
+    rule.observe(True, delta_s * 3, 3 * GB)  # per byte: pushes of other sizes compare
+    rule.observe(False, full_s, GB)
+    assert rule.choose()[0] is as_delta
+
+
+def test_full_by_time_is_probed_again_and_the_interval_doubles_while_full_stays_faster():
+    rule = TimeRule()
+    rule.observe(True, 4.0, GB)
+    choices = []
+    for _ in range(3 * PROBE_EVERY + 4):
+        delta, why = rule.choose()
+        choices.append(delta)
+        rule.observe(delta, 4.0 if delta else 1.0, GB)  # delta stays slower
+        if delta:
+            assert why.endswith(f"measured again after {PROBE_EVERY * (1 + (sum(choices) > 1))} full pushes")
+    probes = [i for i, d in enumerate(choices) if d]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # after 8 full pushes, then after 16
+
+
+def test_a_stage_clock_sums_marked_stages_only_when_enabled():
+    ticks = iter([0.0, 1.0, 3.0, 10.0, 11.0, 20.0])
+    clock = StageClock(now=lambda: next(ticks))
+    clock.mark("pack")  # off: nothing read
+    clock.enabled = True
+    clock.start()  # 0
+    clock.mark("pack")  # 1
+    clock.mark("compare")  # 3
+    clock.restart()  # 10: a wait between buckets is not counted
+    clock.mark("pack")  # 11
+    assert clock.seconds == {"pack": 2.0, "compare": 2.0}
+
+
+# --- in pushes ------------------------------------------------------------------------------------------------------
+def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private_tmp, in_thread):
+    """Real pushes over shm with the time rule on: push 1 is full (nothing to diff), push 2 a delta (the first
+    attempt measures), push 3 full (a full push is measured); then the costs are injected through the rule's
+    ``observe``: a delta much slower than a full push sends push 4 full, said so in the report; a delta much
+    faster sends push 5 as a delta. Every push lands bit-exact."""
+    master = small_model(seed=5)
+    dest = bf16(small_model(seed=6))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    full_bytes = sum(t.numel() * 2 for t in master.values())
+    reports = []
+    with session_pair(config) as (sender, receiver):
+        rule = sender._delta.rule  # the seam: what the session tells the rule after each push
+        for version in range(1, 6):
+            rl_step(master, version)
+            if version == 4:
+                rule.observe(True, 100.0, full_bytes)  # encoding made expensive relative to moving bytes
+            if version == 5:
+                rule.observe(True, 1e-9, full_bytes)  # and cheap
+            got = in_thread(receiver.receive, into=dest)
+            reports.append(sender.push(master.items(), version))
+            assert got.result(timeout=30).base_version == reports[-1].base_version
+            assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
+    assert [r.base_version for r in reports] == [None, 1, None, None, 4]
+    assert [r.bytes == r.sent_as_full == full_bytes for r in reports] == [True, False, True, True, False]
+    assert reports[0].why.startswith("new tensors or a new layout")
+    assert reports[1].why == "time: no delta push measured yet, this one measures"
+    assert reports[2].why == "time: no full push measured yet, this one measures"
+    assert reports[3].why.startswith("time: the last delta push took") and reports[4].why.startswith("time: ")
+    assert "(time: " in str(reports[3])
+
+
+def test_the_report_says_which_chunks_went_full_by_the_density_cap(private_tmp, in_thread):
+    """delta_max_density (the user's cap): chunks denser than it go full inside a delta push, and the report
+    counts their bytes under "density"; the time rule is off, so the push is a delta."""
+    master = small_model(seed=7)
+    dest = bf16(small_model(seed=8))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_max_density=0.0)
+    with session_pair(config) as (sender, receiver):
+        for version in (1, 2):
+            rl_step(master, version)
+            got = in_thread(receiver.receive, into=dest)
+            report = sender.push(master.items(), version)
+            assert got.result(timeout=30).version == version
+    assert report.base_version == 1 and sender._delta.stats.full_by_density == report.sent_as_full > 0
+    assert "MB full by density" in report.why
+    assert all(same_bits(dest[n], t) for n, t in bf16(master).items())
+
+
+def test_a_delta_push_of_tensors_that_did_not_change_sends_headers_only(private_tmp, in_thread):
+    master = bf16(small_model(seed=9))
+    dest = bf16(small_model(seed=10))
+    with session_pair(CFG) as (sender, receiver):
+        for version in (1, 2):
+            got = in_thread(receiver.receive, into=dest)
+            report = sender.push(master.items(), version)
+            assert got.result(timeout=30).version == version
+    assert report.base_version == 1 and report.sent_as_full == 0 and report.density == 0.0
+    assert 0 < report.bytes < 64 * len(sender._agreed.buckets) * 8
+    assert all(torch.equal(dest[n], t) for n, t in master.items())
