@@ -10,9 +10,9 @@ The bucket is every tensor of decoder layer 0 of --layout (--layers for more), i
 of a real checkpoint (matrices ~N(0, 0.02), norm weights ~1). A change flips the lowest bit of an element (one
 bf16 step, as an RL update does), at uniformly random positions: --densities says what fraction. Rows:
 
-* encode: ``delta.encode`` (the compare, the counts, the gaps and values written into a bucket buffer);
-* decode: ``delta.decode`` into the engine's tensors (the checks, then the scatter), as a receiver runs it
-  and as the sender runs it on its reference;
+* encode: ``delta_encode.encode`` (the compare, the counts, the gaps and values written into a bucket buffer)
+  with a Workspace reused across calls, as a push's sender does;
+* decode: ``delta.decode`` into the engine's tensors (the checks, then the scatter), as a receiver runs it;
 * bitmask encode / decode: the other encoding considered (a bit per element, then the changed values), made
   here only to compare (into fresh tensors, not a bucket buffer, so slightly flattered): its size is
   numel / 8 + changed * itemsize;
@@ -22,6 +22,11 @@ bf16 step, as an RL update does), at uniformly random positions: --densities say
 threads of this process over an shm ring): a full push with delta off, then per density a delta push and a
 full push in delta mode (``full=True``, which also copies each bucket into the sender's reference), next to
 the floor of one copy of the model's bytes in the same run; every push is checked bit-exact at the end.
+
+Under each density, encode's and decode's stages (raysync.core.delta_rule.StageClock, means over --repeats;
+on a GPU each stage's end synchronizes). --buffer-device cpu with --device cuda puts the bucket buffer in
+pinned host memory: the shm case of a GPU trainer and a GPU engine (encode crosses PCIe once with the bytes
+used, decode once back).
 
 GB/s are of the full bytes (what a full push would move), so the rows compare directly. Times are medians
 over --repeats after a warm-up, on --threads CPU threads (1 by default, as Ray runs its actors; on a busy
@@ -41,6 +46,8 @@ import torch
 from common import emit, timed
 
 from raysync.core import delta
+from raysync.core.delta_encode import Workspace, encode
+from raysync.core.delta_rule import StageClock
 from raysync.tools.models import LAYOUTS
 
 _WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
@@ -88,12 +95,29 @@ def bitmask_decode(bits: torch.Tensor, values: torch.Tensor, dest: torch.Tensor)
     dest.view(torch.int16).masked_scatter_(mask, values)
 
 
-def run_density(olds: list[torch.Tensor], density: float, device: torch.device, repeats: int) -> dict:
+def stage_times(fn, device: torch.device, repeats: int) -> dict[str, float]:
+    """Mean seconds per stage of ``fn(mark)`` over ``repeats`` calls, after one warm-up."""
+    clock = StageClock()
+    fn(clock.mark)
+    clock.enabled = True
+    clock.start(device)
+    for _ in range(repeats):
+        clock.restart()
+        fn(clock.mark)
+    return {k: v / repeats for k, v in clock.seconds.items()}
+
+
+def run_density(
+    olds: list[torch.Tensor], density: float, device: torch.device, buffer_device: torch.device, repeats: int
+) -> dict:
     news = [changed(o, density, seed=i) for i, o in enumerate(olds)]
     pairs = list(zip(olds, news, strict=True))
-    out = torch.empty(delta.capacity([(n.numel(), 2) for n in news]), dtype=torch.uint8, device=device)
+    pin = buffer_device.type == "cpu" and device.type == "cuda"
+    size = delta.capacity([(n.numel(), 2) for n in news])
+    out = torch.empty(size, dtype=torch.uint8, device=buffer_device, pin_memory=pin)
+    space = Workspace.for_buckets([[(n.numel(), 2) for n in news]], device)
     engine = [o.clone() for o in olds]
-    code = delta.encode(pairs, out, base_version=1)
+    code = encode(pairs, out, base_version=1, space=space)
     delta.decode(out, engine, held_version=1)
     assert all(
         torch.equal(e.view(torch.int16), n.view(torch.int16)) for e, n in zip(engine, news, strict=True)
@@ -104,7 +128,7 @@ def run_density(olds: list[torch.Tensor], density: float, device: torch.device, 
         bitmask_decode(bits, values, dest)
         assert torch.equal(dest.view(torch.int16), new.view(torch.int16))
     seconds = {
-        "encode": timed(lambda: delta.encode(pairs, out, base_version=1), device, repeats),
+        "encode": timed(lambda: encode(pairs, out, base_version=1, space=space), device, repeats),
         "decode": timed(lambda: delta.decode(out, engine, held_version=1), device, repeats),
         "bitmask encode": timed(lambda: [bitmask_encode(o, n) for o, n in pairs], device, repeats),
         "bitmask decode": timed(
@@ -124,6 +148,14 @@ def run_density(olds: list[torch.Tensor], density: float, device: torch.device, 
         "gaps_bytes": code.nbytes,
         "bitmask_bytes": bitmask_bytes,
         "seconds": seconds,
+        "stages_s": {
+            "encode": stage_times(
+                lambda mark: encode(pairs, out, base_version=1, space=space, mark=mark), device, repeats
+            ),
+            "decode": stage_times(
+                lambda mark: delta.decode(out, engine, held_version=1, mark=mark), device, repeats
+            ),
+        },
     }
 
 
@@ -179,7 +211,7 @@ def run_push(
     copy_src = torch.empty(nbytes, dtype=torch.uint8)
     floor = timed(lambda: flat.copy_(copy_src), torch.device("cpu"), repeats)
     full_off, _ = pushes(base, None, False)
-    delta_cfg = dataclasses.replace(base, delta=True)
+    delta_cfg = dataclasses.replace(base, delta=True, delta_by_time=False)  # every push a delta
     runs = []
     for density in densities:
         delta_s, reports = pushes(delta_cfg, density, False)
@@ -229,6 +261,7 @@ def main() -> None:
     p.add_argument("--layout", default="qwen2.5-7b" if cuda else "qwen2.5-0.5b", choices=sorted(LAYOUTS))
     p.add_argument("--layers", type=int, default=1, help="decoder layers in the bucket")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--buffer-device", default=None, help="the bucket buffer's (default: --device; cpu: shm)")
     p.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.036, 0.09, 0.3])
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (Ray gives its actors one)")
     p.add_argument("--repeats", type=int, default=5)
@@ -246,6 +279,7 @@ def main() -> None:
         print_push(result)
         emit(result, args.json)
         return
+    buffer_device = torch.device(args.buffer_device or args.device)
     olds = bucket(args.layout, args.layers, device, seed=0)
     full = sum(2 * o.numel() for o in olds)
     result = {
@@ -255,11 +289,12 @@ def main() -> None:
         "full_bytes": full,
         "device": str(device),
         "hardware": hardware(device),
-        "runs": [run_density(olds, d, device, args.repeats) for d in args.densities],
+        "buffer_device": str(buffer_device),
+        "runs": [run_density(olds, d, device, buffer_device, args.repeats) for d in args.densities],
     }
     print(
-        f"bucket: {args.layers} layer(s) of {args.layout}, {len(olds)} bf16 tensors, {full / 1e6:.1f} MB; "
-        f"on {result['hardware']}"
+        f"bucket: {args.layers} layer(s) of {args.layout}, {len(olds)} bf16 tensors, {full / 1e6:.1f} MB, on "
+        f"{device}, bucket buffer on {buffer_device}; on {result['hardware']}"
     )
     print(f"{'density':>8}  {'':30}  {'ms':>8}  {'GB/s':>6}  {'x floor':>7}  {'bytes / full':>12}")
     for r in result["runs"]:
@@ -275,6 +310,10 @@ def main() -> None:
         print(
             f"{'':8}  chunks: {modes}; changed {r['changed']} of {full // 2}; encode + decode {both:.1f} x floor"
         )
+        for name, stages in r["stages_s"].items():
+            print(
+                f"{'':8}  {name} stages (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())
+            )
     emit(result, args.json)
 
 

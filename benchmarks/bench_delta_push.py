@@ -14,10 +14,18 @@ spawned process holding bf16 tensors on --device (torch, pyzmq and msgpack only:
 Rows, per transport (shm; cuda_ipc ring with --device cuda, on one GPU; collective: gloo over TCP on the CPU,
 NCCL is not run here), per step: the Adam step (not timed), then
 
-* delta push: ``push(version)``, a delta from the last version (its bytes and density from the PushReport);
-* full push, delta on: ``push(version, full=True)`` in the same session (it also copies every bucket into the
-  sender's reference);
+* delta push: ``push(version)`` with the time rule off (``delta_by_time=False``), so a delta from the last
+  version (its bytes and density from the PushReport), and where the sender's time went, stage by stage
+  (its reference's StageClock, summed over buckets: pack = the source packed and cast into the scratch
+  bucket; compare = ne + counts, with the one host sync; compact = indices, gaps and values written into
+  the encoding; copy out = the bytes used copied into the ring buffer when it lives on another device;
+  reference = the reference takes the new bytes; rest = the push's time outside these: waiting for a free
+  buffer while the receiver decodes, the control messages). On a GPU each stage's end synchronizes the device;
+* full push, delta on: ``push(version, full=True)`` in the same session (the reference keeps its bytes);
 * full push, delta off: a session without delta, the same model (median over the steps);
+* the rule: a third session with the time rule on (``delta_by_time``, the default), one ``push(version)`` a
+  step after its own Adam step: what it sent (delta or full), in what time and why (PushReport.why). Its
+  first push measures a delta, its second a full push, from its third on it chooses (so --steps >= 3);
 * floor: one read of the trainer's tensors (what change detection must read at least: count_nonzero over
   each fp32 master tensor) plus moving the delta's bytes over the transport: shm, a copy into host memory
   and one out (from and into --device); cuda_ipc, two device copies; the collective, one broadcast of that
@@ -89,9 +97,13 @@ class Trainer:
             p.detach().count_nonzero()
 
 
-def engine(kind: str, where, secret, config: SyncConfig, named_shapes, device: str, pushes: int, out, inbox):
+def engine(
+    kind: str, where, secret, config: SyncConfig, named_shapes, device: str, pushes: int, out, inbox, threads
+):
     """The engine: bf16 tensors on ``device``, ``pushes`` receives, then the digests of what it holds; for the
     collective, then broadcasts of the sizes the sender asks for (its floor)."""
+    if threads:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -143,16 +155,18 @@ def broadcast(pg, t: torch.Tensor) -> None:
     pg.broadcast([t], opts).wait()
 
 
-def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int) -> dict:
+def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, rule: bool = False) -> dict:
     """One session over ``kind`` to a spawned engine: a first (full) push, then per step (delta on) an Adam
-    step, a delta push and a full push, or (delta off) a full push; checked bit-exact at the end."""
+    step, a delta push and a full push, or (delta off) a full push, or (``rule``) an Adam step and a push the
+    time rule chooses; checked bit-exact at the end."""
     config = SyncConfig(
         transport="shm" if kind == "collective" else kind,
         bucket_bytes=args.bucket_mib.get(kind) * MiB,
         num_buffers=2,
         direct=False,
         cast_dtype="bfloat16",
-        delta=delta,
+        delta=delta or rule,
+        delta_by_time=rule,
         timeout_s=600,
         progress=False,
     )
@@ -170,7 +184,8 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int) ->
         sender = WeightSender(secret, config)
         where, engine_device = sender.endpoint, args.device
     proc = ctx.Process(
-        target=engine, args=(kind, where, secret, config, named_shapes, engine_device, pushes, out, inbox)
+        target=engine,
+        args=(kind, where, secret, config, named_shapes, engine_device, pushes, out, inbox, args.threads),
     )
     proc.start()
     rows = []
@@ -178,14 +193,16 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int) ->
         sender = group.join(timeout_s=600) if group is not None else sender
         version = 0
         sender.push(trainer.named(), version)  # the first push: full (not timed)
+        sender._delta.clock.enabled = delta  # the sender's stages (Reference.clock: delta_rule.StageClock)
         for step in range(1, steps + 1):
             row = {"step": step}
-            if delta:
+            if delta or rule:
                 trainer.step()
                 version += 1
-                row["delta"] = timed_push(sender, trainer, version, full=False)
-            version += 1
-            row["full"] = timed_push(sender, trainer, version, full=delta)
+                row["delta" if delta else "rule"] = timed_push(sender, trainer, version, full=False)
+            if not rule:
+                version += 1
+                row["full"] = timed_push(sender, trainer, version, full=delta)
             rows.append(row)
         got, want = answer(proc, out), trainer.digests()
         if got != want:
@@ -210,7 +227,17 @@ def timed_push(sender, trainer: Trainer, version: int, full: bool) -> dict:
     t0 = time.perf_counter()
     report = sender.push(trainer.named(), version, full=full)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "bytes": report.bytes, "density": report.density, "base": report.base_version}
+    stages = dict(sender._delta.clock.seconds) if sender._delta.clock.enabled else {}
+    if stages:
+        stages["rest"] = seconds - sum(stages.values())
+    return {
+        "seconds": seconds,
+        "bytes": report.bytes,
+        "density": report.density,
+        "base": report.base_version,
+        "why": report.why,
+        "stages_s": stages,
+    }
 
 
 def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> float:
@@ -242,12 +269,16 @@ def run(args) -> dict:
         free(device)
         off = run_transport(kind, trainer, args, delta=False, steps=args.steps)
         free(device)
+        by_rule = run_transport(kind, trainer, args, delta=False, steps=args.steps, rule=True)
+        free(device)
         full_off = statistics.median(r["full"]["seconds"] for r in off["steps"])
         for r in on["steps"]:
             if "move_s" not in r:
                 r["move_s"] = move_floor(kind, r["delta"]["bytes"], device, args.repeats)
             r["floor_s"] = read_s + r.pop("move_s")
-        results.append({**on, "full_push_delta_off_s": full_off})
+        results.append(
+            {**on, "full_push_delta_off_s": full_off, "rule": [r["rule"] for r in by_rule["steps"]]}
+        )
     return {
         "layout": args.layout,
         "layers": args.layers,
@@ -287,6 +318,20 @@ def report(result: dict) -> None:
                 f"{r['floor_s'] * 1e3:9.1f}  {d['seconds'] / r['floor_s']:7.1f}  {f['seconds'] * 1e3:12.1f}  "
                 f"{off * 1e3:13.1f}  {d['seconds'] / off:6.2f}"
             )
+    print(
+        "\nwhere the sender's time went (ms, summed over buckets; rest: waiting for buffers, the receiver, control)"
+    )
+    for t in result["transports"]:
+        for r in t["steps"]:
+            for what in ("delta", "full"):
+                stages = r[what]["stages_s"]
+                line = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items())
+                print(f"{t['transport']:10}  {r['step']:4}  {what + ' push':10}  {line}")
+    print("\nthe time rule (delta_by_time, its own session): what each push sent and why")
+    for t in result["transports"]:
+        for step, r in enumerate(t["rule"], 1):
+            sent = "full" if r["base"] is None else "delta"
+            print(f"{t['transport']:10}  {step:4}  {sent:5}  {r['seconds'] * 1e3:9.1f} ms  {r['why']}")
 
 
 def hardware(device: torch.device) -> str:
@@ -305,7 +350,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="Adam steps, one delta push each")
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--repeats", type=int, default=3, help="for the floors (medians)")
-    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads, both processes")
     p.add_argument("--no-collective", dest="collective", action="store_false", help="CPU: no gloo rows")
     p.add_argument("--shm-mib", type=int, default=None, help="shm bucket_bytes (default: 8 CPU, 512 GPU)")
     p.add_argument("--ipc-mib", type=int, default=2048, help="cuda_ipc ring bucket_bytes (one GPU)")

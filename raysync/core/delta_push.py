@@ -310,7 +310,8 @@ class Reference:
 
     def keep(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
         """A full push's bucket k, packed into ``buffer`` (``nbytes`` bytes, ``payload`` of them tensors'):
-        the reference takes it."""
+        the reference takes it (the stage clock times this copy only: the Packer's is the push's rest)."""
+        self.clock.restart()
         self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
         self.clock.mark("reference")
         s = self.stats
