@@ -11,7 +11,8 @@ Driver side, an adapter for an engine that lives in one of the user's Ray actors
 
 The same adapter drives an ``AsyncLLM`` held by an async actor (raysync.engines.vllm_async: generation paused
 around a push, each request's version); vLLM's OpenAI-compatible server is reached through
-raysync.engines.vllm_server.ServerEngine. docs/vllm.md says what is supported per vLLM version.
+raysync.engines.vllm_server.ServerEngine. docs/vllm.md says what is supported per vLLM version. Staged pushes
+(``push(v, staged=True)``, ``flip()``, ``discard()``) run in the workers as raysync.engines.vllm_staged says.
 
 Every engine worker is one receiver (a tensor-parallel engine of 2 workers is 2 receivers): it reports its own
 placement, holds its own session, and loads each push through vLLM's own path, which shards and fuses the
@@ -63,13 +64,15 @@ from raysync.core.report import PushReport
 from raysync.core.sink import LoadFn
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
+from raysync.engines import vllm_staged as staged
 from raysync.engines import vllm_version as versions
 from raysync.engines.vllm_model import PushCheck
 from raysync.engines.vllm_reload import has_layerwise_reload, loader_for
 from raysync.engines.vllm_reload import refusal as reload_refusal
 from raysync.ray import endpoint as ep
+from raysync.ray import staged_endpoint as se
 from raysync.ray.placement import Placement
-from raysync.ray.results import EndpointResult, RemoteFailure
+from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
 from raysync.transport.collective import Rendezvous
 
 _FUNCTIONS: dict[str, Callable] = {
@@ -83,9 +86,28 @@ _FUNCTIONS: dict[str, Callable] = {
         ep.close,
     )
 }
+_STAGED: dict[str, Callable] = {  # a worker runs raysync.engines.vllm_staged's twins (VllmEngine only)
+    f.__name__: f
+    for f in (
+        se.receiver_stageable,
+        se.receiver_stage,
+        se.receiver_staged,
+        se.receiver_flip,
+        se.receiver_discard,
+    )
+}
 _TYPES: dict[str, type] = {
     c.__name__: c
-    for c in (SyncConfig, SessionSecret, Rendezvous, Placement, EndpointResult, PushReport, RemoteFailure)
+    for c in (
+        SyncConfig,
+        SessionSecret,
+        Rendezvous,
+        Placement,
+        EndpointResult,
+        PushReport,
+        RemoteFailure,
+        StagedState,
+    )
 }
 _SINK = "__raysync_sink__"  # stands for the driver's sink: the worker loads through vLLM instead
 
@@ -110,6 +132,12 @@ def engine_loader(worker: Any) -> LoadFn:
     check = PushCheck(worker.model_runner, partial, cache, versions.writing(worker))
     worker.__dict__[_LOADER] = loader = loader_for(worker, check)
     return loader
+
+
+def checked_parameters(worker: Any) -> frozenset[str] | None:
+    """The engine's parameters, as the last push's check found them (None before any check)."""
+    verdict = worker.__dict__.get(_CHECKED, {}).get("verdict")
+    return verdict.parameters if verdict else None
 
 
 def close_loader(worker: Any, result: EndpointResult) -> EndpointResult:
@@ -150,23 +178,23 @@ class WorkerExtension:
             return {}
         rank = str(self.rank)
         self._raysync_note_session(name, values)
-        if name in ("receiver_receive", "receiver_version"):
+        if name in ("receiver_receive", "receiver_version", "receiver_stage", "receiver_flip"):
             versions.check_weights(
                 self
             )  # what the version says, and the skip, must be true of the weights now
-        if name == "receiver_receive":
+        if name in ("receiver_receive", "receiver_stage"):
             versions.begin_receive(self)
-        result = fn(self, *values)
-        if name == "receiver_receive":
+        result = staged.IN_WORKER.get(name, fn)(self, *values)
+        if name in ("receiver_receive", "receiver_stage"):
             result = close_loader(self, result)
-            verdict = self.__dict__.get(_CHECKED, {}).get("verdict")
-            result = versions.note_receive(self, result, verdict.parameters if verdict else None)
+        if name == "receiver_receive":
+            result = versions.note_receive(self, result, checked_parameters(self))
             versions.take_print(self)
         return {rank: to_plain(result)}
 
     def _raysync_args(self, name: str, args: list | dict[str, list]) -> tuple[Callable, list | None]:
         """Endpoint function ``name`` (allowlisted) and this worker's arguments (None: nothing to do here)."""
-        fn = _FUNCTIONS.get(name)
+        fn = _FUNCTIONS.get(name) or _STAGED.get(name)
         if fn is None:
             raise SchemaError(f"{name!r} is not a raysync endpoint function")
         if not isinstance(args, (list, dict)):
@@ -187,10 +215,12 @@ class WorkerExtension:
         connect calls carry: kept per session for the loader of each receive (Note [checking a push before
         loading] in raysync.engines.vllm_model)."""
         partial = self.__dict__.setdefault(_PARTIAL, {})
+        if name in ("receiver_connect", "collective_connect", "receiver_receive", "close"):
+            staged.drop(self, values[0])  # a new session, a push applied live: what it staged is dropped
         if name in ("receiver_connect", "collective_connect"):
             sync_id, config = values[0], values[1]
             partial[sync_id] = bool(config.include or config.exclude)
-        elif name == "receiver_receive":
+        elif name in ("receiver_receive", "receiver_stage"):
             self.__dict__[_RECEIVING] = values[0]
         elif name == "close":
             partial.pop(values[0], None)
@@ -199,6 +229,11 @@ class WorkerExtension:
         """What this worker's weights hold: the last version applied completely, MIXED, or None."""
         versions.check_weights(self)
         return ep.applied_version(self)
+
+    def raysync_staged_bytes(self) -> int:
+        """The staging memory this worker holds now: host copies of the staged pushes' tensors (Note [staging
+        in a vLLM worker] in raysync.engines.vllm_staged)."""
+        return staged.held_bytes(self)
 
     def raysync_forget_version(self, why: str) -> None:
         """The weights are about to be dropped or changed outside raysync (``why``): the worker's version
@@ -254,7 +289,7 @@ class VllmEngine:
 
     def call(self, fn: Callable, args: tuple | dict[int, tuple] = ()) -> Any:
         """Like ActorEndpoint.call; slots are the engine's worker ranks."""
-        if _FUNCTIONS.get(fn.__name__) is not fn:
+        if _FUNCTIONS.get(fn.__name__) is not fn and _STAGED.get(fn.__name__) is not fn:
             raise ValueError(f"{fn.__name__} cannot run in a vLLM worker")
         plain = {str(s): to_plain(a) for s, a in args.items()} if isinstance(args, dict) else to_plain(args)
         return self.actor.__ray_call__.remote(_on_engine, self.attr, fn.__name__, plain, self.lora)
@@ -281,15 +316,17 @@ def _on_engine(
         from raysync.engines.vllm_async import on_async_engine
 
         return on_async_engine(llm, actor, name, args, _replies)
-    asleep = name == "receiver_receive" and llm.llm_engine.is_sleeping()
+    # a push applied live, or a staged one's flip: the actor runs one call at a time, so between two
+    # generate calls of the user's (a staged push is received the same way, into copies: the live weights wait)
+    applies = name in ("receiver_receive", "receiver_flip")
+    asleep = applies and llm.llm_engine.is_sleeping()
     if asleep:  # Note [sleep, wake and the version]: the weights now, the KV cache after the load
         llm.wake_up(tags=["weights"])
     replies = _replies(llm.collective_rpc("raysync_call", args=(name, args)))
-    if name == "receiver_receive":
-        if asleep:
-            llm.wake_up(tags=["kv_cache"])
-        if any(r.ok and not r.report.skipped for r in replies.values()):
-            llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
+    if asleep:
+        llm.wake_up(tags=["kv_cache"])
+    if staged.weights_changed(name, replies):
+        llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
     return replies
 
 

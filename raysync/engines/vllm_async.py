@@ -72,6 +72,7 @@ from typing import Any
 
 from raysync.core.errors import PeerTimeout
 from raysync.core.version import MIXED, Version
+from raysync.engines.vllm_staged import weights_changed
 
 logger = logging.getLogger(__name__)
 
@@ -292,14 +293,14 @@ async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict],
     if name in ("receiver_connect", "collective_connect"):
         config = args[1] if isinstance(args, list) else next(iter(args.values()))[1]
         gate.drain_s = float(config["timeout_s"])  # the session's SyncConfig, as plain values
-    if name != "receiver_receive":
+    if name not in ("receiver_receive", "receiver_flip"):  # a staged push lands while requests run
         return replies(await llm.collective_rpc("raysync_call", args=(name, args)))
 
     async def receive() -> dict:  # woken around it where it sleeps: Gate.push
         answers = replies(await llm.collective_rpc("raysync_call", args=(name, args)))
-        if any(r.ok and not r.report.skipped for r in answers.values()):
+        if weights_changed(name, answers):
             if not await llm.reset_prefix_cache():  # blocks cached under the old weights must not be reused
                 raise RuntimeError(f"{engine} took the push but refused to reset its prefix cache")
         return answers
 
-    return await gate.push(receive, engine)
+    return await gate.push(receive, engine)  # a push applied live, or a staged push's flip

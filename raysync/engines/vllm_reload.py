@@ -233,18 +233,36 @@ class ProcessedLoad(_Checked):
 class StagedReload(_Checked):
     """CPU: keeps a copy of every tensor of a push and applies the whole push at its end through
     ``reload_weights`` (a second plain load_weights fails on the CPU backend, which repacks linear weights).
-    Atomic: a reload that fails part-way is undone (Note [undoing a failed reload]), or says WeightsMixed."""
+    Atomic: a reload that fails part-way is undone (Note [undoing a failed reload]), or says WeightsMixed.
+    ``hold``: a staged push (raysync.engines.vllm_staged): ``finish`` checks the copies and keeps them, and
+    ``apply`` reloads them later, at the flip."""
 
-    def __init__(self, model_runner: Any, check: PushCheck):
+    def __init__(self, model_runner: Any, check: PushCheck, *, hold: bool = False):
         super().__init__(model_runner, check)
         self._staged: list[tuple[str, torch.Tensor]] = []
+        self.hold = hold
+
+    @property
+    def nbytes(self) -> int:
+        """Host (or device) memory held by the copies: the push's tensors in the checkpoint's format."""
+        return sum(t.nbytes for _, t in self._staged)
 
     def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         self._staged.extend((name, t.clone()) for name, t in batch)  # Note [ring buffer views]
 
     def finish(self) -> None:
+        """After the last bucket: the copies checked (also where no receiver asked), then applied now, or
+        kept for ``apply`` (``hold``)."""
+        self._check([(name, t.dtype, tuple(t.shape)) for name, t in self._staged])
+        if not self.hold:
+            self.apply()
+
+    def drop(self) -> None:
+        """Free the copies (a staged push discarded)."""
+        self._staged = []
+
+    def apply(self) -> None:
         staged, self._staged = self._staged, []
-        self._check([(name, t.dtype, tuple(t.shape)) for name, t in staged])  # also where no receiver asked
         model = self._runner.get_model()
         heads = tied_heads(model)  # found before the reload: while it runs, ties are broken
         undo = Undo(model)

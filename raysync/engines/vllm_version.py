@@ -48,6 +48,12 @@ def begin_receive(worker: Any) -> set[str]:
     return writing
 
 
+def resume_receive(worker: Any, written: set[str]) -> None:
+    """Before a staged push is applied (its flip, raysync.engines.vllm_staged): the set its checks filled when
+    it was staged, for ``note_receive`` after the flip."""
+    worker.__dict__[_WRITING] = written
+
+
 def writing(worker: Any) -> set[str]:
     """The set of the receive now running (begin_receive), for its loader's PushCheck."""
     return worker.__dict__.setdefault(_WRITING, set())

@@ -11,6 +11,9 @@ typed result (raysync.ray.results), a failure carrying its stage and traceback.
 An engine that computes on a thread of its own runs its loop inside ``engine_steps(actor)`` and calls the
 boundary it yields between steps: the flips the driver asks for run there, and WeightSync's
 ``max_version_lag`` is enforced there (Note [the staleness bound at a step boundary] in raysync.ray.step_gate).
+
+A vLLM engine's workers run twins of these functions instead, under the same names (raysync.engines.vllm_staged:
+the staging memory there is host copies of the push, the flip vLLM's reload).
 """
 
 from __future__ import annotations
@@ -92,14 +95,17 @@ def receiver_stage(actor: Any, sync_id: str, version: int, max_version_lag: int 
         session = _session(side.receiver)
         report = session.receive(into=side.sink(actor), flip=False)
     except Exception as e:
-        failure = RemoteFailure.of("stage", e)
-        stage = failure.stage if failure.stage.startswith("stage") else f"stage: {failure.stage}"
-        return EndpointResult(
-            failure=RemoteFailure(stage, failure.error, failure.traceback), version=side.receiver.version
-        )
+        return EndpointResult(failure=stage_failure(e), version=side.receiver.version)
     if session.version == version:  # skipped: live here already
         gate.settled(sync_id, session.version)
     return EndpointResult(report=report, version=session.version)
+
+
+def stage_failure(error: BaseException) -> RemoteFailure:
+    """A staged push's failure, its stage named "stage: <where it failed>"."""
+    failure = RemoteFailure.of("stage", error)
+    stage = failure.stage if failure.stage.startswith("stage") else f"stage: {failure.stage}"
+    return RemoteFailure(stage, failure.error, failure.traceback)
 
 
 def receiver_staged(actor: Any, sync_id: str) -> StagedState:

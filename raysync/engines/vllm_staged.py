@@ -1,0 +1,206 @@
+"""Staged pushes into vLLM engines (issue 18), what runs inside each engine worker. The driver's side is
+raysync.ray.staged_round, the same as for any engine; raysync.engines.vllm forwards its calls to the workers
+(an ``LLM`` in the actor's own call order, an ``AsyncLLM`` on its event loop: raysync.engines.vllm_async).
+
+    stageable  can this worker stage? (a CPU worker whose pushes are staged reloads, one push session)
+    stage      receive a push into host copies held for the flip; the live weights and version untouched
+    staged     what is live and what is staged, for the flip's check
+    flip       apply the held copies: vLLM's ``reload_weights``, as a live push does at its end on CPU
+    discard    drop the held copies (their memory is freed)
+
+Each takes the worker first and has the name and arguments of its twin in raysync.ray.staged_endpoint (the
+functions the driver names); raysync.engines.vllm.WorkerExtension runs these in their place (``IN_WORKER``).
+
+# Note [staging in a vLLM worker]
+# vLLM's CPU build cannot take a push in place (Note [a reload as if from a checkpoint] in
+# raysync.engines.vllm_reload): even a live push there is received whole into copies of its tensors, in the
+# checkpoint's format (the names, shapes and dtypes the trainer sent), then applied by ``reload_weights``. A
+# staged push is the same receive with the apply moved to the flip: the copies (StagedReload with ``hold``)
+# are the staging memory, host memory of the push's size (``held_bytes``), allocated at each stage and freed
+# at the flip or the discard (no buffer is kept between pushes). The engine generates on its live weights
+# meanwhile; the flip is the reload, vLLM's post-load processing included (for the CPU backend: repacking
+# every linear weight), not one copy per tensor, so its stall is a reload's. A flip that fails is undone
+# (ReloadFailed: the engine keeps the old version) or leaves MIXED (WeightsMixed), as a live push would.
+# The worker's version changes only at the flip (Note [versions never lie] in raysync.core.version): after the
+# stage the session's receiver is told its live version again, and what the push writes is counted for the
+# worker's version only when it is applied (Note [a version over every weight] in
+# raysync.engines.vllm_version).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raysync.core.errors import StagingError, WeightsMixed
+from raysync.core.version import MIXED, Version
+from raysync.engines import vllm_version as versions
+from raysync.ray import endpoint as ep
+from raysync.ray import staged_endpoint as se
+from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
+
+logger = logging.getLogger(__name__)
+
+_HELD = "_raysync_held"  # {sync_id: Held}: the push staged for each session, waiting for its flip
+_NO_SESSION = "this worker has no session (its engine restarted?): a version staged here is gone"
+
+
+@dataclass
+class Held:
+    """A push staged in this worker: its loader holds the copies (raysync.engines.vllm_reload.StagedReload)."""
+
+    version: int
+    loader: Any
+    received: EndpointResult  # the stage's answer (its report), for the worker's version after the flip
+    written: set[str]  # the engine parameters the push writes (its check's)
+    parameters: frozenset[str] | None  # the engine's parameters (its check's)
+
+
+def _held(worker: Any) -> dict[str, Held]:
+    return worker.__dict__.setdefault(_HELD, {})
+
+
+def held_bytes(worker: Any) -> int:
+    """The staging memory of this worker: the bytes of the copies held, every session."""
+    return sum(h.loader.nbytes for h in _held(worker).values())
+
+
+def drop(worker: Any, sync_id: str) -> int | None:
+    """Free what session ``sync_id`` staged (a discard, a push applied live, a new session); its version."""
+    held = _held(worker).pop(sync_id, None)
+    if held is None:
+        return None
+    held.loader.drop()
+    return held.version
+
+
+def stageable(worker: Any, sync_id: str) -> str | None:
+    """None when this worker can stage a push; else why not."""
+    side = ep._sessions(worker).get(sync_id)
+    if side is None:
+        return _NO_SESSION
+    why = worker.raysync_reload_refusal()
+    if why is not None:
+        return f"raysync cannot reload this engine: {why}"
+    if worker.device.type != "cpu" or not worker.raysync_cpu_staged:
+        return (
+            "a vLLM worker stages only where its pushes are staged reloads (a CPU worker with "
+            "raysync_cpu_staged): this one loads bucket by bucket, in place"
+        )
+    try:
+        se._session(side.receiver)
+    except StagingError as e:
+        return str(e)
+    return None
+
+
+def stage(worker: Any, sync_id: str, version: int, max_version_lag: int | None) -> EndpointResult:
+    """Receive the push of ``version`` into host copies held for the flip; the engine keeps generating on
+    its live weights, whose version this receive leaves as it was. ``max_version_lag`` is the driver's (an
+    engine bounds its requests' staleness in its actor, not here)."""
+    from raysync.engines.vllm import checked_parameters, engine_loader  # it imports this module
+
+    side = ep._sessions(worker).get(sync_id)
+    if side is None:
+        return ep._failed("stage", RuntimeError(_NO_SESSION))
+    drop(worker, sync_id)  # a newer staged push replaces the one held (Note [flip and versions])
+    live = side.receiver.version
+    loader = engine_loader(worker)
+    loader.hold = True
+    try:
+        report = side.receiver.receive(load_fn=loader)
+    except Exception as e:
+        loader.drop()
+        return EndpointResult(failure=se.stage_failure(e), version=side.receiver.version)
+    finally:
+        side.receiver.version = live  # only the flip changes what the weights hold
+    result = EndpointResult(report=report, version=live)
+    if not report.skipped:  # skipped: live here already
+        written, parameters = versions.writing(worker), checked_parameters(worker)
+        _held(worker)[sync_id] = Held(version, loader, result, written, parameters)
+        logger.info(
+            "vLLM worker %s staged version %s: %d bytes of host copies, live version %s",
+            worker.rank,
+            version,
+            loader.nbytes,
+            live,
+        )
+    return result
+
+
+def staged(worker: Any, sync_id: str) -> StagedState:
+    side = ep._sessions(worker).get(sync_id)
+    if side is None:
+        failure = RemoteFailure.of("flip: check", RuntimeError(_NO_SESSION))
+        return StagedState(ep.applied_version(worker), None, failure=failure)
+    held = _held(worker).get(sync_id)
+    return StagedState(side.receiver.version, held.version if held else None)
+
+
+def flip(worker: Any, sync_id: str, version: int, timeout_s: float) -> StagedState:
+    """Apply staged ``version`` now: the engine's actor calls this between two of its steps (an ``LLM``
+    between its calls, an ``AsyncLLM`` paused). ``timeout_s`` is the driver's wait for a step boundary, which
+    the actor has found already."""
+    side = ep._sessions(worker).get(sync_id)
+    if side is None:
+        return StagedState(
+            ep.applied_version(worker), None, failure=RemoteFailure.of("flip", RuntimeError(_NO_SESSION))
+        )
+    held = _held(worker).get(sync_id)
+    live = side.receiver.version
+    if held is None or held.version != version:
+        if live == version:
+            return StagedState(version, None, flip_s=0.0)  # live already (its stage was skipped)
+        error = StagingError(
+            f"version {version} is not staged here (staged: {held and held.version}, live: {live}): push it "
+            f"again"
+        )
+        return StagedState(live, held and held.version, failure=RemoteFailure.of("flip", error))
+    del _held(worker)[sync_id]
+    started = time.perf_counter()
+    try:
+        held.loader.apply()
+    except Exception as e:
+        if isinstance(e, WeightsMixed):
+            _set_live(worker, side, MIXED)
+        return StagedState(side.receiver.version, None, failure=RemoteFailure.of("flip", e))
+    seconds = time.perf_counter() - started
+    _set_live(worker, side, version)
+    versions.resume_receive(worker, held.written)
+    versions.note_receive(worker, held.received, held.parameters)  # a partial push may leave no version
+    versions.take_print(worker)
+    return StagedState(side.receiver.version, None, flip_s=seconds)
+
+
+def _set_live(worker: Any, side: Any, version: Version) -> None:
+    side.receiver.version = version
+    worker.__dict__[ep._APPLIED] = version
+
+
+def discard(worker: Any, sync_id: str) -> StagedState:
+    """Drop what is staged; ``staged`` is the version dropped."""
+    side = ep._sessions(worker).get(sync_id)
+    dropped = drop(worker, sync_id)
+    live = side.receiver.version if side is not None else ep.applied_version(worker)
+    return StagedState(live, dropped)
+
+
+def weights_changed(name: str, replies: dict[int, Any]) -> bool:
+    """Whether the workers' answers to call ``name`` say the weights may have changed (the prefix cache then
+    goes: its blocks were computed with the old ones)."""
+    if name == "receiver_receive":
+        return any(r.ok and not r.report.skipped for r in replies.values())
+    if name == "receiver_flip":
+        return any(not r.ok or r.flip_s != 0.0 for r in replies.values())
+    return False
+
+
+IN_WORKER = {
+    "receiver_stageable": stageable,
+    "receiver_stage": stage,
+    "receiver_staged": staged,
+    "receiver_flip": flip,
+    "receiver_discard": discard,
+}

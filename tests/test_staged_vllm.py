@@ -1,0 +1,174 @@
+"""Staged pushes (issue 18) into real vLLM engines (the CPU build) through WeightSync: ``push(v, staged=True)``
+lands in an ``LLM`` engine (between its generate calls) and in an ``AsyncLLM`` engine (while its requests run)
+as host copies, both keep generating on the live version, ``flip()`` makes it live on both, ``discard()`` frees
+the copies; an engine that refuses the stage makes neither flip (Note [staging in a vLLM worker] in
+raysync.engines.vllm_staged). One engine of each kind serves the module, plus one that refuses."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop, watch
+
+ray = require_vllm_cpu()
+
+from actors import Policy, VllmHost, greedy  # noqa: E402
+from test_vllm import CFG, ONE_PROCESS, PROMPTS, TOKENS  # noqa: E402
+from test_vllm_async import WAIT_S, AsyncHost  # noqa: E402
+
+from raysync import WeightSync  # noqa: E402
+from raysync.core.errors import NothingStaged, StageFailed  # noqa: E402
+from raysync.engines.vllm import VllmEngine  # noqa: E402
+from raysync.tools.models import tiny_qwen2  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+class SyncHost(VllmHost):
+    def staged_bytes(self) -> int:
+        """The host memory the engine's workers hold for staged pushes."""
+        return sum(self.llm.collective_rpc("raysync_staged_bytes"))
+
+
+class AsyncStagedHost(AsyncHost):
+    async def staged_bytes(self) -> int:
+        return sum(await self.llm.collective_rpc("raysync_staged_bytes"))
+
+    def finished(self, version: object) -> int:
+        """How many requests made by ``version`` have finished."""
+        return sum(v == version for _, _, v, _ in self.done)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """The engines' checkpoint, and one of another layout (a larger vocabulary: no push of the trainers fits)."""
+    paths = {}
+    for name, vocab in (("tiny", 512), ("other-vocab", 640)):
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        tiny_qwen2(seed=1, vocab=vocab).save_pretrained(paths[name])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> list[list[int]]:
+    """What the engines generate from model_dirs["tiny"]: transformers' greedy tokens."""
+    return greedy(tiny_qwen2(seed=1), PROMPTS, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def hosts(ray_local, model_dirs):
+    """{"sync": an LLM in one process, "async": an AsyncLLM in vLLM's processes, "other": an LLM of another
+    layout, started when first asked for}; at the end nothing raysync made in their processes may be left."""
+    started: dict[str, object] = {}
+    processes = EngineProcesses()
+
+    def get(kind: str):
+        if kind not in started:
+            if kind == "async":
+                host = ray.remote(num_cpus=0.5)(AsyncStagedHost).remote(model_dirs["tiny"])
+                where = host.__ray_call__.remote(lambda actor: (os.getpid(), tempfile.gettempdir()))
+                processes.look(*ray.get(where, timeout=WAIT_S))
+            else:
+                which = "other-vocab" if kind == "other" else "tiny"
+                host = engine(model_dirs[which], ONE_PROCESS, host=SyncHost)
+            started[kind] = host
+        return started[kind]
+
+    yield get
+    if "async" in started:
+        host = started.pop("async")
+        watch(host, processes)
+        ray.get(host.shutdown.remote(), timeout=WAIT_S)
+        ray.kill(host)
+    stop(list(started.values()), processes)
+
+
+@pytest.fixture
+def async_host(hosts, checkpoint):
+    """The module's AsyncLLM engine, as if just started: vLLM's own reload loads its checkpoint again."""
+    host = hosts("async")
+    ray.get(host.reload_from_checkpoint.remote(), timeout=WAIT_S)
+    assert ray.get(host.generate_now.remote(PROMPTS, TOKENS), timeout=WAIT_S) == [
+        (t, None) for t in checkpoint
+    ]
+    return host
+
+
+def test_a_staged_push_lands_while_both_engines_generate_and_the_flip_makes_it_live_on_both(
+    ray_local, no_leftovers, hosts, async_host, checkpoint
+):
+    """The LLM engine generates between the driver's calls, the AsyncLLM engine all the time (two request
+    loops): after each staged push both still generate the live version's tokens, after the flip the new one's;
+    a discard leaves the live version and frees the staged copies. Every request of the AsyncLLM says one
+    version, and its tokens are transformers' on that version's weights."""
+    llm = hosts("sync")
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=11)
+    expected = {None: checkpoint}
+    ray.get(async_host.start.remote(PROMPTS, TOKENS), timeout=WAIT_S)
+    with WeightSync([trainer], [VllmEngine(llm), VllmEngine(async_host)], CFG) as sync:
+        ray.get(async_host.wait_for.remote(None, 2, WAIT_S), timeout=WAIT_S)
+        live = None
+        for version in (1, 2):
+            ray.get(trainer.step.remote(version))
+            expected[version] = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+            report = sync.push(version, staged=True)
+            assert report.staged and [p.bytes > 0 for p in report.pairs] == [True, True]
+            assert sync.versions() == [live, live] and sync.staged_versions() == [version, version]
+            held = ray.get([llm.staged_bytes.remote(), async_host.staged_bytes.remote()], timeout=WAIT_S)
+            assert held == [p.bytes for p in report.pairs]  # host copies of the push's tensors
+            assert ray.get(llm.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S) == expected[live]
+            # at most two requests were running when the stage returned: a third one started after it
+            after = ray.get(async_host.finished.remote(live), timeout=WAIT_S) + 3
+            ray.get(async_host.wait_for.remote(live, after, WAIT_S), timeout=WAIT_S)
+
+            flipped = sync.flip()
+            assert flipped.version == version and min(flipped.stalls) > 0
+            assert sync.versions() == [version, version] and sync.staged_versions() == [None, None]
+            assert ray.get(llm.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S) == expected[version]
+            ray.get(async_host.wait_for.remote(version, 2 * len(PROMPTS), WAIT_S), timeout=WAIT_S)
+            live = version
+
+        ray.get(trainer.step.remote(3))
+        sync.push(3, staged=True)
+        assert sync.discard() == 3
+        assert sync.versions() == [2, 2] and sync.staged_versions() == [None, None]
+        assert ray.get([llm.staged_bytes.remote(), async_host.staged_bytes.remote()]) == [0, 0]
+        assert ray.get(llm.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S) == expected[2]
+        with pytest.raises(NothingStaged):
+            sync.flip()
+    done, errors = ray.get(async_host.stop.remote(), timeout=WAIT_S)
+    assert errors == [] and all(reason == "length" for _, _, _, reason in done)  # none aborted
+    assert {v for _, _, v, _ in done} == {None, 1, 2}  # 3 was never live
+    for prompt, tokens, version, _ in done:  # every token of it from that version's weights
+        assert tokens == expected[version][prompt], (version, prompt)
+
+
+def test_a_stage_refused_by_one_of_two_engines_flips_neither(
+    ray_local, no_leftovers, hosts, async_host, checkpoint
+):
+    """The other engine's model has another vocabulary: it refuses the push when it is accepted. The AsyncLLM
+    engine, which staged it while generating, drops it; neither flips, both keep serving their checkpoints."""
+    other = hosts("other")
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=12)
+    ray.get(trainer.step.remote(1))
+    other_tokens = ray.get(other.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S)
+    ray.get(async_host.start.remote(PROMPTS, TOKENS), timeout=WAIT_S)
+    with WeightSync([trainer], [VllmEngine(async_host), VllmEngine(other)], CFG) as sync:
+        with pytest.raises(StageFailed) as failed:
+            sync.push(1, staged=True)
+        failures = failed.value.failures
+        assert not [f for f in failures if f.endpoint.startswith("receiver #0")], failures
+        [refused] = [f for f in failures if f.endpoint.startswith("receiver #1")]
+        assert refused.stage.startswith("stage"), refused
+        assert "embed_tokens" in refused.error and "nothing flips" in str(failed.value), refused
+        assert sync.versions() == [None, None] and sync.staged_versions() == [None, None]
+        assert ray.get([async_host.staged_bytes.remote(), other.staged_bytes.remote()]) == [0, 0]
+        with pytest.raises(NothingStaged, match="the last staged push failed"):
+            sync.flip()
+        ray.get(async_host.wait_for.remote(None, 2 * len(PROMPTS), WAIT_S), timeout=WAIT_S)
+        assert ray.get(other.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S) == other_tokens
+    done, errors = ray.get(async_host.stop.remote(), timeout=WAIT_S)
+    assert errors == [] and {v for _, _, v, _ in done} == {None}
+    assert all(tokens == checkpoint[prompt] for prompt, tokens, _, _ in done)
