@@ -68,6 +68,12 @@ class Workspace:
         elements = max((sum(n for n, _ in chunks) for chunks in sizes), default=0)
         return cls(torch.empty(elements, dtype=torch.bool, device=device))
 
+    def touch(self) -> None:
+        """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
+        self.mask.zero_()
+        if self.buffer is not None:
+            self.buffer.zero_()
+
     def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -112,14 +118,14 @@ def encode(
         target = space.staging(used, device)
     header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
     rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
-    _write_words(target, header + [w for row in rows for w in row])
-    offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
+    _write_words(out, header + [w for row in rows for w in row])  # from the host, straight into ``out``
+    start = offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     for code, (_, new), mask in zip(codes, views, masks, strict=True):
         _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
         offset = _align(offset + code.payload_bytes)
     mark("compact")
     if target is not out:
-        out[:used].copy_(target[:used])
+        out[start:used].copy_(target[start:used])
         mark("copy out")
     return BucketCode(base_version, codes, used)
 

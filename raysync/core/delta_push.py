@@ -264,8 +264,13 @@ class Reference:
                 logger.warning("delta pushes off: %s", self.off)
         size = max((b.nbytes for b in buckets), default=0)
         self._scratch = torch.empty(size, dtype=torch.uint8, device=device)
-        self._space = Workspace.for_buckets([chunk_sizes(b, specs) for b in buckets], device)
+        sizes = [chunk_sizes(b, specs) for b in buckets]
+        self._space = Workspace.for_buckets(sizes, device)
         self._ring_device = buffers[0].device if buffers else device
+        if self._ring_device != device:  # encoded here first, then copied (Note [where a delta is encoded])
+            self._space.staging(max((delta.capacity(c) for c in sizes), default=0), device)
+        self._scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
+        self._space.touch()
         self._pairs = [
             [(_words(self.bucket(k), c, specs), _words(self._scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
