@@ -3,12 +3,14 @@ hold, which pushes go as a delta, and what a push sent. The encoding itself is r
 pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTensors) and one answer at accept.
 
     sender   on_plane(plane)          whether this session can send deltas at all (``off`` says why not)
-             start(version, full)  ->  base version (None: this push is full)
+             start(version, full)  ->  base version (None: this push is full; the time rule may say so)
              per bucket k: encode(k, ring buffer)  (a delta push: pack into the scratch bucket, encode into
-                           the ring, apply the same bytes to the reference as the receivers will)
+                           the ring, the reference takes the scratch's bytes)
                         or keep(k, ring buffer)    (a full push: the Packer packed the ring; copy it into the
-                           reference) / pack_full(k, ring buffer) (a lazy source: packed into the scratch)
-             finish(version) once every receiver applied the push: the reference is that version
+                           reference) / pack_full(k, ring buffer) (``packs_full``: packed into the scratch,
+                           copied into the ring and the reference)
+             finish(version) once every receiver applied the push: the reference is that version, and the
+                           time rule learns what the push cost (raysync.core.delta_rule)
 
 # Note [the delta reference]
 # The reference is one uint8 tensor on the trainer's device (the device of the first tensor pushed: the GPU
@@ -17,9 +19,11 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # in the wire dtype there, plus one bucket of scratch (a delta is packed there first, so a cast -- fp32
 # master -> bf16 -- is compared in the bits receivers hold). Its version is None from ``start`` until
 # ``finish``: a push that fails, is skipped or is demoted part-way leaves None, and the next push is full for
-# every receiver. A full push in delta mode rewrites all of it; a delta push applies each bucket's code to it
-# with the receivers' own ``decode``, so it equals what every receiver holds, by construction. A new layout
-# makes a new reference (version None).
+# every receiver. A full push in delta mode rewrites all of it (packed through the scratch when the ring
+# lives on another device, so the bytes cross to the ring once and never back); a delta push copies each
+# bucket's new bytes into it on its device, which is what every receiver holds after decoding (Note [delta
+# pushes]). A new layout makes a new reference (version None), with encode's workspace (a mask of the
+# largest bucket's elements; a staging buffer of its encoding when the ring lives on another device).
 # Where deltas go (``on_plane``; ``off`` names the reason, logged once, when they cannot):
 # * a ring the session makes (shm, cuda_ipc): its buffers are made larger by the header, table and padding of
 #   the largest bucket of the first layout (``ring_config``); a later layout whose buckets do not fit pushes
@@ -30,8 +34,9 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 #   group together, so one receiver not at the base makes that round full for the whole group: a full
 #   broadcast serves the others as well as the one, and costs what the one's full push would have.
 # * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: encoding a
-#   bucket costs far more than the one copy of its full bytes that direct mode makes (docs/benchmarks.md,
-#   section 12: encode + decode 29-37x that copy on an H200), so a delta can never beat it.
+#   bucket reads its reference and its new bytes at least once each (the compare), already more than the
+#   one copy of its full bytes that direct mode makes, so a delta can never beat it (docs/benchmarks.md,
+#   section 12, measured encode + decode at 29-37x that copy on an H200, with the encoder of e0d7e7a).
 # * a lazy source (sources/: a manifest, FSDP2 / tensor-parallel): its packer is made a second time over the
 #   scratch bucket (``source.packer(config, buckets, [scratch])``) and every push in delta mode packs through
 #   it: a delta is encoded from the scratch, a full push is copied from the scratch into the ring and the
@@ -69,8 +74,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DIRECT_OFF = (
-    "direct mode reads the trainer's tensors in place with one copy each; encoding a delta costs many such "
-    "copies (docs/benchmarks.md, section 12), so its pushes go full"
+    "direct mode reads the trainer's tensors in place with one copy each; encoding a delta reads the "
+    "reference and the new bytes at least once each, more than that copy, so its pushes go full"
 )
 
 
