@@ -3,6 +3,7 @@ floors measured in the same run.
 
     python benchmarks/bench_delta_push.py --layout qwen2.5-0.5b --steps 3        # CPU: shm and gloo
     python benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --json out.json   # + cuda_ipc ring
+    python benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm --steps 3
 
 The trainer (this process) holds fp32 master weights of --layout's shapes (nothing downloaded) with a
 checkpoint's magnitudes: matrices and biases ~N(0, 0.02), norm weights ~N(1, 0.02) (not unit-variance noise,
@@ -263,6 +264,7 @@ def run(args) -> dict:
     read_s = timed(trainer.read, device, args.repeats)
     kinds = ["shm", "cuda_ipc"] if device.type == "cuda" else ["shm"]
     kinds += ["collective"] if args.collective and device.type == "cpu" else []
+    kinds = [k for k in kinds if not args.transports or k in args.transports]
     results = []
     for kind in kinds:
         on = run_transport(kind, trainer, args, delta=True, steps=args.steps)
@@ -352,6 +354,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="for the floors (medians)")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads, both processes")
     p.add_argument("--no-collective", dest="collective", action="store_false", help="CPU: no gloo rows")
+    p.add_argument("--transports", nargs="+", default=None, help="only these (shm, cuda_ipc, collective)")
     p.add_argument("--shm-mib", type=int, default=None, help="shm bucket_bytes (default: 8 CPU, 512 GPU)")
     p.add_argument("--ipc-mib", type=int, default=2048, help="cuda_ipc ring bucket_bytes (one GPU)")
     p.add_argument("--gloo-mib", type=int, default=64, help="collective bucket_bytes")
