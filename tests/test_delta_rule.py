@@ -128,3 +128,20 @@ def test_a_delta_push_of_tensors_that_did_not_change_sends_headers_only(private_
     assert report.base_version == 1 and report.sent_as_full == 0 and report.density == 0.0
     assert 0 < report.bytes < 64 * len(sender._agreed.buckets) * 8
     assert all(torch.equal(dest[n], t) for n, t in master.items())
+
+
+def test_buckets_of_sizes_not_a_multiple_of_16_take_deltas_bit_exact(private_tmp, in_thread):
+    """Tensors of odd element counts end their buckets off the 16-byte grid of the reference's layout."""
+    g = torch.Generator().manual_seed(11)
+    master = {f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate((7, 333, 1001))}
+    dest = {n: torch.zeros_like(t) for n, t in master.items()}
+    config = dataclasses.replace(CFG, bucket_bytes=4096)
+    with session_pair(config) as (sender, receiver):
+        for version in (1, 2, 3):
+            for t in master.values():
+                t.view(-1)[version::5].add_(1.0)
+            got = in_thread(receiver.receive, into=dest)
+            report = sender.push(master.items(), version)
+            assert got.result(timeout=30).base_version == report.base_version == (version - 1 or None)
+            assert all(same_bits(dest[n], t) for n, t in master.items()), version
+    assert any(b.nbytes % 16 for b in sender._agreed.buckets)

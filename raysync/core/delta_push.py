@@ -172,6 +172,7 @@ class Reference:
         self._space: Workspace | None = None  # encode's work tensors, reused by every push
         self._ring_device: torch.device | None = None
         self._offsets: list[int] = []
+        self._sizes: list[int] = []  # per bucket: its bytes, padding between chunks included
         self._pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per bucket: (reference, scratch)
         self._packer: Packer | SourcePacker | None = None
 
@@ -267,7 +268,8 @@ class Reference:
                     f"bytes (made for the first layout), so its pushes go full"
                 )
                 logger.warning("delta pushes off: %s", self.off)
-        size = max((b.nbytes for b in buckets), default=0)
+        self._sizes = [b.nbytes for b in buckets]
+        size = max(self._sizes, default=0)
         self._scratch = torch.empty(size, dtype=torch.uint8, device=device)
         sizes = [chunk_sizes(b, specs) for b in buckets]
         self._space = Workspace.for_buckets(sizes, device)
@@ -312,8 +314,8 @@ class Reference:
         code = encode(
             pairs, buffer, base_version=self.base, max_density=cap, space=self._space, mark=self.clock.mark
         )
-        size = self._offsets[k + 1] - self._offsets[k]
-        self.bucket(k).copy_(self._scratch[:size])
+        size = self._sizes[k]
+        self.bucket(k)[:size].copy_(self._scratch[:size])
         self.clock.mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes
