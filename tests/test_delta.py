@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raysync.core import delta
-from raysync.core.delta_encode import encode
 from raysync.core.delta import GAP_SPAN, Mode
+from raysync.core.delta_encode import Workspace, encode
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import MIXED
 
@@ -387,6 +387,45 @@ def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
     out = torch.zeros(4096, dtype=torch.uint8)[out_offset:]
     with pytest.raises(LayoutError, match=match):
         encode([pair], out, base_version=1)
+
+
+# --- encoded on the chunks' device, then copied (Note [where a delta is encoded]) -------------------------------------
+def defined_bytes(code: delta.BucketCode) -> list[tuple[int, int]]:
+    """The [start, end) ranges of an encoding that encode writes: header and table, gaps, values, FULL bytes."""
+    ranges = [(0, delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))]
+    offset = delta._align(ranges[0][1])
+    for c in code.chunks:
+        if c.mode == Mode.GAPS:
+            ranges.append((offset, offset + 2 * c.entries))
+            values = offset + delta._align(2 * c.entries)
+            ranges.append((values, values + c.entries * c.itemsize))
+        elif c.mode == Mode.FULL:
+            ranges.append((offset, offset + c.full_bytes))
+        offset = delta._align(offset + c.payload_bytes)
+    return ranges
+
+
+@pytest.mark.parametrize("density", [0.0, 0.036, 0.6])
+def test_a_staged_encoding_writes_the_same_bytes_and_reuses_its_workspace(density):
+    """What a GPU trainer over a host ring does (encode into the workspace, copy the bytes used), run on the
+    CPU: the same bytes as encoding in place, every mode, and the workspace's tensors kept for the next call."""
+    gen = torch.Generator().manual_seed(17)
+    olds = [random_tensor(d, (n,), gen) for d, n in [(BF16, 3 * GAP_SPAN + 5), (F32, 999), (BF16, 64)]]
+    news = [changed_copy(o, random_mask(o.numel(), density, 18 + i)) for i, o in enumerate(olds)]
+    news[2] = olds[2].clone()  # a SAME chunk
+    pairs = list(zip(olds, news, strict=True))
+    size = delta.capacity([(n.numel(), n.element_size()) for n in news])
+    space = Workspace.for_buckets([[(n.numel(), n.element_size()) for n in news]], torch.device("cpu"))
+    direct, staged = torch.zeros(size, dtype=torch.uint8), torch.full((size,), 0xCD, dtype=torch.uint8)
+    code = encode(pairs, direct, base_version=3, space=space)
+    mask, again = space.mask, encode(pairs, staged, base_version=3, space=space, staged=True)
+    assert again == code and space.mask is mask and space.buffer is not None
+    for start, end in defined_bytes(code):  # padding is left as it was, in either buffer
+        assert torch.equal(staged[start:end], direct[start:end]), (start, end)
+    assert bool((staged[code.nbytes :] == 0xCD).all())  # nothing past the bytes used
+    engine = [o.clone() for o in olds]
+    delta.decode(staged, engine, held_version=3)
+    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
 
 
 # --- on a GPU -------------------------------------------------------------------------------------------------------

@@ -88,12 +88,14 @@ def encode(
     max_density: float = 1.0,
     space: Workspace | None = None,
     mark: Mark | None = None,
+    staged: bool | None = None,
 ) -> BucketCode:
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
     and size, all on one device; a reference of None, or ``base_version`` None, sends that chunk FULL. Nothing
     is modified but ``out`` and ``space``. One host sync per bucket for the counts (two when ``out`` is on
-    another device than the chunks: the copy of the bytes used)."""
+    another device than the chunks: the copy of the bytes used). ``staged``: encode into the workspace first
+    and copy (None: when ``out`` lives on another device than the chunks)."""
     _check_buffer(out, "out")
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
@@ -113,7 +115,9 @@ def encode(
             f"raysync.core.delta.capacity (the bucket's bytes, plus header, table and padding)"
         )
     target = out
-    if device is not None and out.device != device:  # Note [where a delta is encoded]
+    if staged is None:
+        staged = device is not None and out.device != device  # Note [where a delta is encoded]
+    if staged:
         space = space or Workspace(torch.empty(0, dtype=torch.bool, device=device))
         target = space.staging(used, device)
     header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
