@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from actors import Adapter, Engine, Trainer, breakable_source, engine_load  # noqa: E402
 
 from raysync import PushIncomplete, PushReport, RemoteError, SyncConfig, SyncError, WeightSync  # noqa: E402
+from raysync.core.errors import PeerLost  # noqa: E402
 from raysync.core.version import MIXED  # noqa: E402
 from raysync.ray.coordinator import ActorGone, SyncClosed  # noqa: E402
 from raysync.ray.endpoint import applied_version  # noqa: E402
@@ -67,6 +68,9 @@ def test_a_remote_failure_names_the_stage_and_the_cause_where_they_happened():
     assert heard == RemoteFailure("unpack bucket 2", "ValueError: bad", "Traceback (r)")  # the peer's cause
     stopped = RemoteFailure.of("push", PushIncomplete(3, "stream bucket 1", "the peer left", ["w"]))
     assert stopped.stage == "stream bucket 1" and stopped.error.startswith("PushIncomplete: ")
+    gone = PeerLost("trainer rank 1 of 2", "the all-gather of bucket 2 of 30", "the connection closed")
+    lost = RemoteFailure.of("push", gone)  # a sharded source's walk names the rank and the bucket
+    assert lost.stage == "the all-gather of bucket 2 of 30" and "trainer rank 1 of 2" in lost.error
 
 
 # --- WeightSync on Ray --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from raysync.ray.placement import (
     ring_places,
 )
 from raysync.ray.results import GroupOpened, SessionOpened
+from raysync.ray.trainer_group import TrainerGroup, source_shape
 from raysync.transport import registry
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class PairConnections:
         self.push_bytes: dict[Pair, int] = {}  # what a push moves over each pair (for the progress bar)
         self.broken: set[Pair] = set()  # reconnected before the next push
         self._sources: dict[int, SourceReport] = {}  # what each sender's source gives (for the plan)
+        self._forced = forced
+        self.group = TrainerGroup()  # the senders whose sharded sources walk together (trainer_group.py)
 
     def open(self) -> None:
         """Plan every pair from the actors' placements (``SyncActors.locate`` first) and connect them all."""
@@ -166,6 +169,7 @@ class PairConnections:
         if self._shard:
             pairs = [(i, j) for i in range(len(senders)) for j in range(len(receivers))]
         self._report_sources({i for i, _ in pairs})
+        self._report_shapes(set(range(len(senders))))
         self.plan[:] = self._choose(pairs)
         check_groups(self.plan, senders, receivers)  # before any group is made: NCCL's error comes too late
         self._connect({(p.sender, p.receiver) for p in self.plan})
@@ -196,6 +200,7 @@ class PairConnections:
         broken = set(self.broken)  # kept until repaired: a repair that fails is tried again next push
         self.actors.relocate(broken, self._timeout_s)
         self._report_sources({i for i, _ in broken})
+        self._report_shapes({i for i, _ in broken})
         replanned = self._choose([(p.sender, p.receiver) for p in self.plan])  # rings that share memory
         for k, p in enumerate(replanned):
             if (p.sender, p.receiver) in broken:
@@ -213,20 +218,46 @@ class PairConnections:
         reports = self.actors.get(calls, "report the source", self._timeout_s)
         self._sources.update(zip(sorted(senders), reports, strict=True))
 
+    def _report_shapes(self, senders: set[int]) -> None:
+        """Which senders' sources are sharded, walking together (raysync.ray.trainer_group); checked."""
+        calls = self.actors.on_senders(source_shape, {i: (self._source,) for i in sorted(senders)})
+        shapes = self.actors.get(calls, "report the source's shape", self._timeout_s)
+        self.group.shapes.update(zip(sorted(senders), shapes, strict=True))
+        self.group.check(len(self.actors.senders), self._shard)
+
+    def followers(self, receivers_of: dict[int, list[int]], version: int) -> dict[int, tuple]:
+        """The arguments of trainer_group.follow for each walking sender with no receiver this round."""
+        followers = self.group.followers(receivers_of)
+        if not followers:
+            return {}
+        config = self.group.walk_config(self.plan, self.config)
+        return {i: (self._source, config, version) for i in followers}
+
     def _choose(self, pairs: list[Pair]) -> list[PairPlan]:
         o = self._override
-        # every built transport: what works for a pair is the endpoints' to say (their placements), not the
-        # driver's, which may have no GPU at all
-        return plan_pairs(
-            pairs,
-            self.actors.sender_at,
-            self.actors.receiver_at,
-            registry.names(),
-            self.config,
-            self._sources,
-            lambda i, j: o.get((i, j)) if isinstance(o, dict) else o,
-            shares=len(self.actors.senders) if self._shard else 0,
-        )
+
+        def override(i: int, j: int) -> str | None:
+            return o.get((i, j)) if isinstance(o, dict) else o
+
+        def plan(collective: set[Pair]) -> list[PairPlan]:
+            # every built transport: what works for a pair is the endpoints' to say (their placements), not
+            # the driver's, which may have no GPU at all
+            return plan_pairs(
+                pairs,
+                self.actors.sender_at,
+                self.actors.receiver_at,
+                registry.names(),
+                self.config,
+                self._sources,
+                lambda i, j: "collective" if (i, j) in collective else override(i, j),
+                shares=len(self.actors.senders) if self._shard else 0,
+            )
+
+        plans = plan(set())
+        # a sharded rank walks once per push: its receivers share one push (Note [every rank takes part in
+        # every push] in raysync.ray.trainer_group)
+        collective = self.group.forced_collective(plans, lambda i, j: override(i, j) or self._forced)
+        return self.group.same_buckets(plan(collective) if collective else plans, collective)
 
     def _connect(self, pairs: set[Pair]) -> None:
         """(Re)connect ``pairs``: a session per ring pair; a sender's whole broadcast group if any of its

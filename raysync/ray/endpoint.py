@@ -20,12 +20,13 @@ from raysync.core.receiver import WeightReceiver
 from raysync.core.sender import WeightSender
 from raysync.core.session import PushSender
 from raysync.core.sharded import ShardedReceiver, shares
-from raysync.core.source import select
+from raysync.core.source import is_source
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
 from raysync.ray.placement import Placement, probe
 from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
 from raysync.ray.step_gate import gate_of
+from raysync.ray.trainer_group import device_of, push_bytes
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
 from raysync.transport.process_group import Rendezvous, default_backend
 
@@ -84,14 +85,13 @@ def where(actor: Any, node: tuple[str, str] | None = None, tensors: Callable | N
 
 
 def _on_host(tensors: Any) -> bool:
-    """Whether a source's named tensors, or a sink's destinations, are in host memory (a load function: unknown,
-    taken as not)."""
+    """Whether a source's named tensors (or a lazy source's, where it says), or a sink's destinations, are in
+    host memory (a load function, a lazy source that does not say: unknown, taken as not)."""
     if isinstance(tensors, Mapping):
         tensors = tensors.items()
-    elif callable(tensors):
+    elif callable(tensors) and not is_source(tensors):
         return False
-    first = next(iter(tensors), None)
-    return first is not None and first[1].device.type == "cpu"
+    return device_of(tensors) == "cpu"
 
 
 # --- how the driver reaches an endpoint ---------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def sender_connect(
         old.close()
     sender = WeightSender(secret, config, endpoint=endpoint)
     side.senders[receiver] = sender
-    return SessionOpened(sender.endpoint, sum(s.spec.nbytes for s in select(source(actor), config)))
+    return SessionOpened(sender.endpoint, push_bytes(source(actor), config))
 
 
 def collective_open(
@@ -167,7 +167,7 @@ def collective_open(
     backend = "gloo" if _on_host(source(actor)) else default_backend()
     side.group = CollectiveSender(secret, config, host=host, num_receivers=len(receivers), backend=backend)
     side.group_receivers = list(receivers)
-    return GroupOpened(side.group.rendezvous, sum(s.spec.nbytes for s in select(source(actor), config)))
+    return GroupOpened(side.group.rendezvous, push_bytes(source(actor), config))
 
 
 def collective_join(actor: Any, sync_id: str) -> None:
@@ -188,7 +188,8 @@ def sender_push(
         )
         return {j: _failed("session", lost) for j in receivers}
     try:
-        named = list(side.source(actor))  # once, shared by all sessions (read-only)
+        given = side.source(actor)  # a lazy source is packed bucket by bucket by each session's own packer
+        named = given if is_source(given) else list(given)  # once, shared by all sessions (read-only)
     except Exception as e:
         targets: list[PushSender] = [side.senders[j] for j in receivers if j in side.senders]
         _abort_sessions(targets + ([group] if in_group else []), e)

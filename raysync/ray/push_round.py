@@ -26,6 +26,7 @@ from raysync.ray.connections import PairConnections
 from raysync.ray.push_graph import GraphTimedOut, PushGraph, receivers_of_senders
 from raysync.ray.report import PairReport, SyncReport
 from raysync.ray.results import EndpointResult, RemoteFailure
+from raysync.ray.trainer_group import Followed, follow, follower_grace_s
 
 
 class PushRound:
@@ -47,6 +48,9 @@ class PushRound:
         self._full, self._receive = full, receive
         self._sent: dict[int, dict[int, EndpointResult]] = {}  # sender i -> its result for each receiver j
         self._received: dict[int, EndpointResult] = {}  # receiver j -> its result
+        self._followed: dict[int, Followed] = {}  # a sharded trainer's rank i that sent to no one -> its walk
+        self._following: set[Key] = set()  # their calls (Note [every rank takes part in every push])
+        self._grace_ends: float | None = None  # when the driver stops waiting for a follower
         self._failures: list[EndpointFailure] = []
 
     def run(self, graph: PushGraph | None = None) -> SyncReport:
@@ -61,6 +65,7 @@ class PushRound:
         self._collect(calls, deadline)
         pairs = self._read_senders()
         self._read_receivers()
+        self._read_followers()
         if self._failures:
             mixed = sorted(j for j, r in self._received.items() if r.version == MIXED)
             raise SyncError(self.version, self._failures, mixed)
@@ -77,6 +82,9 @@ class PushRound:
         calls |= self.actors.on_receivers(
             fn, {j: (sync_id, *args) for js in receivers_of.values() for j in js}
         )
+        following = self.actors.on_senders(follow, self.connections.followers(receivers_of, self.version))
+        self._following = set(following)
+        calls |= following
         return {make(): key for key, make in calls.items() if key not in members}
 
     def _run_graph(self, graph: PushGraph, deadline: float) -> None:
@@ -108,6 +116,11 @@ class PushRound:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._time_out([refs[ref] for ref in pending])
+                if all(refs[ref] in self._following for ref in pending):  # only followers left
+                    left = min(left, self._grace_left())
+                    if left <= 0:
+                        self._follower_timed_out([refs[ref] for ref in pending])
+                        break
                 done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
                 for ref in done:
                     try:
@@ -119,9 +132,32 @@ class PushRound:
         finally:
             bar.close()
 
+    def _grace_left(self) -> float:
+        """How much longer the driver waits for the followers once every other endpoint answered
+        (trainer_group.follower_grace_s)."""
+        if self._grace_ends is None:
+            self._grace_ends = time.monotonic() + self._grace_s()
+        return self._grace_ends - time.monotonic()
+
+    def _grace_s(self) -> float:
+        failed = bool(self._failures) or any(
+            not r.ok
+            for r in [*self._received.values(), *(r for s in self._sent.values() for r in s.values())]
+        )
+        return follower_grace_s(self.connections.config, failed)
+
+    def _follower_timed_out(self, keys: list[Key]) -> None:
+        grace = self._grace_s()
+        for key in keys:
+            name = f"{self.actors.label(key)} (a rank of the sharded trainer)"
+            error = PeerTimeout(name, "following the push", grace)
+            self._followed[key[1]] = Followed(failure=RemoteFailure.of("following the push", error))
+
     def _take(self, key: Key, answer: Any, bar: tqdm | None) -> None:
         role, index = key
-        if role == "sender":  # a sender answers when all of its pairs are done
+        if isinstance(answer, Followed):
+            self._followed[index] = answer
+        elif role == "sender":  # a sender answers when all of its pairs are done
             self._sent[index] = answer
             if bar is not None:
                 bar.update(sum(b for (i, _), b in self.connections.push_bytes.items() if i == index))
@@ -159,6 +195,11 @@ class PushRound:
             if r.failure is not None:
                 self._failed(f"receiver #{j} ({self.actors.receiver_at[j].label()})", r.failure)
                 self.connections.mark_broken(self.connections.pairs_to(j))
+
+    def _read_followers(self) -> None:
+        for i, f in sorted(self._followed.items()):
+            if f.failure is not None:
+                self._failed(f"sender #{i} ({self.actors.sender_at[i].label()}) (following)", f.failure)
 
     def _failed(self, endpoint: str, failure: RemoteFailure) -> None:
         self._failures.append(EndpointFailure(endpoint, failure.stage, failure.error, failure.traceback))

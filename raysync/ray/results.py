@@ -18,7 +18,7 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 
-from raysync.core.errors import PushIncomplete, RemoteError
+from raysync.core.errors import PeerUnavailable, PushIncomplete, RemoteError
 from raysync.core.report import PushReport
 from raysync.core.version import Version
 from raysync.transport.process_group import Rendezvous
@@ -51,11 +51,13 @@ class RemoteFailure:
     @classmethod
     def of(cls, stage: str, error: BaseException) -> RemoteFailure:
         """``error`` raised at ``stage``. A RemoteError already names the stage and traceback of the side
-        that failed first (a receiver's cause, heard by its sender): that is what travels on."""
+        that failed first (a receiver's cause, heard by its sender): that is what travels on. A peer that
+        was lost or timed out, and a push that stopped part-way, name their own stage (e.g. the all-gather of
+        a sharded source's bucket)."""
         if isinstance(error, RemoteError):
             return cls(error.stage, error.message, error.remote_traceback)
         return cls(
-            error.stage if isinstance(error, PushIncomplete) else stage,
+            error.stage if isinstance(error, (PushIncomplete, PeerUnavailable)) else stage,
             f"{type(error).__name__}: {error}",
             "".join(traceback.format_exception(error)),
         )

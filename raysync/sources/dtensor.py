@@ -122,13 +122,15 @@ class DTensorSource:
             self._walk, self.rank, specs, self._params, gathers, buckets, buffers, config.cuda_graphs
         )
 
-    def follow(self, version: int) -> str:
+    def follow(self, version: int, config: SyncConfig | None = None) -> str:
         """Take part in the push of ``version`` without sending (a rank other than the sending one): the same
         walk of gathers, bounded by ``timeout_s``. Returns "done" or "skipped" (the sending rank's outcome);
-        raises the typed error of a rank that failed or did not join (naming it and the bucket)."""
-        cfg = self.config
+        raises the typed error of a rank that failed or did not join (naming it and the bucket). ``config``:
+        the sending rank's session config when it differs from this source's (WeightSync's plan sizes the
+        buckets: raysync.ray.trainer_group)."""
+        cfg = config or self.config
         specs = self.specs(cfg)
-        key = tuple(specs)
+        key = (tuple(specs), cfg.bucket_bytes, cfg.align_bytes)
         if key not in self._packers:
             self._packers = {
                 key: self.packer(cfg, plan_buckets(specs, cfg.bucket_bytes, cfg.align_bytes), None)
