@@ -62,7 +62,8 @@ import torch
 
 from raysync.core import delta
 from raysync.core.config import SyncConfig
-from raysync.core.delta_encode import Workspace, encode
+from raysync.core.delta_encode import encode
+from raysync.core.delta_reference import ReferenceBytes, chunk_sizes
 from raysync.core.delta_rule import StageClock, TimeRule
 from raysync.core.plan import Bucket, align_up, plan_buckets
 from raysync.core.source import Packer, Source, SourcePacker
@@ -105,6 +106,19 @@ class DeltaStats:
                 parts.append(f"{nbytes / 1e6:.2f} MB full by {rule}")
         return "; ".join(parts)
 
+    def add_full(self, payload: int) -> DeltaStats:
+        """A bucket of a full push: ``payload`` tensor bytes sent whole."""
+        return dataclasses.replace(
+            self, base_version=None, sent_as_full=self.sent_as_full + payload, changed=None
+        )
+
+    def in_turns(self, full: int) -> DeltaStats:
+        """These, a push's delta turn, with its full turn's ``full`` bytes (a fan-out served in turns)."""
+        why = f"in turns: the delta turn: {self.explain}" if self.explain else "in turns"
+        return dataclasses.replace(
+            self, base_version=None, sent_as_full=self.sent_as_full + full, changed=None, why=why
+        )
+
     def add(self, code: delta.BucketCode) -> DeltaStats:
         changed = code.changed
         return dataclasses.replace(
@@ -116,15 +130,6 @@ class DeltaStats:
             full_by_size=self.full_by_size + code.full_by("size"),
             full_by_density=self.full_by_density + code.full_by("density"),
         )
-
-
-def chunk_sizes(bucket: Bucket, specs: Sequence[TensorSpec]) -> list[tuple[int, int]]:
-    """(elements, bytes each) of every chunk as delta compares it: words of the dtype's width, 8 at most."""
-    out = []
-    for c in bucket.chunks:
-        width = min(specs[c.index].itemsize, 8)
-        out.append((c.nbytes // width, width))
-    return out
 
 
 def table_bytes(bucket: Bucket) -> int:
@@ -165,15 +170,9 @@ class Reference:
         self.rule = TimeRule()  # Note [the density rule by time] (raysync.core.delta_rule)
         self.clock = StageClock()  # per-stage seconds of a push, when enabled (benchmarks)
         self._since_full = 0  # delta pushes since the last full one (SyncConfig.delta_full_every)
-        self._layout_id, self._fits, self._source = 0, False, None
         self._started, self._measured = 0.0, False  # this push's start, and whether the rule learns from it
-        self._bytes: torch.Tensor | None = None
-        self._scratch: torch.Tensor | None = None
-        self._space: Workspace | None = None  # encode's work tensors, reused by every push
-        self._ring_device: torch.device | None = None
-        self._offsets: list[int] = []
-        self._sizes: list[int] = []  # per bucket: its bytes, padding between chunks included
-        self._pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per bucket: (reference, scratch)
+        self._ref: ReferenceBytes | None = None
+        self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
 
     def on_plane(self, plane: object, made_here: bool) -> None:
@@ -201,24 +200,15 @@ class Reference:
         faster (Note [the density rule by time]). The reference's version is None from here until ``finish``."""
         self.active, self.lazy = self.enabled, lazy
         self._started = time.perf_counter()
-        every = self.config.delta_full_every
-        usable = self.active and self._fits and self._packer is not None
+        usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
         self._measured = usable
-        as_delta, why = False, ""
-        if not usable or self.version is None:
-            why = "no reference of the receivers' version: full"
-        elif full:
-            why = "full=True"
-        elif every > 0 and self._since_full + 1 >= every:
-            why = f"an anchor (delta_full_every={every})"
-        elif self.config.delta_by_time:
-            as_delta, why = self.rule.choose()
-        else:
-            as_delta = True
+        as_delta, why = choose(
+            self.config, self.rule, usable and self.version is not None, full, self._since_full
+        )
         self.base = self.version if as_delta else None
         self.version = None
         self.stats = DeltaStats(self.base, changed=None if self.base is None else 0, why=why)
-        self.clock.start(self._bytes.device if self._bytes is not None else None)
+        self.clock.start(self._ref.device if self._ref is not None else None)
         return self.base
 
     def demote(self, why: str = "a receiver needs a full push") -> None:
@@ -234,89 +224,62 @@ class Reference:
             return
         self.demote("new tensors or a new layout: full")
         sources = agreed.sources
-        device = sources[0].tensor.device if sources else torch.device("cpu")
-        self._new_layout(agreed, buffers, device)
-        self._packer = Packer(agreed.buckets, sources, [self._scratch], self.config.cuda_graphs)
+        self._new_layout(agreed, buffers, sources[0].tensor.device if sources else torch.device("cpu"))
+        self._packer = Packer(agreed.buckets, sources, [self._ref.scratch], self.config.cuda_graphs)
         self._source = None
 
     def prepare_source(self, agreed: SenderLayout, source: Source, buffers: Sequence[torch.Tensor]) -> None:
         """A lazy source's push in delta mode: its scratch packer, made again for a new layout or a new
         source (then this push is full)."""
-        if not self.active or (source is self._source and agreed.layout.layout_id == self._layout_id):
+        ref = self._ref
+        if not self.active or (source is self._source and ref and agreed.layout.layout_id == ref.layout_id):
             return
         self.demote("a new source or layout: full")
         self._new_layout(agreed, buffers, buffers[0].device)
-        self._packer = source.packer(self.config, agreed.buckets, [self._scratch])
+        self._packer = source.packer(self.config, agreed.buckets, [self._ref.scratch])
         self._source = source
 
     def _new_layout(
         self, agreed: SenderLayout, buffers: Sequence[torch.Tensor], device: torch.device
     ) -> None:
-        specs, buckets, layout_id = agreed.layout.tensors, agreed.buckets, agreed.layout.layout_id
-        if layout_id != self._layout_id or self._bytes is None or self._bytes.device != device:
-            self._offsets = [0]
-            for b in buckets:
-                self._offsets.append(self._offsets[-1] + align_up(b.nbytes, delta.PAYLOAD_ALIGN))
-            self._bytes = torch.empty(self._offsets[-1], dtype=torch.uint8, device=device)
-            self._layout_id, self.version = layout_id, None
-            room = buffers[0].numel() if buffers else 0
-            self._fits = all(delta.capacity(chunk_sizes(b, specs)) <= room for b in buckets)
-            self.off = None
-            if not self._fits:
-                self.off = (
-                    f"layout {layout_id}: its buckets' encoding does not fit the plane's buffers of {room} "
-                    f"bytes (made for the first layout), so its pushes go full"
-                )
-                logger.warning("delta pushes off: %s", self.off)
-        self._sizes = [b.nbytes for b in buckets]
-        size = max(self._sizes, default=0)
-        self._scratch = torch.empty(size, dtype=torch.uint8, device=device)
-        sizes = [chunk_sizes(b, specs) for b in buckets]
-        self._space = Workspace.for_buckets(sizes, device)
-        self._ring_device = buffers[0].device if buffers else device
-        if self._ring_device != device:  # encoded here first, then copied (Note [where a delta is encoded])
-            self._space.staging(max((delta.capacity(c) for c in sizes), default=0), device)
-        self._scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
-        self._space.touch()
-        self._pairs = [
-            [(_words(self.bucket(k), c, specs), _words(self._scratch, c, specs)) for c in b.chunks]
-            for k, b in enumerate(buckets)
-        ]  # the same offsets in both
+        ref = self._ref
+        if ref is not None and ref.layout_id == agreed.layout.layout_id and ref.device == device:
+            return  # new tensors of the same layout: the same reference, scratch and workspace
+        self._ref = ReferenceBytes(agreed, buffers, device)
+        self.version, self.off = None, self._ref.off
+        if self.off:
+            logger.warning("delta pushes off: %s", self.off)
 
     def merge(self, first: DeltaStats) -> None:
         """A push served in turns: what the delta turn (``first``) sent, with the full turn's bytes."""
-        full = self.stats.sent_as_full
-        why = f"in turns: the delta turn: {first.explain}" if first.explain else "in turns"
-        self.stats = dataclasses.replace(
-            first, base_version=None, sent_as_full=first.sent_as_full + full, changed=None, why=why
-        )
+        self.stats = first.in_turns(self.stats.sent_as_full)
 
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket k's bytes in the reference, laid out as in a ring buffer (what verify digests)."""
-        return self._bytes[self._offsets[k] : self._offsets[k + 1]]
+        return self._ref.bucket(k)
 
     @property
     def packs_full(self) -> bool:
         """A full push in delta mode packs through the scratch (then one copy into the ring, one into the
         reference) instead of copying the ring into the reference: a lazy source, or a ring on another device
         than the reference (a host ring of a GPU trainer: that copy would cross PCIe a second time)."""
-        return self.lazy or (self._bytes is not None and self._ring_device != self._bytes.device)
+        return self.lazy or (self._ref is not None and self._ref.ring_device != self._ref.device)
 
     def encode(self, k: int, buffer: torch.Tensor) -> int:
         """A delta push's bucket k: pack it into the scratch bucket, encode it into ``buffer`` against the
         reference (on the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded]
         in raysync.core.delta_encode), and the reference takes the new bytes (Note [delta pushes]). Returns
         the bytes of ``buffer`` the encoding uses."""
+        ref, mark = self._ref, self.clock.mark
         self.clock.restart()
         self._packer.pack(k)
-        self.clock.mark("pack")
-        pairs, cap = self._pairs[k], self.config.delta_max_density
+        mark("pack")
+        cap = self.config.delta_max_density
         code = encode(
-            pairs, buffer, base_version=self.base, max_density=cap, space=self._space, mark=self.clock.mark
+            ref.pairs[k], buffer, base_version=self.base, max_density=cap, space=ref.space, mark=mark
         )
-        size = self._sizes[k]
-        self.bucket(k)[:size].copy_(self._scratch[:size])
-        self.clock.mark("reference")
+        ref.take_scratch(k)
+        mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes
 
@@ -326,10 +289,7 @@ class Reference:
         self.clock.restart()
         self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
         self.clock.mark("reference")
-        s = self.stats
-        self.stats = dataclasses.replace(
-            s, base_version=None, sent_as_full=s.sent_as_full + payload, changed=None
-        )
+        self.stats = self.stats.add_full(payload)
 
     def pack_full(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
         """A full push's bucket k packed through the scratch (``packs_full``): copied into ``buffer`` and
@@ -337,9 +297,9 @@ class Reference:
         self.clock.restart()
         self._packer.pack(k)
         self.clock.mark("pack")
-        buffer[:nbytes].copy_(self._scratch[:nbytes])
+        buffer[:nbytes].copy_(self._ref.scratch[:nbytes])
         self.clock.mark("copy out")
-        self.keep(k, self._scratch, nbytes, payload)
+        self.keep(k, self._ref.scratch, nbytes, payload)
 
     def finish(self, version: int, skipped: bool) -> None:
         """Every receiver applied the push (or had the version: then the reference may hold part of this
@@ -347,11 +307,23 @@ class Reference:
         if not self.active or skipped:
             return
         if self._measured and self.config.delta_by_time:
-            self.rule.observe(self.base is not None, time.perf_counter() - self._started, self._offsets[-1])
+            seconds = time.perf_counter() - self._started
+            self.rule.observe(self.base is not None, seconds, self._ref.offsets[-1])
         self.version = version
         self._since_full = self._since_full + 1 if self.base is not None else 0
 
 
-def _words(buffer: torch.Tensor, chunk: object, specs: Sequence[TensorSpec]) -> torch.Tensor:
-    width = min(specs[chunk.index].itemsize, 8)
-    return buffer[chunk.bucket_offset : chunk.bucket_offset + chunk.nbytes].view(delta.WORDS[width])
+def choose(
+    config: SyncConfig, rule: TimeRule, based: bool, full: bool, deltas_since_full: int
+) -> tuple[bool, str]:
+    """(this push goes as a delta, why): not without a reference at the receivers' version (``based``), nor
+    when asked ``full``, nor when an anchor is due (SyncConfig.delta_full_every); else as the time rule
+    says (SyncConfig.delta_by_time), or always."""
+    every = config.delta_full_every
+    if not based:
+        return False, "no reference of the receivers' version: full"
+    if full:
+        return False, "full=True"
+    if every > 0 and deltas_since_full + 1 >= every:
+        return False, f"an anchor (delta_full_every={every})"
+    return rule.choose() if config.delta_by_time else (True, "")

@@ -1,0 +1,76 @@
+"""The sender's reference in delta mode, as memory (Note [the delta reference] in raysync.core.delta_push): the
+wire-dtype bytes of the last version pushed, laid out as the buckets are, with one bucket of scratch that a
+push packs into and encode's workspace, all on the trainer's device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from raysync.core import delta
+from raysync.core.delta_encode import Workspace
+from raysync.core.plan import Bucket, align_up
+from raysync.core.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from raysync.core.agreement import SenderLayout
+
+
+def chunk_sizes(bucket: Bucket, specs: Sequence[TensorSpec]) -> list[tuple[int, int]]:
+    """(elements, bytes each) of every chunk as delta compares it: words of the dtype's width, 8 at most."""
+    out = []
+    for c in bucket.chunks:
+        width = min(specs[c.index].itemsize, 8)
+        out.append((c.nbytes // width, width))
+    return out
+
+
+class ReferenceBytes:
+    """The reference's tensors for one layout on one device (Note [the delta reference]): every bucket's bytes,
+    one bucket of scratch, encode's workspace, and per bucket the (reference, scratch) chunk views it pairs."""
+
+    def __init__(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor], device: torch.device):
+        specs, buckets = agreed.layout.tensors, agreed.buckets
+        self.layout_id, self.device = agreed.layout.layout_id, device
+        self.offsets = [0]
+        for b in buckets:
+            self.offsets.append(self.offsets[-1] + align_up(b.nbytes, delta.PAYLOAD_ALIGN))
+        self.bytes = torch.empty(self.offsets[-1], dtype=torch.uint8, device=device)
+        self.sizes = [b.nbytes for b in buckets]  # a bucket's bytes, padding between its chunks included
+        self.scratch = torch.empty(max(self.sizes, default=0), dtype=torch.uint8, device=device)
+        chunks = [chunk_sizes(b, specs) for b in buckets]
+        self.room = buffers[0].numel() if buffers else 0
+        self.fits = all(delta.capacity(c) <= self.room for c in chunks)
+        self.space = Workspace.for_buckets(chunks, device)
+        self.ring_device = buffers[0].device if buffers else device
+        if self.ring_device != device:  # encoded here first, then copied (Note [where a delta is encoded])
+            self.space.staging(max((delta.capacity(c) for c in chunks), default=0), device)
+        self.scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
+        self.space.touch()
+        self.pairs = [
+            [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
+            for k, b in enumerate(buckets)
+        ]  # the same offsets in both
+
+    @property
+    def off(self) -> str | None:
+        if self.fits:
+            return None
+        return (
+            f"layout {self.layout_id}: its buckets' encoding does not fit the plane's buffers of {self.room} "
+            f"bytes (made for the first layout), so its pushes go full"
+        )
+
+    def bucket(self, k: int) -> torch.Tensor:
+        return self.bytes[self.offsets[k] : self.offsets[k + 1]]
+
+    def take_scratch(self, k: int) -> None:
+        """Bucket k's reference takes the scratch's bytes (a delta push: what every receiver now holds)."""
+        self.bucket(k)[: self.sizes[k]].copy_(self.scratch[: self.sizes[k]])
+
+
+def _words(buffer: torch.Tensor, chunk: object, specs: Sequence[TensorSpec]) -> torch.Tensor:
+    width = min(specs[chunk.index].itemsize, 8)
+    return buffer[chunk.bucket_offset : chunk.bucket_offset + chunk.nbytes].view(delta.WORDS[width])
