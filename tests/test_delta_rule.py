@@ -13,6 +13,8 @@ import torch
 from conftest import same_bits, session_pair
 from test_delta_push import CFG, bf16, rl_step, small_model
 
+from raysync import SyncConfig
+from raysync.core.delta_push import choose
 from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule
 
 GB = 10**9
@@ -53,6 +55,27 @@ def test_full_by_time_is_probed_again_and_the_interval_doubles_while_full_stays_
             assert why.endswith(f"measured again after {PROBE_EVERY * (1 + (sum(choices) > 1))} full pushes")
     probes = [i for i, d in enumerate(choices) if d]
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # after 8 full pushes, then after 16
+
+
+@pytest.mark.parametrize(
+    "based, full, since, config, want",
+    [
+        (False, False, 0, {}, (False, "no reference of the receivers' version: full")),
+        (True, True, 0, {}, (False, "full=True")),
+        (True, False, 2, {"delta_full_every": 3}, (False, "an anchor (delta_full_every=3)")),
+        (
+            True,
+            False,
+            1,
+            {"delta_full_every": 3},
+            (True, "time: no delta push measured yet, this one measures"),
+        ),
+        (True, False, 0, {"delta_by_time": False}, (True, "")),
+    ],
+)
+def test_which_rule_decides_a_push(based, full, since, config, want):
+    rule = TimeRule()
+    assert choose(SyncConfig(delta=True, **config), rule, based, full, since) == want
 
 
 def test_a_stage_clock_sums_marked_stages_only_when_enabled():
