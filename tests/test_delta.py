@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from raysync.core import delta
 from raysync.core.delta import GAP_SPAN, Mode
-from raysync.core.delta_encode import Workspace, encode
+from raysync.core.delta_encode import COPY_RUN_BYTES, Workspace, encode
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import MIXED
 
@@ -443,4 +443,27 @@ def test_a_gpu_round_trip_is_bit_exact(buffer_device):
     assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.GAPS]
     engine = [o.clone() for o in olds]
     delta.decode(out, engine, held_version=2)
+    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_encoding_into_host_memory_crosses_in_runs_and_is_bit_exact():
+    """GPU chunks, a pinned host buffer (a GPU trainer over shm): payloads of several copy runs (a FULL chunk
+    of 12 MiB, GAPS and FULL chunks around it) cross on the side stream while the others are compacted."""
+    gen = torch.Generator().manual_seed(19)
+    sizes = [(BF16, 2 * GAP_SPAN + 3, 0.05), (BF16, 6 << 20, 0.6), (F32, 3 << 20, 0.02), (BF16, 777, 0.7)]
+    olds = [random_tensor(d, (n,), gen).cuda() for d, n, _ in sizes]
+    news = [
+        changed_copy(o.cpu(), random_mask(o.numel(), p, 20 + i)).cuda()
+        for i, (o, (_, _, p)) in enumerate(zip(olds, sizes, strict=True))
+    ]
+    chunks = [(n.numel(), n.element_size()) for n in news]
+    out = torch.zeros(delta.capacity(chunks), dtype=torch.uint8, pin_memory=True)
+    space = Workspace.for_buckets([chunks], torch.device("cuda"))
+    code = encode(list(zip(olds, news, strict=True)), out, base_version=4, space=space)
+    assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.FULL, Mode.GAPS, Mode.FULL]
+    assert code.nbytes > 2 * COPY_RUN_BYTES and space.stream is not None
+    engine = [o.clone() for o in olds]
+    delta.decode(out, engine, held_version=4)
     assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))

@@ -18,7 +18,9 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #     choose   FULL / SAME / GAPS per chunk on the host (the density rule, its reason)
 #     compact  GAPS: indices (nonzero_static where the count is known: no sync on CUDA), gaps as int16,
 #              values gathered straight into the payload (index_select out=); FULL: one copy of the chunk
-#     copy     the used bytes into ``out`` when it lives on another device (one copy, one sync)
+#     copy     the used bytes into ``out`` when it lives on another device: on CUDA in runs of >= 4 MiB on
+#              a side stream as the payloads are written (the copy engine works while the next chunks are
+#              compacted), then one wait; elsewhere one copy
 #
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
@@ -52,6 +54,7 @@ from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
 
 Mark = Callable[[str], None]
+COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Workspace:
 
     mask: torch.Tensor  # bool, at least the bucket's elements
     buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
+    stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (_CopyOut)
 
     @classmethod
     def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
@@ -123,15 +127,52 @@ def encode(
     header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
     rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
     _write_words(out, header + [w for row in rows for w in row])  # from the host, straight into ``out``
-    start = offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
+    offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
+    copy = _CopyOut(out, target, offset, space) if target is not out else None
     for code, (_, new), mask in zip(codes, views, masks, strict=True):
         _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
         offset = _align(offset + code.payload_bytes)
+        if copy is not None:
+            copy.written(min(offset, used))
     mark("compact")
-    if target is not out:
-        out[start:used].copy_(target[start:used])
+    if copy is not None:
+        copy.finish(used)
         mark("copy out")
     return BucketCode(base_version, codes, used)
+
+
+class _CopyOut:
+    """The staged payloads' way into ``out``. On a CUDA device in runs of at least ``COPY_RUN_BYTES``, on a
+    side stream, as the payloads are written: the copy engine moves the first chunks across while the next
+    ones are compacted; ``finish`` copies the rest and waits. Elsewhere one copy, at ``finish``."""
+
+    def __init__(self, out: torch.Tensor, staged: torch.Tensor, start: int, space: Workspace):
+        self.out, self.staged, self.done, self.stream = out, staged, start, None
+        if staged.device.type == "cuda":
+            if space.stream is None or space.stream.device != staged.device:
+                space.stream = torch.cuda.Stream(staged.device)
+            self.stream = space.stream
+
+    def written(self, end: int) -> None:
+        """The payloads up to byte ``end`` are written (their kernels enqueued on the current stream)."""
+        if self.stream is not None and end - self.done >= COPY_RUN_BYTES:
+            self._copy(end)
+
+    def finish(self, used: int) -> None:
+        if self.stream is None:
+            self.out[self.done : used].copy_(self.staged[self.done : used])
+            return
+        if used > self.done:
+            self._copy(used)
+        self.stream.synchronize()  # the one wait: every byte is in ``out`` when encode returns
+
+    def _copy(self, end: int) -> None:
+        written = torch.cuda.Event()
+        written.record()  # on the current stream, after the kernels that wrote these bytes
+        self.stream.wait_event(written)
+        with torch.cuda.stream(self.stream):
+            self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
+        self.done = end
 
 
 def _check_pairs(pairs, views) -> torch.device | None:
