@@ -168,7 +168,7 @@ class _CopyOut:
 
     def _copy(self, end: int) -> None:
         written = torch.cuda.Event()
-        written.record()  # on the current stream, after the kernels that wrote these bytes
+        written.record(torch.cuda.current_stream(self.staged.device))  # after the kernels that wrote them
         self.stream.wait_event(written)
         with torch.cuda.stream(self.stream):
             self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
