@@ -50,7 +50,8 @@ class PushRound:
         self._received: dict[int, EndpointResult] = {}  # receiver j -> its result
         self._followed: dict[int, Followed] = {}  # a sharded trainer's rank i that sent to no one -> its walk
         self._following: set[Key] = set()  # their calls (Note [every rank takes part in every push])
-        self._grace_ends: float | None = None  # when the driver stops waiting for a follower
+        self._heard_failure = False  # an endpoint of this round failed
+        self._waiting_since: float | None = None  # when only followers were left to answer
         self._failures: list[EndpointFailure] = []
 
     def run(self, graph: PushGraph | None = None) -> SyncReport:
@@ -119,7 +120,7 @@ class PushRound:
                 if all(refs[ref] in self._following for ref in pending):  # only followers left
                     left = min(left, self._grace_left())
                     if left <= 0:
-                        self._follower_timed_out([refs[ref] for ref in pending])
+                        self._follower_timed_out({ref: refs[ref] for ref in pending})
                         break
                 done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
                 for ref in done:
@@ -134,27 +135,31 @@ class PushRound:
 
     def _grace_left(self) -> float:
         """How much longer the driver waits for the followers once every other endpoint answered
-        (trainer_group.follower_grace_s)."""
-        if self._grace_ends is None:
-            self._grace_ends = time.monotonic() + self._grace_s()
-        return self._grace_ends - time.monotonic()
+        (trainer_group.follower_grace_s: shorter after a failure, which ended the followers' walk too)."""
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        grace = follower_grace_s(self.connections.config, self._heard_failure)
+        return self._waiting_since + grace - time.monotonic()
 
-    def _grace_s(self) -> float:
-        failed = bool(self._failures) or any(
-            not r.ok
-            for r in [*self._received.values(), *(r for s in self._sent.values() for r in s.values())]
-        )
-        return follower_grace_s(self.connections.config, failed)
+    def _follower_timed_out(self, calls: dict[Any, Key]) -> None:
+        """Named (PeerTimeout); a call still queued behind the rank's other work is cancelled, so that it does
+        not walk later a push that every other rank gave up."""
+        import ray
 
-    def _follower_timed_out(self, keys: list[Key]) -> None:
-        grace = self._grace_s()
-        for key in keys:
+        grace = follower_grace_s(self.connections.config, self._heard_failure)
+        for ref, key in calls.items():
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: S110 -- best effort: a call that runs ends within its own timeout_s
+                pass
             name = f"{self.actors.label(key)} (a rank of the sharded trainer)"
             error = PeerTimeout(name, "following the push", grace)
             self._followed[key[1]] = Followed(failure=RemoteFailure.of("following the push", error))
 
     def _take(self, key: Key, answer: Any, bar: tqdm | None) -> None:
         role, index = key
+        results = answer.values() if isinstance(answer, dict) else [answer]
+        self._heard_failure |= any(not getattr(r, "ok", True) for r in results)
         if isinstance(answer, Followed):
             self._followed[index] = answer
         elif role == "sender":  # a sender answers when all of its pairs are done
@@ -167,6 +172,7 @@ class PushRound:
 
     def _lost(self, key: Key, error: Exception) -> None:
         """Ray gave no answer for ``key``: every pair of that endpoint is repaired before the next push."""
+        self._heard_failure = True
         name = self.actors.label(key)
         self._failures.append(EndpointFailure(name, f"push v{self.version}", first_line(error), str(error)))
         self.connections.mark_broken(self.connections.pairs_of(key))
