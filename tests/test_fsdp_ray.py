@@ -155,6 +155,8 @@ def test_a_rank_serving_two_engines_pushes_once_and_a_group_cut_short_is_refused
         WeightSync(ranks, engines, CFG, source=rank_source, transport="shm")
     with pytest.raises(PlanError, match="every rank of one group must be a sender"):
         WeightSync(ranks[:1], engines, CFG, source=rank_source)
+    with pytest.raises(PlanError, match="shard_sources splits whole tensors"):
+        WeightSync(ranks, engines, CFG, source=rank_source, shard_sources=True)
     with WeightSync(ranks, engines, CFG, source=rank_source) as sync:
         assert [(p.sender, p.transport) for p in sync.plan] == [(0, "collective")] * 2
         assert "walks once per push" in str(sync.plan)
@@ -173,6 +175,19 @@ def test_two_sending_ranks_walk_together_each_to_its_engine(ranks, engines):
             sync.push(version)
             assert ray.get([e.digest.remote() for e in engines]) == [expected, expected]
         assert sync.versions() == [2, 2]
+
+
+def test_a_staged_push_of_a_sharded_trainer_flips_bit_exact(ranks, engines):
+    """push(staged=True) runs every rank's part too: the engine keeps version 1 live until flip()."""
+    engine = engines[0]
+    with WeightSync(ranks, [engine], CFG, source=rank_source) as sync:
+        first = step(ranks)
+        sync.push(1)
+        second = step(ranks)
+        assert sync.push(2, staged=True).staged
+        assert sync.versions() == [1] and ray.get(engine.digest.remote()) == first
+        sync.flip()
+        assert sync.versions() == [2] and ray.get(engine.digest.remote()) == second
 
 
 @pytest.mark.parametrize("rounds", ["graph", "loop"])
