@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from raysync.core import delta
 from raysync.core.delta import GAP_SPAN, Mode
-from raysync.core.delta_encode import COPY_RUN_BYTES, Workspace, encode
-from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
+from raysync.core.delta_encode import encode
+from raysync.core.errors import BadDelta, BaseMismatch
 from raysync.core.version import MIXED
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -363,107 +363,3 @@ def test_any_gap_bytes_write_distinct_elements_or_are_refused():
             continue
         assert not seed % 2
         assert int((engine[1].view(torch.int16) != marker).sum()) == entries  # distinct elements, all written
-
-
-# --- what encode refuses --------------------------------------------------------------------------------------------
-def test_encode_refuses_a_buffer_too_small_and_writes_nothing():
-    old = random_tensor(torch.bfloat16, (1000,), torch.Generator().manual_seed(14))
-    out = torch.zeros(delta.capacity([(1000, 2)]) - 16, dtype=torch.uint8)
-    with pytest.raises(LayoutError, match="capacity"):
-        encode([(None, old)], out, base_version=None)
-    assert not out.any()
-
-
-@pytest.mark.parametrize(
-    "pair, out_offset, match",
-    [
-        ((torch.zeros(8, dtype=BF16), torch.zeros(8, dtype=F16)), 0, "dtype, size and device"),
-        ((torch.zeros(8), torch.zeros(9)), 0, "dtype, size and device"),
-        ((torch.zeros(8, 2)[:, 0], torch.zeros(8)), 0, "not a contiguous tensor"),
-        ((torch.zeros(8), torch.zeros(8)), 8, "multiple of 16"),
-    ],
-)
-def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
-    out = torch.zeros(4096, dtype=torch.uint8)[out_offset:]
-    with pytest.raises(LayoutError, match=match):
-        encode([pair], out, base_version=1)
-
-
-# --- encoded on the chunks' device, then copied (Note [where a delta is encoded]) -------------------------------------
-def defined_bytes(code: delta.BucketCode) -> list[tuple[int, int]]:
-    """The [start, end) ranges of an encoding that encode writes: header and table, gaps, values, FULL bytes."""
-    ranges = [(0, delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))]
-    offset = delta._align(ranges[0][1])
-    for c in code.chunks:
-        if c.mode == Mode.GAPS:
-            ranges.append((offset, offset + 2 * c.entries))
-            values = offset + delta._align(2 * c.entries)
-            ranges.append((values, values + c.entries * c.itemsize))
-        elif c.mode == Mode.FULL:
-            ranges.append((offset, offset + c.full_bytes))
-        offset = delta._align(offset + c.payload_bytes)
-    return ranges
-
-
-@pytest.mark.parametrize("density", [0.0, 0.036, 0.6])
-def test_a_staged_encoding_writes_the_same_bytes_and_reuses_its_workspace(density):
-    """What a GPU trainer over a host ring does (encode into the workspace, copy the bytes used), run on the
-    CPU: the same bytes as encoding in place, every mode, and the workspace's tensors kept for the next call."""
-    gen = torch.Generator().manual_seed(17)
-    olds = [random_tensor(d, (n,), gen) for d, n in [(BF16, 3 * GAP_SPAN + 5), (F32, 999), (BF16, 64)]]
-    news = [changed_copy(o, random_mask(o.numel(), density, 18 + i)) for i, o in enumerate(olds)]
-    news[2] = olds[2].clone()  # a SAME chunk
-    pairs = list(zip(olds, news, strict=True))
-    size = delta.capacity([(n.numel(), n.element_size()) for n in news])
-    space = Workspace.for_buckets([[(n.numel(), n.element_size()) for n in news]], torch.device("cpu"))
-    direct, staged = torch.zeros(size, dtype=torch.uint8), torch.full((size,), 0xCD, dtype=torch.uint8)
-    code = encode(pairs, direct, base_version=3, space=space)
-    mask, again = space.mask, encode(pairs, staged, base_version=3, space=space, staged=True)
-    assert again == code and space.mask is mask and space.buffer is not None
-    for start, end in defined_bytes(code):  # padding is left as it was, in either buffer
-        assert torch.equal(staged[start:end], direct[start:end]), (start, end)
-    assert bool((staged[code.nbytes :] == 0xCD).all())  # nothing past the bytes used
-    engine = [o.clone() for o in olds]
-    delta.decode(staged, engine, held_version=3)
-    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
-
-
-# --- on a GPU -------------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("buffer_device", ["cuda", "cpu"])  # a GPU ring, or a host ring (shm) for GPU tensors
-def test_a_gpu_round_trip_is_bit_exact(buffer_device):
-    gen = torch.Generator().manual_seed(15)
-    olds = [random_tensor(d, (n,), gen).cuda() for d, n in [(BF16, 3 * GAP_SPAN + 1), (F32, 4097)]]
-    news = [changed_copy(o.cpu(), random_mask(o.numel(), 0.036, 16)).cuda() for o in olds]
-    out = torch.zeros(
-        delta.capacity([(n.numel(), n.element_size()) for n in news]), dtype=torch.uint8, device=buffer_device
-    )
-    code = encode(list(zip(olds, news, strict=True)), out, base_version=2)
-    assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.GAPS]
-    engine = [o.clone() for o in olds]
-    delta.decode(out, engine, held_version=2)
-    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_gpu_encoding_into_host_memory_crosses_in_runs_and_is_bit_exact():
-    """GPU chunks, a pinned host buffer (a GPU trainer over shm): payloads of several copy runs (a FULL chunk
-    of 12 MiB, GAPS and FULL chunks around it) cross on the side stream while the others are compacted."""
-    gen = torch.Generator().manual_seed(19)
-    sizes = [(BF16, 2 * GAP_SPAN + 3, 0.05), (BF16, 6 << 20, 0.6), (F32, 3 << 20, 0.02), (BF16, 777, 0.7)]
-    olds = [random_tensor(d, (n,), gen).cuda() for d, n, _ in sizes]
-    news = [
-        changed_copy(o.cpu(), random_mask(o.numel(), p, 20 + i)).cuda()
-        for i, (o, (_, _, p)) in enumerate(zip(olds, sizes, strict=True))
-    ]
-    chunks = [(n.numel(), n.element_size()) for n in news]
-    out = torch.zeros(delta.capacity(chunks), dtype=torch.uint8, pin_memory=True)
-    space = Workspace.for_buckets([chunks], torch.device("cuda"))
-    code = encode(list(zip(olds, news, strict=True)), out, base_version=4, space=space)
-    assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.FULL, Mode.GAPS, Mode.FULL]
-    assert code.nbytes > 2 * COPY_RUN_BYTES and space.stream is not None
-    engine = [o.clone() for o in olds]
-    delta.decode(out, engine, held_version=4)
-    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
