@@ -6,8 +6,10 @@ raysync.engines.vllm_staged). One engine of each kind serves the module, plus on
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
+import threading
 
 import pytest
 from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop, watch
@@ -36,9 +38,46 @@ class AsyncStagedHost(AsyncHost):
     async def staged_bytes(self) -> int:
         return sum(await self.llm.collective_rpc("raysync_staged_bytes"))
 
-    def finished(self, version: object) -> int:
+    async def finished(self, version: object) -> int:
         """How many requests made by ``version`` have finished."""
         return sum(v == version for _, _, v, _ in self.done)
+
+    async def release_when_served(self, trainer, requests: int, timeout_s: float) -> list:
+        """Once a staged push lands in the engine's workers, wait for ``requests`` more requests to finish, then
+        let the trainer's held push go (it cannot land before): the versions of those requests."""
+        from raysync.engines.vllm_async import gate_of
+
+        landing = gate_of(self.llm).landing
+        await asyncio.wait_for(landing.wait(), timeout_s)
+        n = len(self.done)
+        async with self.changed:
+            served = lambda: len(self.done) >= n + requests or self.errors  # noqa: E731
+            await asyncio.wait_for(self.changed.wait_for(served), timeout_s)
+        assert landing.is_set() and not self.errors, self.errors
+        await trainer.release.remote()
+        return [v for _, _, v, _ in self.done[n:]]
+
+
+class HeldPolicy(Policy):
+    """A trainer whose pushes wait, after ``hold()``, until ``release()`` (its source waits): a staged push held
+    in flight. Its actor takes two calls at once (a push, and the release)."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.go = threading.Event()
+        self.go.set()
+
+    def hold(self) -> None:
+        self.go.clear()
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def held_source(actor: HeldPolicy):
+    if not actor.go.wait(WAIT_S):
+        raise TimeoutError(f"the push was held for more than {WAIT_S} s")
+    return actor.model.named_parameters()
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +139,26 @@ def test_a_staged_push_lands_while_both_engines_generate_and_the_flip_makes_it_l
     ray_local, no_leftovers, hosts, async_host, checkpoint
 ):
     """The LLM engine generates between the driver's calls, the AsyncLLM engine all the time (two request
-    loops): after each staged push both still generate the live version's tokens, after the flip the new one's;
-    a discard leaves the live version and frees the staged copies. Every request of the AsyncLLM says one
+    loops). Each staged push is held by its trainer until the AsyncLLM has served three requests while the
+    push was landing in its workers (Note [a stage beside the engine's steps]): they ran on the live version.
+    After the stage both engines still generate the live version's tokens, after the flip the new one's; a
+    discard leaves the live version and frees the staged copies. Every request of the AsyncLLM says one
     version, and its tokens are transformers' on that version's weights."""
     llm = hosts("sync")
-    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=11)
+    trainer = ray.remote(num_cpus=0.25, max_concurrency=2)(HeldPolicy).remote(seed=11)
     expected = {None: checkpoint}
     ray.get(async_host.start.remote(PROMPTS, TOKENS), timeout=WAIT_S)
-    with WeightSync([trainer], [VllmEngine(llm), VllmEngine(async_host)], CFG) as sync:
+    engines = [VllmEngine(llm), VllmEngine(async_host)]
+    with WeightSync([trainer], engines, CFG, source=held_source) as sync:
         ray.get(async_host.wait_for.remote(None, 2, WAIT_S), timeout=WAIT_S)
         live = None
         for version in (1, 2):
             ray.get(trainer.step.remote(version))
             expected[version] = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
-            report = sync.push(version, staged=True)
+            ray.get(trainer.hold.remote())
+            served = async_host.release_when_served.remote(trainer, 3, WAIT_S)
+            report = sync.push(version, staged=True)  # lands only after those three requests
+            assert ray.get(served, timeout=WAIT_S) == [live] * 3
             assert report.staged and [p.bytes > 0 for p in report.pairs] == [True, True]
             assert sync.versions() == [live, live] and sync.staged_versions() == [version, version]
             held = ray.get([llm.staged_bytes.remote(), async_host.staged_bytes.remote()], timeout=WAIT_S)

@@ -230,6 +230,15 @@ class WorkerExtension:
         versions.check_weights(self)
         return ep.applied_version(self)
 
+    def raysync_stage_begin(self, args: list | dict[str, list]) -> None:
+        """``raysync_call("receiver_stage", args)`` on a thread of this worker; ``raysync_stage_wait`` gives its
+        answer (Note [a stage beside the engine's steps] in raysync.engines.vllm_staged)."""
+        staged.begin(self, lambda: self.raysync_call("receiver_stage", args))
+
+    def raysync_stage_wait(self, wait_s: float) -> dict[str, Any] | None:
+        """The answer of the stage ``raysync_stage_begin`` started, once it ended (up to ``wait_s``); else None."""
+        return staged.wait(self, min(wait_s, staged.POLL_S))
+
     def raysync_staged_bytes(self) -> int:
         """The staging memory this worker holds now: host copies of the staged pushes' tensors (Note [staging
         in a vLLM worker] in raysync.engines.vllm_staged)."""

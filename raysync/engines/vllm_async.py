@@ -66,18 +66,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raysync.core.errors import PeerTimeout
 from raysync.core.version import MIXED, Version
-from raysync.engines.vllm_staged import weights_changed
+from raysync.engines.vllm_staged import POLL_S, weights_changed
 
 logger = logging.getLogger(__name__)
 
 _GATE = "_raysync_gate"
 _DRAIN_S = 60.0  # the drain's limit until a session says its SyncConfig.timeout_s
+_STAGE_TIMEOUTS = 10  # a staged push not landed after this many SyncConfig.timeout_s is a PeerTimeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,9 @@ class Gate:
         self._reading = False
         self._pushing = False
         self.sleeping = False  # put to sleep by raysync's sleep, not woken since: the gate stays closed
+        self.landing = (
+            asyncio.Event()
+        )  # set while a staged push lands in the workers (requests run meanwhile)
 
     async def admit(self, wait_s: float) -> Version:
         while True:
@@ -293,7 +298,9 @@ async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict],
     if name in ("receiver_connect", "collective_connect"):
         config = args[1] if isinstance(args, list) else next(iter(args.values()))[1]
         gate.drain_s = float(config["timeout_s"])  # the session's SyncConfig, as plain values
-    if name not in ("receiver_receive", "receiver_flip"):  # a staged push lands while requests run
+    if name == "receiver_stage":  # lands while requests run, and the engine steps
+        return replies(await _stage(llm, args, engine, gate.drain_s))
+    if name not in ("receiver_receive", "receiver_flip"):
         return replies(await llm.collective_rpc("raysync_call", args=(name, args)))
 
     async def receive() -> dict:  # woken around it where it sleeps: Gate.push
@@ -304,3 +311,23 @@ async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict],
         return answers
 
     return await gate.push(receive, engine)  # a push applied live, or a staged push's flip
+
+
+async def _stage(llm: Any, args: Any, engine: str, timeout_s: float) -> list:
+    """A staged push received on a thread of each worker, asked after call by call, so that vLLM steps between
+    the calls (Note [a stage beside the engine's steps] in raysync.engines.vllm_staged). The receive's own
+    waits are bounded by ``timeout_s``; the whole of it by _STAGE_TIMEOUTS of them."""
+    await _bounded(llm.collective_rpc("raysync_stage_begin", args=(args,)), timeout_s, engine, "stage: begin")
+    limit_s = _STAGE_TIMEOUTS * timeout_s
+    deadline = time.monotonic() + limit_s
+    gate_of(llm).landing.set()
+    try:
+        while True:
+            asked = llm.collective_rpc("raysync_stage_wait", args=(POLL_S,))
+            done = await _bounded(asked, timeout_s, engine, "stage: is it staged?")
+            if all(d is not None for d in done):
+                return done
+            if time.monotonic() > deadline:
+                raise PeerTimeout(engine, "stage: landing in the workers", limit_s)
+    finally:
+        gate_of(llm).landing.clear()

@@ -25,13 +25,24 @@ functions the driver names); raysync.engines.vllm.WorkerExtension runs these in 
 # stage the session's receiver is told its live version again, and what the push writes is counted for the
 # worker's version only when it is applied (Note [a version over every weight] in
 # raysync.engines.vllm_version).
+
+# Note [a stage beside the engine's steps]
+# vLLM's EngineCore runs a call into its workers (``collective_rpc``) in its busy loop: no engine step runs
+# until the call returns. A staged push received in one call would stop an AsyncLLM's generation for the
+# whole transfer. So its actor (raysync.engines.vllm_async) starts the receive on a thread of each worker
+# (``begin``) and then asks every worker whether it is done (``wait``), call after call, each call waiting at
+# most POLL_S: vLLM runs each between two engine steps, and the engine steps on meanwhile, on its live
+# weights (the receive writes only the copies, and reads the model only to check the push). An LLM's actor
+# runs one call at a time anyway: its stage is one call, between two of its generate calls.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from raysync.core.errors import StagingError, WeightsMixed
@@ -44,7 +55,9 @@ from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
 logger = logging.getLogger(__name__)
 
 _HELD = "_raysync_held"  # {sync_id: Held}: the push staged for each session, waiting for its flip
+_LANDING = "_raysync_landing"  # the Landing of the staged push received on a thread of this worker
 _NO_SESSION = "this worker has no session (its engine restarted?): a version staged here is gone"
+POLL_S = 0.01  # the longest a ``wait`` call holds the engine's busy loop (Note [a stage beside the engine's steps])
 
 
 @dataclass
@@ -195,6 +208,45 @@ def weights_changed(name: str, replies: dict[int, Any]) -> bool:
     if name == "receiver_flip":
         return any(not r.ok or r.flip_s != 0.0 for r in replies.values())
     return False
+
+
+# --- a stage on a thread of the worker (Note [a stage beside the engine's steps]) ------------------------------
+@dataclass
+class Landing:
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: Any = None
+    error: BaseException | None = None
+
+
+def begin(worker: Any, receive: Callable[[], Any]) -> None:
+    """Run ``receive()`` (the worker's call of ``stage``) on a thread of its own; ``wait`` gives its answer."""
+    landing = worker.__dict__.get(_LANDING)
+    if landing is not None and not landing.done.is_set():
+        raise RuntimeError(f"vLLM worker {worker.rank} is receiving a staged push already: one at a time")
+    landing = worker.__dict__[_LANDING] = Landing()
+
+    def run() -> None:
+        try:
+            landing.answer = receive()
+        except BaseException as e:  # raised in the caller's wait
+            landing.error = e
+        finally:
+            landing.done.set()
+
+    threading.Thread(target=run, name=f"raysync-stage-{worker.rank}", daemon=True).start()
+
+
+def wait(worker: Any, wait_s: float) -> Any:
+    """The answer of the receive ``begin`` started, once it ended (waited for up to ``wait_s``); else None."""
+    landing = worker.__dict__.get(_LANDING)
+    if landing is None:
+        raise RuntimeError(f"vLLM worker {worker.rank} is receiving no staged push")
+    if not landing.done.wait(wait_s):
+        return None
+    del worker.__dict__[_LANDING]
+    if landing.error is not None:
+        raise landing.error
+    return landing.answer
 
 
 IN_WORKER = {
