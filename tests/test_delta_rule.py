@@ -168,3 +168,29 @@ def test_buckets_of_sizes_not_a_multiple_of_16_take_deltas_bit_exact(private_tmp
             assert got.result(timeout=30).base_version == report.base_version == (version - 1 or None)
             assert all(same_bits(dest[n], t) for n, t in master.items()), version
     assert any(b.nbytes % 16 for b in sender._agreed.buckets)
+
+
+def test_a_receiver_that_never_takes_a_delta_is_measured_after_its_second_refusal(private_tmp, in_thread):
+    """A receiver with a load function never takes a delta (a vLLM engine's load_weights): each delta the rule
+    chose was encoded ahead, refused and sent full. A first refusal is not measured (an engine that joined
+    late); the second in a row is measured as what a delta costs here, so the rule stops trying one every
+    push: push 4 measures a full push, and from then on the rule compares the two. Every push bit-exact."""
+    master = small_model(seed=8)
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    loaded: dict[str, torch.Tensor] = {}
+    reports = []
+    with session_pair(config) as (sender, receiver):
+        rule = sender._delta.rule
+        for version in range(1, 6):
+            rl_step(master, version)
+            got = in_thread(receiver.receive, load_fn=lambda b: loaded.update((n, t.clone()) for n, t in b))
+            reports.append(sender.push(master.items(), version))
+            assert got.result(timeout=30).version == version
+            assert all(same_bits(loaded[n], t) for n, t in bf16(master).items()), version
+            if version == 2:
+                assert rule.delta_s_per_byte is None  # one refusal: not measured
+    assert [r.base_version for r in reports] == [None] * 5
+    assert rule.delta_s_per_byte is not None and rule.full_s_per_byte is not None
+    assert reports[1].why == reports[2].why == "a receiver needs a full push"
+    assert reports[3].why == "time: no full push measured yet, this one measures"
+    assert reports[4].why.startswith(("time: the last delta push took", "a receiver needs a full push"))

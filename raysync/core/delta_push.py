@@ -171,6 +171,9 @@ class Reference:
         self.clock = StageClock()  # per-stage seconds of a push, when enabled (benchmarks)
         self._since_full = 0  # delta pushes since the last full one (SyncConfig.delta_full_every)
         self._started, self._measured = 0.0, False  # this push's start, and whether the rule learns from it
+        self._usable = False  # this push could be a delta (a reference of this layout and its packer)
+        self._refused = False  # this push was chosen a delta and a receiver could not take it (``demote``)
+        self._refusals = 0  # delta pushes refused since the last one every receiver took
         self._ref: ReferenceBytes | None = None
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
@@ -201,19 +204,21 @@ class Reference:
         self.active, self.lazy = self.enabled, lazy
         self._started = time.perf_counter()
         usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
-        self._measured = usable
-        as_delta, why = choose(
-            self.config, self.rule, usable and self.version is not None, full, self._since_full
-        )
+        self._measured = self._usable = usable
+        self._refused = False
+        based = usable and self.version is not None
+        as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
         self.version = None
         self.stats = DeltaStats(self.base, changed=None if self.base is None else 0, why=why)
         self.clock.start(self._ref.device if self._ref is not None else None)
         return self.base
 
-    def demote(self, why: str = "a receiver needs a full push") -> None:
+    def demote(self, why: str = "a receiver needs a full push", refused: bool = True) -> None:
         """This push goes full after all (a receiver cannot take the delta, or the tensors changed after the
-        first buckets were encoded): whatever was applied to the reference is rewritten by the full push."""
+        first buckets were encoded): whatever was applied to the reference is rewritten by the full push.
+        ``refused``: a receiver's answer demoted it (the stream's go_full), not new tensors or a new layout."""
+        self._refused = refused and (self._refused or self.base is not None)
         self.base, self.stats, self._measured = None, DeltaStats(why=why), False
 
     def prepare(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor]) -> None:
@@ -222,7 +227,7 @@ class Reference:
         read other tensors)."""
         if not self.active:
             return
-        self.demote("new tensors or a new layout: full")
+        self.demote("new tensors or a new layout: full", refused=False)
         sources = agreed.sources
         self._new_layout(agreed, buffers, sources[0].tensor.device if sources else torch.device("cpu"))
         self._packer = Packer(agreed.buckets, sources, [self._ref.scratch], self.config.cuda_graphs)
@@ -234,7 +239,7 @@ class Reference:
         ref = self._ref
         if not self.active or (source is self._source and ref and agreed.layout.layout_id == ref.layout_id):
             return
-        self.demote("a new source or layout: full")
+        self.demote("a new source or layout: full", refused=False)
         self._new_layout(agreed, buffers, buffers[0].device)
         self._packer = source.packer(self.config, agreed.buckets, [self._ref.scratch])
         self._source = source
@@ -306,9 +311,14 @@ class Reference:
         push's bytes over the last one's, and stays None). The time rule learns what it cost."""
         if not self.active or skipped:
             return
-        if self._measured and self.config.delta_by_time:
-            seconds = time.perf_counter() - self._started
-            self.rule.observe(self.base is not None, seconds, self._ref.offsets[-1])
+        if self._refused:
+            self._refusals += 1
+        elif self.base is not None:  # every receiver took the delta
+            self._refusals = 0
+        refused_again = self._refused and self._usable and self._refusals >= 2
+        if (self._measured or refused_again) and self.config.delta_by_time:
+            seconds = time.perf_counter() - self._started  # refused again: what choosing a delta costs here
+            self.rule.observe(self.base is not None or refused_again, seconds, self._ref.offsets[-1])
         self.version = version
         self._since_full = self._since_full + 1 if self.base is not None else 0
 

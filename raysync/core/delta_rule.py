@@ -19,7 +19,12 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 #     ``probe_every`` when a delta wins.
 # Within a delta push the chunk rule still applies ("size": a GAPS payload no smaller than the full bytes,
 # "density": denser than SyncConfig.delta_max_density, a user's cap). A push that went full after all (a
-# receiver could not take the delta), one served in turns and one that set a layout up are not measured.
+# receiver could not take the delta), one served in turns and one that set a layout up are not measured, with
+# one exception: a delta refused a second time in a row (a receiver that never takes one: a load function, on
+# a broadcast group or a pair; a fan-out reader served in turns every push) is measured as a delta push, for
+# that is what choosing a delta costs there (the buckets encoded ahead and thrown away, or the second turn).
+# Without it the rule never measured a delta and tried one every push; a refusal once (an engine that joined
+# late or lost its version) is not measured, and a delta every receiver takes counts the refusals from zero.
 # SyncConfig(delta_by_time=False) turns this rule off: every push that can be a delta is one.
 """
 
