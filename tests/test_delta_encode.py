@@ -40,6 +40,16 @@ def test_encode_refuses_what_it_cannot_encode(pair, out_offset, match):
         encode([pair], out, base_version=1)
 
 
+@pytest.mark.parametrize("base", [-1, -7, 1 << 63, True])
+def test_encode_refuses_a_base_version_its_header_cannot_hold(base):
+    """The header stores the base version in an int64 and -1 as "none": a base of -1 would decode as a bucket
+    without a base (refused by every receiver), one of 2**63 does not fit."""
+    out = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="base_version"):
+        encode([(torch.zeros(8), torch.ones(8))], out, base_version=base)
+    assert not out.any()
+
+
 # --- encoded on the chunks' device, then copied (Note [where a delta is encoded]) -------------------------------------
 def defined_bytes(code: delta.BucketCode) -> list[tuple[int, int]]:
     """The [start, end) ranges of an encoding that encode writes: header and table, gaps, values, FULL bytes."""
@@ -118,3 +128,32 @@ def test_a_gpu_encoding_into_host_memory_crosses_in_runs_and_is_bit_exact():
     engine = [o.clone() for o in olds]
     delta.decode(out, engine, held_version=4)
     assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_encoding_that_fails_part_way_leaves_no_copy_in_flight(monkeypatch):
+    """Unverified here (no GPU was lent): a staged encoding into host memory that raises after its first
+    copy run was queued on the side stream waits for that run before it raises, so nothing writes into the
+    ring buffer, or reads the workspace the next bucket reuses, after encode returned."""
+    from raysync.core import delta_encode
+
+    gen = torch.Generator().manual_seed(23)
+    olds = [random_tensor(BF16, (6 << 20,), gen).cuda(), random_tensor(BF16, (4096,), gen).cuda()]
+    news = [changed_copy(o.cpu(), random_mask(o.numel(), 0.6, 24 + i)).cuda() for i, o in enumerate(olds)]
+    chunks = [(n.numel(), n.element_size()) for n in news]
+    out = torch.zeros(delta.capacity(chunks), dtype=torch.uint8, pin_memory=True)
+    space = Workspace.for_buckets([chunks], torch.device("cuda"))
+    write, calls = delta_encode._write_payload, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first chunk (12 MiB, FULL) is written and its copy run queued
+            raise RuntimeError("injected")
+        torch.cuda._sleep(1 << 28)  # the run waits for the current stream: it is still queued at the raise
+        write(*args)
+
+    monkeypatch.setattr(delta_encode, "_write_payload", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        encode(list(zip(olds, news, strict=True)), out, base_version=5, space=space)
+    assert space.stream is not None and space.stream.query()  # the run finished before encode raised

@@ -103,8 +103,10 @@ def encode(
     _check_buffer(out, "out")
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
-    if base_version is not None and not is_version(base_version):
-        raise LayoutError(f"base_version={base_version!r}: an int version, or None for a full bucket")
+    if base_version is not None and not (is_version(base_version) and 0 <= base_version < 1 << 63):
+        raise LayoutError(  # the header stores it in an int64, -1 meaning none: a version never reads as another
+            f"base_version={base_version!r}: an int version in [0, 2**63), or None for a full bucket"
+        )
     mark = mark or _no_mark
     masks = _compare(views, base_version is not None, space, device)
     counts = _host_counts(masks)
@@ -129,11 +131,16 @@ def encode(
     _write_words(out, header + [w for row in rows for w in row])  # from the host, straight into ``out``
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = _CopyOut(out, target, offset, space) if target is not out else None
-    for code, (_, new), mask in zip(codes, views, masks, strict=True):
-        _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
-        offset = _align(offset + code.payload_bytes)
-        if copy is not None:
-            copy.written(min(offset, used))
+    try:
+        for code, (_, new), mask in zip(codes, views, masks, strict=True):
+            _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
+            offset = _align(offset + code.payload_bytes)
+            if copy is not None:
+                copy.written(min(offset, used))
+    except BaseException:
+        if copy is not None:  # no copy in flight into ``out`` (or out of the workspace) once encode returns
+            copy.drain()
+        raise
     mark("compact")
     if copy is not None:
         copy.finish(used)
@@ -152,6 +159,10 @@ class _CopyOut:
             if space.stream is None or space.stream.device != staged.device:
                 space.stream = torch.cuda.Stream(staged.device)
             self.stream = space.stream
+            if out.is_cuda and out.device != staged.device:  # a ring on another GPU: the side stream's writes
+                free = torch.cuda.Event()  # wait for what that GPU's stream waits for (its reader's release)
+                free.record(torch.cuda.current_stream(out.device))
+                self.stream.wait_event(free)
 
     def written(self, end: int) -> None:
         """The payloads up to byte ``end`` are written (their kernels enqueued on the current stream)."""
@@ -165,6 +176,12 @@ class _CopyOut:
         if used > self.done:
             self._copy(used)
         self.stream.synchronize()  # the one wait: every byte is in ``out`` when encode returns
+
+    def drain(self) -> None:
+        """Encode failed part-way: wait for the runs already queued, so none writes into ``out`` or reads the
+        workspace after encode returned (the next bucket's compaction reuses it on the current stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _copy(self, end: int) -> None:
         written = torch.cuda.Event()
