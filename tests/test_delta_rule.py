@@ -57,6 +57,31 @@ def test_full_by_time_is_probed_again_and_the_interval_doubles_while_full_stays_
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # after 8 full pushes, then after 16
 
 
+def test_a_full_push_is_measured_again_while_deltas_win():
+    """The rule probes both ways: a first full push measured slow (e.g. it captured the Packer's CUDA graph)
+    is measured again after 8 delta pushes, then after 16 while deltas stay faster; when the full push turns
+    out faster, full pushes win and deltas are probed after 8 of them."""
+    rule = TimeRule()
+    rule.observe(True, 1.0, GB)
+    rule.observe(False, 5.0, GB)  # the slow first full push
+    choices = []
+    for i in range(3 * PROBE_EVERY + 2):
+        delta, why = rule.choose()
+        choices.append(delta)
+        if not delta:
+            assert why.endswith(f"measured again after {PROBE_EVERY * (1 + (i > PROBE_EVERY))} delta pushes")
+        rule.observe(delta, 1.0 if delta else 2.0, GB)  # deltas stay faster than a full push's true cost
+    fulls = [i for i, d in enumerate(choices) if not d]
+    assert fulls == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # after 8 delta pushes, then after 16
+    rule.observe(False, 0.5, GB)  # a full push (e.g. an anchor) faster now: full wins, it counts as one
+    choices = []
+    for _ in range(PROBE_EVERY):
+        delta = rule.choose()[0]
+        choices.append(delta)
+        rule.observe(delta, 1.0 if delta else 0.5, GB)
+    assert choices == [False] * (PROBE_EVERY - 1) + [True]
+
+
 @pytest.mark.parametrize(
     "based, full, since, config, want",
     [

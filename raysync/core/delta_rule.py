@@ -14,9 +14,11 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 #   * no delta push measured yet on this session: a delta (the first attempt measures);
 #   * no full push measured yet (the first push of a layout sets the session up, so it is not counted): full;
 #   * else a delta when its last measured time is below the last full one; full otherwise ("time" in the
-#     report's ``why``), with a delta again after ``probe_every`` full pushes, in case the density fell or the
-#     plane changed, the interval doubling each time the probe confirms full (up to 64 x) and back to
-#     ``probe_every`` when a delta wins.
+#     report's ``why``), with the other kind measured again after ``probe_every`` pushes of the faster one, in
+#     case the density changed or the plane did, the interval doubling each time the probe confirms the
+#     faster kind (up to 64 x) and back to ``probe_every`` when the other kind wins. Both ways: a full push
+#     measured once, e.g. slowed by the one-time capture of the Packer's CUDA graph (its second run, which
+#     can be the first full push measured), would otherwise never be measured again while deltas win.
 # Within a delta push the chunk rule still applies ("size": a GAPS payload no smaller than the full bytes,
 # "density": denser than SyncConfig.delta_max_density, a user's cap). A push that went full after all (a
 # receiver could not take the delta), one served in turns and one that set a layout up are not measured, with
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PROBE_EVERY = 8  # full pushes chosen by time before a delta is measured again (doubling, Note above)
+PROBE_EVERY = 8  # pushes of the faster kind before the other is measured again (doubling, Note above)
 PROBE_MAX = 64 * PROBE_EVERY
 
 
@@ -58,27 +60,36 @@ class TimeRule:
         if f is None:
             return False, "time: no full push measured yet, this one measures"
         measured = f"the last delta push took {_per_gb(d)}, the last full push {_per_gb(f)}"
-        if d < f:
-            return True, f"time: {measured}"
-        if self._probe_in <= 0:
-            return True, f"time: {measured}; measured again after {self._interval} full pushes"
-        return False, f"time: {measured}"
+        wins = d < f
+        if self._probe_in <= 0:  # the other kind is measured again
+            return not wins, (
+                f"time: {measured}; measured again after {self._interval} {'delta' if wins else 'full'} pushes"
+            )
+        return wins, f"time: {measured}"
 
     def observe(self, delta: bool, seconds: float, full_bytes: int) -> None:
         """A push of ``full_bytes`` (the layout's: what a full push moves) took ``seconds`` end to end."""
-        rate = seconds / max(full_bytes, 1)
-        if not delta:
-            self.full_s_per_byte = rate
-            self._probe_in -= 1
+        before = self._winner()
+        probed = self._probe_in <= 0 and before is not None and delta != before
+        if delta:
+            self.delta_s_per_byte = seconds / max(full_bytes, 1)
+        else:
+            self.full_s_per_byte = seconds / max(full_bytes, 1)
+        after = self._winner()
+        if after is None:
             return
-        wins = self.full_s_per_byte is None or rate < self.full_s_per_byte
-        probed = self._probe_in <= 0
-        self.delta_s_per_byte = rate
-        if wins:
-            self._interval = self.probe_every
-        elif probed:
-            self._interval = min(2 * self._interval, PROBE_MAX)
-        self._probe_in = self._interval
+        if after != before:  # the first comparison, or the other kind is faster now: probed after 8 again
+            self._interval = self._probe_in = self.probe_every
+        elif probed:  # the probe confirmed the winner: the interval doubles
+            self._interval = self._probe_in = min(2 * self._interval, PROBE_MAX)
+            return
+        if delta == after:  # a push of the faster kind: one fewer before the probe
+            self._probe_in -= 1
+
+    def _winner(self) -> bool | None:
+        """True: delta pushes measured faster, False: full ones (or as fast), None: not both measured."""
+        d, f = self.delta_s_per_byte, self.full_s_per_byte
+        return None if d is None or f is None else d < f
 
 
 def _per_gb(seconds_per_byte: float) -> str:
