@@ -19,11 +19,12 @@ every rank joins (Note [every rank walks the same buckets] in raysync.sources.wa
     them is a PlanError), and a rank with no receiver follows;
   - every rank walks the same buckets: the pairs of the group's sending ranks run one bucket size (the smallest
     the plan sized for any of them), and the followers are given it (``walk_config``).
-A rank that dies or never joins makes the others' walk fail within timeout_s, naming it (the walk's census);
-the driver waits for a follower that has not answered at most ``follower_grace_s`` after every other endpoint
-answered, then names it (PeerTimeout): a follower that never joined is named within about timeout_s. After a failed gather the source's group is unusable (the walk says so
-at the next push, on every rank): the user makes new sources (and, for a rank Ray restarted, a new group),
-which the next push picks up, since ``source(actor)`` is asked at every push.
+A rank that dies or never joins makes the others' walk fail within timeout_s, naming it (the walk's census).
+The driver waits for a follower that has not answered at most ``follower_grace_s`` after every other endpoint
+answered, then names it (PeerTimeout) and cancels its call if it is still queued (it would walk a push every
+other rank gave up). After a failed gather the source's group is unusable (the walk says so at the next push,
+on every rank): the user makes new sources (and, for a rank Ray restarted, a new group), which the next push
+picks up, since ``source(actor)`` is asked at every push.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def follow(actor: Any, source: Callable[[Any], Any], config: SyncConfig, version
     try:
         return Followed(source(actor).follow(version, config))
     except Exception as e:
-        return Followed(failure=RemoteFailure.of(getattr(e, "stage", "follow"), e))
+        return Followed(failure=RemoteFailure.of("follow", e))  # a walk's error names its own stage
 
 
 def push_bytes(given: Any, config: SyncConfig) -> int:
