@@ -157,3 +157,30 @@ def test_a_gpu_encoding_that_fails_part_way_leaves_no_copy_in_flight(monkeypatch
     with pytest.raises(RuntimeError, match="injected"):
         encode(list(zip(olds, news, strict=True)), out, base_version=5, space=space)
     assert space.stream is not None and space.stream.query()  # the run finished before encode raised
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_buckets_encoded_one_after_another_through_one_workspace_keep_their_bytes():
+    """Unverified here (no GPU was lent): two buckets staged through the same workspace into two pinned host
+    buffers (a GPU trainer over a ring of two shm slots): the second bucket's compaction reuses the staging
+    buffer on the current stream, so the first one's copy runs must be done when its encode returns; both
+    decode bit-exact afterwards."""
+    gen = torch.Generator().manual_seed(27)
+    buckets = []
+    for b in range(2):
+        olds = [random_tensor(BF16, (5 << 20,), gen).cuda(), random_tensor(F32, (2 * GAP_SPAN,), gen).cuda()]
+        masks = [
+            random_mask(o.numel(), p, 28 + 2 * b + i)
+            for i, (o, p) in enumerate(zip(olds, [0.6, 0.05], strict=True))
+        ]
+        buckets.append((olds, [changed_copy(o.cpu(), m).cuda() for o, m in zip(olds, masks, strict=True)]))
+    chunks = [(n.numel(), n.element_size()) for n in buckets[0][1]]
+    space = Workspace.for_buckets([chunks], torch.device("cuda"))
+    outs = [torch.zeros(delta.capacity(chunks), dtype=torch.uint8, pin_memory=True) for _ in buckets]
+    for (olds, news), out in zip(buckets, outs, strict=True):
+        encode(list(zip(olds, news, strict=True)), out, base_version=7, space=space)
+    for (olds, news), out in zip(buckets, outs, strict=True):
+        engine = [o.cpu() for o in olds]
+        delta.decode(out, engine, held_version=7)
+        assert all(same_bits(e, n.cpu()) for e, n in zip(engine, news, strict=True))
