@@ -13,7 +13,7 @@ import torch
 from conftest import same_bits, session_pair
 from test_delta_push import CFG, bf16, rl_step, small_model
 
-from raysync import SyncConfig
+from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.core.delta_push import choose
 from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule
 
@@ -219,3 +219,40 @@ def test_a_receiver_that_never_takes_a_delta_is_measured_after_its_second_refusa
     assert reports[1].why == reports[2].why == "a receiver needs a full push"
     assert reports[3].why == "time: no full push measured yet, this one measures"
     assert reports[4].why.startswith(("time: the last delta push took", "a receiver needs a full push"))
+
+
+def test_a_fanout_reader_that_never_takes_a_delta_stops_the_turns_by_time(private_tmp, in_thread):
+    """Two readers of one shm ring, one with a load function (it never takes a delta): a delta push serves
+    them in turns (the delta, then a full push: more than a full push costs). The second time in a row it is
+    measured as a delta push, so push 4 measures a full one and the rule compares them from then on, instead
+    of serving every push in turns. Every push bit-exact at both readers."""
+    master = small_model(seed=11)
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    dest, loaded = bf16(small_model(seed=12)), {}
+    secret = SessionSecret.generate()
+    reports = []
+    with WeightSender(secret, config, receivers=2) as sender:
+        receivers = [WeightReceiver(e, secret, config) for e in sender.endpoints]
+        try:
+            for version in range(1, 5):
+                rl_step(master, version)
+                got = [
+                    in_thread(receivers[0].receive, into=dest),
+                    in_thread(
+                        receivers[1].receive, load_fn=lambda b: loaded.update((n, t.clone()) for n, t in b)
+                    ),
+                ]
+                reports.append(sender.push(master.items(), version))
+                assert [g.result(timeout=30).version for g in got] == [version] * 2
+                want = bf16(master)
+                assert all(same_bits(dest[n], t) and same_bits(loaded[n], t) for n, t in want.items()), (
+                    version
+                )
+                if version == 2:
+                    assert sender._delta.rule.delta_s_per_byte is None  # one refusal: not measured
+        finally:
+            for r in receivers:
+                r.close()
+    assert [r.why.split(":")[0] for r in reports[1:3]] == ["in turns"] * 2
+    assert sender._delta.rule.delta_s_per_byte is not None
+    assert reports[3].why == "time: no full push measured yet, this one measures"
