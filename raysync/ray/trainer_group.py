@@ -21,8 +21,8 @@ every rank joins (Note [every rank walks the same buckets] in raysync.sources.wa
     the plan sized for any of them), and the followers are given it (``walk_config``).
 A rank that dies or never joins makes the others' walk fail within timeout_s, naming it (the walk's census).
 The driver waits for a follower that has not answered at most ``follower_grace_s`` after every other endpoint
-answered, then names it (PeerTimeout) and cancels its call if it is still queued (it would walk a push every
-other rank gave up). After a failed gather the source's group is unusable (the walk says so at the next push,
+answered, then names it (PeerTimeout); a call of it still queued behind the rank's other work runs later and
+fails on its own (its walk finds no one). After a failed gather the source's group is unusable (the walk says so at the next push,
 on every rank): the user makes new sources (and, for a rank Ray restarted, a new group), which the next push
 picks up, since ``source(actor)`` is asked at every push.
 """
