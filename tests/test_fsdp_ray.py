@@ -265,6 +265,31 @@ def test_a_rank_killed_mid_push_is_named_and_the_engine_keeps_its_version(
         assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
 
 
+@pytest.mark.slow
+def test_four_fsdp2_ranks_push_bit_exact_and_a_killed_rank_is_named(engines, tmp_path):
+    """Four ranks: rank 0 sends, ranks 1-3 follow, bit-exact; rank 2 SIGKILLed where it would join the gather
+    of bucket 2: the driver's SyncError names it, through Ray and through rank 0's walk; the engine keeps
+    version 1."""
+    ranks, engine = trainer_group(tmp_path, world=4), engines[0]
+    try:
+        with WeightSync(ranks, [engine], CFG, source=rank_source) as sync:
+            assert "sharded: trainer rank 0 of 4 sends, ranks 1, 2, 3 follow" in str(sync.plan)
+            good = step(ranks)
+            sync.push(1)
+            assert ray.get(engine.digest.remote()) == good
+            step(ranks)
+            ray.get(ranks[2].die_at_bucket.remote(2))
+            with pytest.raises(SyncError) as raised:
+                sync.push(2)
+            failures = {f.endpoint.split(" (")[0]: f for f in raised.value.failures}
+            assert "Actor" in failures["sender #2"].error, failures
+            assert "trainer rank 2 of 4" in failures["sender #0"].error, failures
+            assert sync.versions() == [1] and ray.get(engine.digest.remote()) == good
+    finally:
+        for actor in ranks:
+            ray.kill(actor)
+
+
 class LazyTrainer(Engine):
     """A trainer whose source is a manifest plus a load function (raysync.sources.LazySource)."""
 
