@@ -10,6 +10,7 @@ import asyncio
 import os
 import tempfile
 import threading
+import types
 
 import pytest
 from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop, watch
@@ -54,8 +55,9 @@ class AsyncStagedHost(AsyncHost):
             served = lambda: len(self.done) >= n + requests or self.errors  # noqa: E731
             await asyncio.wait_for(self.changed.wait_for(served), timeout_s)
         assert landing.is_set() and not self.errors, self.errors
+        versions = [v for _, _, v, _ in self.done[n : n + requests]]
         await trainer.release.remote()
-        return [v for _, _, v, _ in self.done[n:]]
+        return versions
 
 
 class HeldPolicy(Policy):
@@ -217,3 +219,26 @@ def test_a_stage_refused_by_one_of_two_engines_flips_neither(
     done, errors = ray.get(async_host.stop.remote(), timeout=WAIT_S)
     assert errors == [] and {v for _, _, v, _ in done} == {None}
     assert all(tokens == checkpoint[prompt] for prompt, tokens, _, _ in done)
+
+
+def test_calls_into_a_worker_wait_for_a_stage_landing_on_its_thread(monkeypatch):
+    """Note [a stage beside the engine's steps]: the stage's answer comes once it landed; a call that changes
+    the worker's sessions waits for it, bounded (StagingError naming the call)."""
+    from raysync.core.errors import StagingError
+    from raysync.engines import vllm_staged as staged
+
+    worker = types.SimpleNamespace(rank=0)
+    go = threading.Event()
+    staged.begin(worker, lambda: {"0": "staged"} if go.wait(WAIT_S) else {"0": "never released"})
+    with pytest.raises(RuntimeError, match="one at a time"):
+        staged.begin(worker, dict)
+    assert staged.wait(worker, 0.01) is None  # still landing
+    monkeypatch.setattr(staged, "SETTLE_S", 0.05)
+    with pytest.raises(StagingError, match="receiver_connect waited 0.05 s for a staged push still landing"):
+        staged.settle(worker, "receiver_connect")
+    monkeypatch.setattr(staged, "SETTLE_S", WAIT_S)
+    go.set()
+    staged.settle(worker, "receiver_connect")  # returns once it landed
+    assert staged.wait(worker, WAIT_S) == {"0": "staged"}
+    with pytest.raises(RuntimeError, match="receiving no staged push"):
+        staged.wait(worker, 0)

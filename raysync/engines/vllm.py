@@ -177,6 +177,8 @@ class WorkerExtension:
         if values is None:
             return {}
         rank = str(self.rank)
+        if name not in ("where", "receiver_version", "receiver_staged", "receiver_stageable"):
+            staged.settle(self, name)  # Note [a stage beside the engine's steps]
         self._raysync_note_session(name, values)
         if name in ("receiver_receive", "receiver_version", "receiver_stage", "receiver_flip"):
             versions.check_weights(

@@ -34,6 +34,9 @@ functions the driver names); raysync.engines.vllm.WorkerExtension runs these in 
 # most POLL_S: vLLM runs each between two engine steps, and the engine steps on meanwhile, on its live
 # weights (the receive writes only the copies, and reads the model only to check the push). An LLM's actor
 # runs one call at a time anyway: its stage is one call, between two of its generate calls.
+# Calls that change the worker's sessions or weights (a connect, a close, a receive, a flip, a discard, another
+# stage) wait for a stage still landing (``settle``: it ends by itself, its waits are bounded by
+# SyncConfig.timeout_s; at most SETTLE_S, then StagingError): they come after a driver gave up on a stage.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ _HELD = "_raysync_held"  # {sync_id: Held}: the push staged for each session, wa
 _LANDING = "_raysync_landing"  # the Landing of the staged push received on a thread of this worker
 _NO_SESSION = "this worker has no session (its engine restarted?): a version staged here is gone"
 POLL_S = 0.01  # the longest a ``wait`` call holds the engine's busy loop (Note [a stage beside the engine's steps])
+SETTLE_S = 300.0  # the longest a call waits in ``settle`` for a stage that is still landing
 
 
 @dataclass
@@ -213,6 +217,7 @@ def weights_changed(name: str, replies: dict[int, Any]) -> bool:
 # --- a stage on a thread of the worker (Note [a stage beside the engine's steps]) ------------------------------
 @dataclass
 class Landing:
+    thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     answer: Any = None
     error: BaseException | None = None
@@ -233,7 +238,20 @@ def begin(worker: Any, receive: Callable[[], Any]) -> None:
         finally:
             landing.done.set()
 
-    threading.Thread(target=run, name=f"raysync-stage-{worker.rank}", daemon=True).start()
+    landing.thread = threading.Thread(target=run, name=f"raysync-stage-{worker.rank}", daemon=True)
+    landing.thread.start()
+
+
+def settle(worker: Any, name: str) -> None:
+    """Before call ``name`` changes the worker's sessions or weights: wait for a stage still landing (not from
+    the stage's own thread), at most SETTLE_S."""
+    landing = worker.__dict__.get(_LANDING)
+    if landing is None or landing.thread is threading.current_thread():
+        return
+    if not landing.done.wait(SETTLE_S):
+        raise StagingError(
+            f"vLLM worker {worker.rank}: {name} waited {SETTLE_S} s for a staged push still landing here"
+        )
 
 
 def wait(worker: Any, wait_s: float) -> Any:
