@@ -39,7 +39,9 @@ This module never imports vllm itself.
 # version is read again from the workers (one read serves every request that finished while it was waiting,
 # Note [an engine's version and its weights] checked by each worker): if the two differ, the weights changed
 # outside raysync while it ran, and the request says None. A request made on the AsyncLLM directly is never
-# mixed by a push either (step 3), but only ``generate`` can say its version.
+# mixed by a push either (step 3), but only ``generate`` can say its version. A staged push's flip goes through
+# the same steps (its step 4 is vLLM's reload of the staged copies); its stage goes through none of them: it
+# lands while requests run (Note [a stage beside the engine's steps] in raysync.engines.vllm_staged).
 
 # Note [sleep and wake of an AsyncLLM]
 # ``sleep`` and ``wake_up`` below keep the rules of the ones for ``LLM`` (Note [sleep, wake and the version] in
