@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
-import signal
 import time
 
 import pytest
 import torch
+from workers import die_instead_of_gathering
 
 from raysync import SyncConfig
 
@@ -60,20 +60,6 @@ def engine(secret, cfg, endpoints, out) -> None:
             out.put(("received", receiver.version, _digests(model.named_parameters())))
 
 
-def _die_instead_of_gathering(bucket: int) -> None:
-    """From now on this process SIGKILLs itself where it would join the all-gather of ``bucket``."""
-    from raysync.sources.walk import GatherWalk
-
-    issue = GatherWalk.issue
-
-    def issue_or_die(self, k, *status):
-        if k == bucket:
-            os.kill(os.getpid(), signal.SIGKILL)
-        issue(self, k, *status)
-
-    GatherWalk.issue = issue_or_die
-
-
 def trainer(rank, world, store, secret, cfg, versions, fault, endpoints, go, release, out) -> None:
     """Trainer rank ``rank`` of ``world``: FSDP2 on gloo, an SGD step before each push. ``fault``: (rank,
     version, what) with what "killed" (SIGKILLs itself instead of joining the gather of bucket 2) or "absent" (never joins)."""
@@ -116,7 +102,7 @@ def trainer(rank, world, store, secret, cfg, versions, fault, endpoints, go, rel
             release.wait(timeout=120)
             os._exit(0)  # never took part in this push
         if fault[:2] == (rank, version) and fault[2] == "killed":
-            _die_instead_of_gathering(bucket=2)
+            die_instead_of_gathering(bucket=2)
         began = time.monotonic()
         try:
             if sender is not None:

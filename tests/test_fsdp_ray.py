@@ -5,8 +5,6 @@ holding the DTensorSource it made; the sending rank pushes, the other ranks foll
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 
 import pytest
@@ -16,7 +14,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 from actors import Engine  # noqa: E402
-from workers import digest  # noqa: E402
+from workers import die_instead_of_gathering, digest  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
 from raysync.ray.actors import ask  # noqa: E402
@@ -68,17 +66,7 @@ class FsdpRank:
         return digest((n, p.full_tensor()) for n, p in self.model.named_parameters())
 
     def die_at_bucket(self, bucket: int) -> None:
-        """From now on this process SIGKILLs itself where it would join the all-gather of ``bucket``."""
-        from raysync.sources.walk import GatherWalk
-
-        issue = GatherWalk.issue
-
-        def issue_or_die(walk, k, *status):
-            if k == bucket:
-                os.kill(os.getpid(), signal.SIGKILL)
-            issue(walk, k, *status)
-
-        GatherWalk.issue = issue_or_die
+        die_instead_of_gathering(bucket)
 
     def block(self, seconds: float) -> None:
         """Busy with something else (a long step): calls queue behind it."""
