@@ -4,7 +4,9 @@ ring; the pairs a failed push broke, re-probed, re-planned and reconnected befor
 
 A ring pair (shm, cuda_ipc) is one session: its sender opens it, then its receiver connects. A collective pair
 belongs to its sender's broadcast group, which is made (and lost) as a whole: the sender opens the group, then
-the sender and all of its receivers join it at once.
+the sender and all of its receivers join it at once. A sender's shm ring pairs on its host, two or more, are
+one fan-out (raysync.ray.fanout_group): one session whose ring they all read, made and lost as a whole the same
+way: the sender opens it, then its receivers connect to their endpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from raysync.core.config import SyncConfig
 from raysync.core.wire import SessionSecret
 from raysync.ray import endpoint as ep
+from raysync.ray import fanout_group
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.placement import (
     PairPlan,
@@ -26,7 +29,7 @@ from raysync.ray.placement import (
     report_source,
     ring_places,
 )
-from raysync.ray.results import GroupOpened, SessionOpened
+from raysync.ray.results import FanoutOpened, GroupOpened, SessionOpened
 from raysync.ray.trainer_group import TrainerGroup, source_shape
 from raysync.transport import registry
 
@@ -178,8 +181,9 @@ class PairConnections:
         return next(p.transport for p in self.plan if (p.sender, p.receiver) == pair)
 
     def mark_broken(self, pairs: set[Pair]) -> None:
-        """``pairs`` failed, or their sessions are suspect: they are reconnected before the next push."""
-        self.broken |= pairs
+        """``pairs`` failed, or their sessions are suspect: they are reconnected before the next push (with
+        every pair of a fan-out one of them reads: a fan-out is rebuilt whole)."""
+        self.broken |= fanout_group.mates(self.plan, pairs)
 
     def pairs_of(self, key: Key) -> set[Pair]:
         """The pairs of a sender ("sender", i) or of a receiver endpoint ("receiver", e)."""
@@ -197,11 +201,12 @@ class PairConnections:
         elsewhere: ``SyncActors.relocate`` waits for Ray to bring them back)."""
         if not self.broken:
             return
-        broken = set(self.broken)  # kept until repaired: a repair that fails is tried again next push
+        broken = fanout_group.mates(self.plan, self.broken)  # kept until repaired: tried again next push
         self.actors.relocate(broken, self._timeout_s)
         self._report_sources({i for i, _ in broken})
         self._report_shapes({i for i, _ in broken})
         replanned = self._choose([(p.sender, p.receiver) for p in self.plan])  # rings that share memory
+        broken = fanout_group.mates(replanned, broken)  # a fan-out the re-plan makes is connected whole
         for k, p in enumerate(replanned):
             if (p.sender, p.receiver) in broken:
                 self.plan[k] = p
@@ -257,14 +262,22 @@ class PairConnections:
         # a sharded rank walks once per push: its receivers share one push (Note [every rank takes part in
         # every push] in raysync.ray.trainer_group)
         collective = self.group.forced_collective(plans, lambda i, j: override(i, j) or self._forced)
-        return self.group.same_buckets(plan(collective) if collective else plans, collective)
+        plans = self.group.same_buckets(plan(collective) if collective else plans, collective)
+        if not fanout_group.FAN_OUT:
+            return plans
+        return fanout_group.plan_fan_outs(plans, self.actors.sender_at, self.actors.receiver_at)
 
     def _connect(self, pairs: set[Pair]) -> None:
-        """(Re)connect ``pairs``: a session per ring pair; a sender's whole broadcast group if any of its
-        collective pairs is among them."""
+        """(Re)connect ``pairs``: a session per ring pair; a sender's whole fan-out, or broadcast group, if
+        any of its pairs is among them."""
+        fanouts = fanout_group.groups(self.plan)
         for p in self.plan:
             if (p.sender, p.receiver) in pairs and p.transport != "collective":
-                self._connect_ring(p)
+                if p.receiver not in fanouts.get(p.sender, ()):
+                    self._connect_ring(p)
+        for i, js in sorted(fanouts.items()):
+            if any((i, j) in pairs for j in js):
+                self._connect_fanout(i, js)
         groups = {
             p.sender for p in self.plan if (p.sender, p.receiver) in pairs and p.transport == "collective"
         }
@@ -294,6 +307,30 @@ class PairConnections:
                 ep.receiver_connect, {p.receiver: (self.sync_id, cfg, opened.address, secret, self._sink)}
             ),
             f"connect receiver #{p.receiver}",
+            self._timeout_s,
+        )
+
+    def _connect_fanout(self, i: int, receivers: list[int]) -> None:
+        """Sender i's one session for all of ``receivers`` (one ring they all read), then each of them
+        connected to its own endpoint of it, all at once."""
+        secret = SessionSecret.generate()
+        cfg = next(p for p in self.plan if (p.sender, p.receiver) == (i, receivers[0])).config(self.config)
+        opened: FanoutOpened
+        [opened] = self.actors.get(
+            self.actors.on_senders(
+                ep.fanout_connect, {i: (self.sync_id, cfg, receivers, secret, self._source)}
+            ),
+            f"open the fan-out of sender #{i}",
+            self._timeout_s,
+        )
+        self.push_bytes.update({(i, j): opened.push_bytes for j in receivers})
+        args = {
+            j: (self.sync_id, cfg, address, secret, self._sink)
+            for j, address in zip(receivers, opened.addresses, strict=True)
+        }
+        self.actors.get(
+            self.actors.on_receivers(ep.receiver_connect, args),
+            f"connect the readers of sender #{i}'s fan-out",
             self._timeout_s,
         )
 

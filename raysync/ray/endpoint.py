@@ -24,7 +24,7 @@ from raysync.core.source import is_source
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
 from raysync.ray.placement import Placement, probe
-from raysync.ray.results import EndpointResult, GroupOpened, RemoteFailure, SessionOpened
+from raysync.ray.results import EndpointResult, FanoutOpened, GroupOpened, RemoteFailure, SessionOpened
 from raysync.ray.step_gate import gate_of
 from raysync.ray.trainer_group import device_of, push_bytes
 from raysync.transport.collective import CollectiveReceiver, CollectiveSender
@@ -56,6 +56,13 @@ class _SenderSide:
     )  # ring transports: one session per receiver
     group: CollectiveSender | None = None  # the collective: one broadcast group for all its receivers
     group_receivers: list[int] = field(default_factory=list)
+    fanout: WeightSender | None = None  # shm fan-out: one ring session that all its readers read
+    fanout_receivers: list[int] = field(default_factory=list)
+
+    def drop_fanout(self) -> None:
+        if self.fanout is not None:
+            self.fanout.close()
+        self.fanout, self.fanout_receivers = None, []
 
 
 @dataclass
@@ -141,9 +148,44 @@ def sender_connect(
     old = side.senders.pop(receiver, None)
     if old is not None:
         old.close()
+    if receiver in side.fanout_receivers:  # re-planned out of its fan-out: the fan-out is rebuilt whole
+        side.drop_fanout()
     sender = WeightSender(secret, config, endpoint=endpoint)
     side.senders[receiver] = sender
     return SessionOpened(sender.endpoint, push_bytes(source(actor), config))
+
+
+def fanout_connect(
+    actor: Any,
+    sync_id: str,
+    config: SyncConfig,
+    receivers: list[int],
+    secret: SessionSecret,
+    source: SourceFn,
+) -> FanoutOpened:
+    """(Re)open this sender's one fan-out session for ``receivers`` (raysync.ray.fanout_group): one ring that
+    they all read, each bucket packed once; receiver ``receivers[k]`` connects to ``addresses[k]``."""
+    side = _sessions(actor).setdefault(sync_id, _SenderSide(source))
+    side.drop_fanout()
+    for j in receivers:  # a pair session of a reader from before the fan-out
+        old = side.senders.pop(j, None)
+        if old is not None:
+            old.close()
+    side.fanout = WeightSender(secret, config, receivers=len(receivers))
+    side.fanout_receivers = list(receivers)
+    return FanoutOpened(tuple(side.fanout.endpoints), push_bytes(source(actor), config))
+
+
+def packed_buckets(actor: Any, sync_id: str) -> dict[tuple[int, ...], int]:
+    """How many buckets each ring session of this sender packed in its last push, by the receivers it serves:
+    (j,) for a pair's session, all of its readers for the fan-out (each bucket packed once for all of them)."""
+    side = _sessions(actor).get(sync_id)
+    if not isinstance(side, _SenderSide):
+        return {}
+    packed = {(j,): s.packed_buckets for j, s in side.senders.items()}
+    if side.fanout is not None:
+        packed[tuple(side.fanout_receivers)] = side.fanout.packed_buckets
+    return packed
 
 
 def collective_open(
@@ -178,21 +220,29 @@ def sender_push(
     actor: Any, sync_id: str, version: int, receivers: list[int], full: bool = False
 ) -> dict[int, EndpointResult]:
     """Push ``version`` to every receiver of this sender at once: one thread per ring session, one for the
-    broadcast group. ``full``: no delta this time (PushSender.push)."""
+    broadcast group, one for the fan-out (all its readers together). ``full``: no delta this time
+    (PushSender.push)."""
     side = _sessions(actor).get(sync_id)
     group = side.group.session if side is not None and side.group is not None else None  # once joined
     in_group = [j for j in receivers if group is not None and j in side.group_receivers]
-    if side is None or any(j not in side.senders and j not in in_group for j in receivers):
+    in_fanout = [j for j in receivers if side is not None and j in side.fanout_receivers]
+    if side is None or any(j not in side.senders and j not in in_group + in_fanout for j in receivers):
         lost = RuntimeError(
             "this actor has no session for the receiver (restarted by Ray? a group not joined?)"
         )
         return {j: _failed("session", lost) for j in receivers}
+    if in_fanout and sorted(in_fanout) != sorted(side.fanout_receivers):
+        partial = ValueError(
+            f"a fan-out pushes to all of its readers {side.fanout_receivers} together, not to {in_fanout}"
+        )
+        return {j: _failed("session", partial) for j in receivers}
+    fanout = [side.fanout] if in_fanout else []
     try:
         given = side.source(actor)  # a lazy source is packed bucket by bucket by each session's own packer
         named = given if is_source(given) else list(given)  # once, shared by all sessions (read-only)
     except Exception as e:
         targets: list[PushSender] = [side.senders[j] for j in receivers if j in side.senders]
-        _abort_sessions(targets + ([group] if in_group else []), e)
+        _abort_sessions(targets + ([group] if in_group else []) + fanout, e)
         return {j: _failed("source", e) for j in receivers}
 
     def one(target: Any) -> EndpointResult:
@@ -204,6 +254,8 @@ def sender_push(
     jobs = {(j,): side.senders[j] for j in receivers if j in side.senders}
     if in_group:
         jobs[tuple(in_group)] = group
+    if in_fanout:
+        jobs[tuple(in_fanout)] = side.fanout
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(one, jobs.values()), strict=True))
     return {j: r for js, r in results.items() for j in js}
@@ -322,6 +374,7 @@ def close(actor: Any, sync_id: str) -> None:
     if isinstance(side, _SenderSide):
         for sender in side.senders.values():
             sender.close()
+        side.drop_fanout()
         if side.group is not None:
             side.group.close()
     elif isinstance(side, _ReceiverSide):

@@ -3,6 +3,7 @@ of answer. Ray pickles them between its own processes; nothing here crosses a ra
 
     sender_connect   -> SessionOpened    the address its receiver connects to, the bytes a push moves
     collective_open  -> GroupOpened      the rendezvous of its broadcast group, the bytes a push moves
+    fanout_connect   -> FanoutOpened     the address each reader of its one ring connects to, the bytes
     sender_push      -> {receiver j: EndpointResult}
     receiver_receive -> EndpointResult    (receiver_stage too: raysync.ray.staged_endpoint)
     receiver_staged, receiver_flip, receiver_discard -> StagedState
@@ -30,6 +31,14 @@ class SessionOpened:
 
     address: str
     push_bytes: int  # what a push of the sender's current source moves (for the driver's progress bar)
+
+
+@dataclass(frozen=True)
+class FanoutOpened:
+    """A sender's fan-out session is open: its i-th reader connects to ``addresses[i]``."""
+
+    addresses: tuple[str, ...]
+    push_bytes: int  # what a push of the sender's current source moves to each reader
 
 
 @dataclass(frozen=True)
