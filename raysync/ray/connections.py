@@ -263,7 +263,7 @@ class PairConnections:
         # every push] in raysync.ray.trainer_group)
         collective = self.group.forced_collective(plans, lambda i, j: override(i, j) or self._forced)
         plans = self.group.same_buckets(plan(collective) if collective else plans, collective)
-        if not fanout_group.FAN_OUT:
+        if not fanout_group.FAN_OUT or self.config.delta:  # deltas: one session per pair (fanout_group)
             return plans
         return fanout_group.plan_fan_outs(plans, self.actors.sender_at, self.actors.receiver_at)
 

@@ -9,6 +9,10 @@ push. The plan says so per pair: its reason ends with "; fan-out: one shm ring r
 Only ring-mode shm pairs whose sender and receiver share a host qualify (not direct, not cuda_ipc, not the
 collective): the session's N readers map one shared segment. Every other pair keeps its own session.
 
+Not with SyncConfig.delta: a delta push keeps one session per pair, as before (a fan-out serves a stale reader
+in turns, but reports one PushReport for all of its readers, and its readers fail together, where a delta
+fleet's pairs are reported, and fail, each on its own: tests/test_delta_fleet.py).
+
 ``FAN_OUT``: the knob. A module constant rather than a SyncConfig field, because it is a choice of how
 WeightSync plans its sessions, not of what a pair's endpoints run (SyncConfig travels to every endpoint);
 set ``raysync.ray.fanout_group.FAN_OUT = False`` before making a WeightSync to get one session per pair.
