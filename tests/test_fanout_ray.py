@@ -11,7 +11,6 @@ pytest.importorskip("transformers")
 from actors import Engine, Trainer  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
-from raysync.ray import fanout_group  # noqa: E402
 from raysync.ray.endpoint import packed_buckets  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
@@ -32,11 +31,11 @@ def packed(trainer, sync: WeightSync) -> dict[tuple[int, ...], int]:
     return ray.get(trainer.__ray_call__.remote(packed_buckets, sync._sync_id), timeout=30)
 
 
-def test_one_trainer_to_three_engines_packs_each_bucket_once(ray_local, no_leftovers, made, monkeypatch):
+def test_one_trainer_to_three_engines_packs_each_bucket_once(ray_local, no_leftovers, made):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(3)]
     made += [trainer, *engines]
-    with WeightSync([trainer], engines, CFG) as sync:
+    with WeightSync([trainer], engines, CFG, fan_out=True) as sync:
         assert [p.transport for p in sync.plan] == ["shm"] * 3 and all(p.mode != "direct" for p in sync.plan)
         assert all(FAN_OUT in p.reason for p in sync.plan) and FAN_OUT in str(sync.plan)
         fanned = []
@@ -47,8 +46,7 @@ def test_one_trainer_to_three_engines_packs_each_bucket_once(ray_local, no_lefto
             assert len(report.pairs) == 3 and sync.versions() == [version] * 3
             fanned.append(packed(trainer, sync))
     # the same pushes with the knob off: one session per pair, each packing every bucket for its one engine
-    monkeypatch.setattr(fanout_group, "FAN_OUT", False)
-    with WeightSync([trainer], engines, CFG) as per_pair:
+    with WeightSync([trainer], engines, CFG) as per_pair:  # fan_out=False, the default
         assert not any("fan-out" in p.reason for p in per_pair.plan)
         expected = ray.get(trainer.step.remote(3))
         per_pair.push(3)
@@ -66,7 +64,7 @@ def test_an_engine_killed_fails_its_fan_out_and_the_next_push_rebuilds_it(ray_lo
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(max_restarts=1, **ACTOR)(Engine).remote() for _ in range(3)]
     made += [trainer, *engines]
-    with WeightSync([trainer], engines, CFG) as sync:
+    with WeightSync([trainer], engines, CFG, fan_out=True) as sync:
         digests = {1: ray.get(trainer.step.remote(1))}
         sync.push(1)
         first_pid = ray.get(engines[1].pid.remote())

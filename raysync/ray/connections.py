@@ -150,6 +150,7 @@ class PairConnections:
         pairs: Sequence[Pair] | None,
         shard_sources: bool,
         setup_timeout_s: float,
+        fan_out: bool = False,
     ):
         forced = None if config.is_auto("transport") else config.transport
         if shard_sources and (pairs is not None or {str(transport), str(forced)} - {"None", "collective"}):
@@ -157,7 +158,7 @@ class PairConnections:
         self.actors, self.config, self.sync_id = actors, config, sync_id
         self._source, self._sink, self._override = source, sink, transport
         self._wanted_pairs = list(pairs) if pairs is not None else None
-        self._shard, self._timeout_s = shard_sources, setup_timeout_s
+        self._shard, self._timeout_s, self._fan_out = shard_sources, setup_timeout_s, fan_out
         self.plan = Plan([], actors.sender_at, actors.receiver_at)  # placements as they are when printed
         self.push_bytes: dict[Pair, int] = {}  # what a push moves over each pair (for the progress bar)
         self.broken: set[Pair] = set()  # reconnected before the next push
@@ -263,7 +264,7 @@ class PairConnections:
         # every push] in raysync.ray.trainer_group)
         collective = self.group.forced_collective(plans, lambda i, j: override(i, j) or self._forced)
         plans = self.group.same_buckets(plan(collective) if collective else plans, collective)
-        if not fanout_group.FAN_OUT or self.config.delta:  # deltas: one session per pair (fanout_group)
+        if not self._fan_out or self.config.delta:  # deltas: one session per pair (fanout_group)
             return plans
         return fanout_group.plan_fan_outs(plans, self.actors.sender_at, self.actors.receiver_at)
 

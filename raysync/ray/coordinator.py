@@ -92,6 +92,7 @@ class WeightSync:
         compiled_graph: bool = False,
         max_version_lag: int | None = None,
         push_rounds: str = "calls",
+        fan_out: bool = False,
     ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
@@ -104,7 +105,10 @@ class WeightSync:
         "loop" (a loop in each actor, started at setup and triggered over raysync's own signed control channel,
         Ray supervising: raysync.ray.push_loop). ``max_version_lag``: an engine that runs
         its steps in ``engine_steps`` (raysync.ray.staged_endpoint) waits at a step boundary, rather than start a
-        step on weights more than this many versions older than the newest staged on it (docs/staged.md)."""
+        step on weights more than this many versions older than the newest staged on it (docs/staged.md).
+        ``fan_out``: a sender's shm ring pairs to engines on its host become one session whose ring they all read,
+        each bucket packed once (raysync.ray.fanout_group); its engines then move together: one that fails a push
+        fails it for all of them. Not with SyncConfig.delta (one session per pair)."""
         self._actors = SyncActors(senders, receivers, source, sink)
         self.senders, self.receivers = self._actors.senders, self._actors.receivers
         self.config = config or SyncConfig()
@@ -120,6 +124,7 @@ class WeightSync:
             pairs=pairs,
             shard_sources=shard_sources,
             setup_timeout_s=setup_timeout_s,
+            fan_out=fan_out,
         )
         self._closed = False
         self._graphs = keeper_for("graph" if compiled_graph else push_rounds, self._actors, self._connections)

@@ -13,9 +13,8 @@ Not with SyncConfig.delta: a delta push keeps one session per pair, as before (a
 in turns, but reports one PushReport for all of its readers, and its readers fail together, where a delta
 fleet's pairs are reported, and fail, each on its own: tests/test_delta_fleet.py).
 
-``FAN_OUT``: the knob. A module constant rather than a SyncConfig field, because it is a choice of how
-WeightSync plans its sessions, not of what a pair's endpoints run (SyncConfig travels to every endpoint);
-set ``raysync.ray.fanout_group.FAN_OUT = False`` before making a WeightSync to get one session per pair.
+Opt-in: ``WeightSync(fan_out=True)``. Off by default because it changes what a failure does: with one
+session per pair an engine that refuses a push leaves the others updated; in a fan-out none of them is.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from collections.abc import Sequence
 
 from raysync.ray.placement import PairPlan, Placement
 
-FAN_OUT = True
 MARK = "; fan-out: one shm ring read by "
 
 
