@@ -74,16 +74,6 @@ def test_a_remote_failure_names_the_stage_and_the_cause_where_they_happened():
 
 
 # --- WeightSync on Ray --------------------------------------------------------------------------------------------
-@pytest.fixture
-def made() -> list:
-    """The test's actors, ended with ray.kill when it is over: one that took part in a compiled graph is not
-    released by Ray 2.60 when its handles go (Note [a push round in a compiled graph])."""
-    actors: list = []
-    yield actors
-    for actor in actors:
-        ray.kill(actor)
-
-
 GRAPH = [pytest.param(False, id="ordinary_calls"), pytest.param(True, id="compiled_graph")]
 
 

@@ -18,15 +18,6 @@ ACTOR = {"num_cpus": 0.25}
 FAN_OUT = "fan-out: one shm ring read by 3 engines"
 
 
-@pytest.fixture
-def made() -> list:
-    """The test's actors, ended with ray.kill when it is over."""
-    actors: list = []
-    yield actors
-    for actor in actors:
-        ray.kill(actor)
-
-
 def packed(trainer, sync: WeightSync) -> dict[tuple[int, ...], int]:
     return ray.get(trainer.__ray_call__.remote(packed_buckets, sync._sync_id), timeout=30)
 

@@ -56,14 +56,6 @@ def thread_of_sink(actor: Engine) -> dict:
     return dict(actor.model.named_parameters())
 
 
-@pytest.fixture
-def made() -> list:
-    actors: list = []
-    yield actors
-    for actor in actors:
-        ray.kill(actor)
-
-
 # --- through Ray ---------------------------------------------------------------------------------------------------
 def test_pushes_through_the_loops_are_bit_exact_and_each_engine_holds_the_version(
     ray_local, no_leftovers, made

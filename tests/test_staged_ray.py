@@ -145,14 +145,6 @@ def loader(actor: LoopEngine):
     return actor.load
 
 
-@pytest.fixture
-def made():
-    actors: list = []
-    yield actors
-    for actor in actors:
-        ray.kill(actor)
-
-
 def _actors(made: list, engines: int, **engine_options) -> tuple:
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     out = [ray.remote(**ACTOR, **engine_options)(LoopEngine).remote() for _ in range(engines)]
