@@ -15,7 +15,7 @@ from conftest import session_pair
 
 from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.core.errors import LayoutError, PeerTimeout, RemoteError, StagingFailed, StaleWeights
-from raysync.core.staging import ALIGN_BYTES, plan_groups
+from raysync.core.staging_memory import ALIGN_BYTES, plan_groups
 from raysync.core.version import MIXED
 
 DIM, LAYERS = 128, 4

@@ -33,7 +33,8 @@ from raysync.core.errors import (
 from raysync.core.report import PushReport
 from raysync.core.session import OnPlane
 from raysync.core.sink import LoadFn, Sink
-from raysync.core.staging import FlipReport, Staging, StagingInfo, StagingMemory
+from raysync.core.staging import FlipReport, Staging
+from raysync.core.staging_memory import StagingInfo, StagingMemory
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import (
     Accept,
@@ -91,17 +92,25 @@ class StagedFlips:
         elif error is None:
             self.version = version
 
-    def _staging_for(self, into: Mapping[str, torch.Tensor] | None, staging_bytes: int | None) -> Staging:
-        """The Staging of these destinations and budget: made once, its memory reused by every push."""
+    def _staging_for(
+        self, into: Mapping[str, torch.Tensor] | None, staging_bytes: int | None, staging_memory: str
+    ) -> Staging:
+        """The Staging of these destinations, budget and placement: made once, its memory reused by every push."""
         if into is None:
             raise TypeError(
                 "flip=False stages into= destinations; a load function stages itself (its finish)"
             )
-        key = (tuple((n, t.data_ptr(), t.dtype, t.shape) for n, t in into.items()), staging_bytes)
+        key = (
+            tuple((n, t.data_ptr(), t.dtype, t.shape) for n, t in into.items()),
+            staging_bytes,
+            staging_memory,
+        )
         if self._staging is None or self._staging_key != key:
             if self._staging is not None:
                 self._staging.close()
-            memory = StagingMemory(into, staging_bytes, self.config.cuda_graphs)
+            memory = StagingMemory(
+                into, staging_bytes, self.config.cuda_graphs, staging_memory=staging_memory
+            )
             self._staging = Staging(memory, self, timeout_s=self.config.timeout_s, peer=self._channel.peer)
             self._staging_key = key
         return self._staging
@@ -135,15 +144,22 @@ class PushReceiver(OnPlane, StagedFlips):
         wait_s: float | None = None,
         flip: bool = True,
         staging_bytes: int | None = None,
+        staging_memory: str = "auto",
     ) -> PushReport:
         """Serve one push: copy it ``into`` a dict of destination tensors, or hand each bucket to ``load_fn``.
         Waits up to ``wait_s`` (default timeout_s) for the push to start. The destinations are checked when
         this is called (again when the push brings a new layout): do not change ``into`` from another thread
         while it waits. ``flip=False`` (``into`` only): stage the push, leave the live weights and ``version``
         alone; ``flip()`` applies it at the engine's next step boundary (raysync.core.staging: staging memory
-        for the whole push, or groups of at most ``staging_bytes``)."""
+        for the whole push, or groups of at most ``staging_bytes``; ``staging_memory`` "device", "host" (pinned)
+        or "auto": device memory when the GPU has room, raysync.core.staging_memory)."""
         steps = self.receiving(
-            into=into, load_fn=load_fn, wait_s=wait_s, flip=flip, staging_bytes=staging_bytes
+            into=into,
+            load_fn=load_fn,
+            wait_s=wait_s,
+            flip=flip,
+            staging_bytes=staging_bytes,
+            staging_memory=staging_memory,
         )
         while True:
             try:
@@ -160,16 +176,17 @@ class PushReceiver(OnPlane, StagedFlips):
         staging: bool = False,
         flip: bool = True,
         staging_bytes: int | None = None,
+        staging_memory: str = "auto",
     ) -> Generator[None, None, PushReport]:
         """``receive`` in steps: yields after each batch of buckets, returns the report (raysync.transport.sharded runs
         several sessions' pushes from one thread, taking turns). ``staging``: ``load_fn`` only stages what it
         is given and the caller applies it after the push, so a failure here leaves the destinations as they
-        were (Note [versions never lie]). ``flip``, ``staging_bytes``: as for ``receive``."""
+        were (Note [versions never lie]). ``flip``, ``staging_bytes``, ``staging_memory``: as for ``receive``."""
         if (into is None) == (load_fn is None):
             raise TypeError(
                 "pass exactly one of into= (destination tensors) or load_fn= (a load_weights function)"
             )
-        area = None if flip else self._staging_for(into, staging_bytes)
+        area = None if flip else self._staging_for(into, staging_bytes, staging_memory)
         into = area.target if area else into
         self._ensure_session()
         ahead = self._agreed.check_ahead(into, load_fn)

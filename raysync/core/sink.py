@@ -275,6 +275,8 @@ class StagingSink(IntoTensors):
                     runs.append((group, []))
                 if c.nbytes:
                     runs[-1][1].append((self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes]))
+            if buffer.is_cuda:  # into host staging, its copies run on this device's stream: synchronized too
+                self._devices.add(buffer.device)
         return [(group, CopyList(pairs, self._graphs)) for group, pairs in runs]
 
     def _close(self, group: int) -> None:

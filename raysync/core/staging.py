@@ -20,8 +20,19 @@ Two modes (``StagingInfo.mode``, chosen per layout, with the reason in ``Staging
   flipped group g - 1 (the receiving thread waits for it, bounded by timeout_s), so a push spans several steps
   and the steps between its first and last flip run on MIXED weights (Note [flip and versions]).
 
-Staging memory is one byte buffer per device of the destinations (the destinations' own devices), allocated
-when the first push of a layout is accepted and reused by every push after it; ``StagingInfo`` gives its size.
+Staging memory (raysync.core.staging_memory) is one byte buffer per device of the destinations, allocated when
+the first push of a layout is accepted and reused by every push after it; ``StagingInfo`` gives its size, and
+where it lives (``memory``, the reason in ``memory_why``), chosen by ``staging_memory``:
+
+* ``device``: on the destinations' own device (for a GPU: spare GPU memory); the flip is a device copy.
+* ``host``: in host memory, page-locked (pinned) for GPU destinations, so the push lands without taking GPU
+  memory and the flip is one host -> device copy per tensor (non-blocking, then one synchronize: the flip is
+  complete when it returns; its bytes cross the host link rather than staying in GPU memory).
+* ``auto`` (the default): ``device`` when the GPU's free memory (``torch.cuda.mem_get_info``) less
+  ``margin_bytes`` holds the buffer, else ``host``; decided per device when its buffer is allocated.
+
+For destinations in host memory (a CPU engine) device and host staging are the same memory: ``memory`` is
+"host" whatever ``staging_memory`` says.
 
 # Note [flip and versions]
 # ``version`` is the live weights' version and only a flip changes it (Note [versions never lie] in
@@ -42,36 +53,21 @@ from dataclasses import dataclass
 
 import torch
 
-from raysync.core.copies import CopyList
 from raysync.core.errors import (
-    LayoutError,
     PeerTimeout,
     StagingError,
     StagingFailed,
     StaleWeights,
     WeightsMixed,
 )
-from raysync.core.sink import StagingSink, byte_view
+from raysync.core.sink import StagingSink
+from raysync.core.staging_memory import StagingMemory
 from raysync.core.version import MIXED, Version, is_version
-from raysync.core.wire import DTYPES, TensorSpec
+from raysync.core.wire import TensorSpec
 
 logger = logging.getLogger(__name__)
 
-ALIGN_BYTES = 256  # every staged tensor starts at a multiple of this in its buffer: a view of any dtype
-
 EMPTY, LANDING, READY, FAILED = "empty", "landing", "ready", "failed"
-
-
-@dataclass(frozen=True)
-class StagingInfo:
-    """What the staging memory is: ``mode`` "whole" or "groups" and why, its bytes per device."""
-
-    mode: str
-    why: str
-    groups: int
-    push_bytes: int  # of the push's tensors
-    nbytes: int  # staging memory allocated, all devices
-    devices: tuple[tuple[str, int], ...]  # (device, bytes)
 
 
 @dataclass(frozen=True)
@@ -82,111 +78,6 @@ class FlipReport:
     groups: int
     nbytes: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """Where each tensor of a push is staged: its group and byte offset in its device's buffer."""
-
-    group_of: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: dict[torch.device, int]  # buffer bytes per device
-    groups: int
-
-
-def plan_groups(
-    nbytes: Sequence[int], devices: Sequence[torch.device], budget: int | None, names: Sequence[str] = ()
-) -> GroupPlan:
-    """Pure: one group when ``budget`` is None or the push fits in it; else consecutive tensors, each group at
-    most ``budget`` bytes (alignment included). A tensor larger than the budget is a LayoutError."""
-    total = sum(_up(n) for n in nbytes)
-    whole = budget is None or total <= budget
-    group_of: list[int] = []
-    offsets: list[int] = []
-    sizes: dict[torch.device, int] = {}
-    used: dict[torch.device, int] = {}
-    group = group_bytes = 0
-    for i, (n, device) in enumerate(zip(nbytes, devices, strict=True)):
-        need = _up(n)
-        if not whole and need > budget:
-            name = names[i] if i < len(names) else f"#{i}"
-            raise LayoutError(
-                f"tensor {name!r} ({n} bytes) does not fit staging_bytes={budget}; raise staging_bytes to at "
-                f"least {need} or stage the whole push (staging_bytes=None)"
-            )
-        if not whole and group_bytes + need > budget:
-            group, group_bytes, used = group + 1, 0, {}
-        group_of.append(group)
-        offsets.append(used.get(device, 0))
-        used[device] = offsets[-1] + need
-        group_bytes += need
-        sizes[device] = max(sizes.get(device, 0), used[device])
-    return GroupPlan(tuple(group_of), tuple(offsets), sizes, group + 1 if nbytes else 1)
-
-
-def _up(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
-
-
-class StagingMemory:
-    """The staging memory of one set of live destinations: planned and sized per layout, allocated once (a
-    buffer per device, grown only when a layout needs more), and the flip's copies, one list per group."""
-
-    def __init__(self, dest: Mapping[str, torch.Tensor], staging_bytes: int | None, graphs: bool = True):
-        if staging_bytes is not None and staging_bytes < ALIGN_BYTES:
-            raise ValueError(
-                f"staging_bytes={staging_bytes}: at least {ALIGN_BYTES}, or None for the whole push"
-            )
-        self.dest, self.staging_bytes, self._graphs = dest, staging_bytes, graphs
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.specs: tuple[TensorSpec, ...] | None = None
-        self.plan: GroupPlan | None = None
-        self.views: dict[str, torch.Tensor] = {}  # name -> its staging tensor (groups share the memory)
-        self.flips: list[CopyList] = []  # per group: (live, staged) of each of its destinations
-        self.group_bytes: list[int] = []
-        self.info: StagingInfo | None = None
-
-    def prepare(self, specs: tuple[TensorSpec, ...]) -> None:
-        """Plan ``specs`` (a new layout): groups, offsets, views, the flip's copies; allocate what is missing."""
-        live = [byte_view(s, self.dest) for s in specs]  # names, shapes, dtypes checked before anything
-        names = [s.name for s in specs]
-        plan = plan_groups([s.nbytes for s in specs], [t.device for t in live], self.staging_bytes, names)
-        for device, size in plan.sizes.items():
-            have = self.buffers.get(device)
-            if have is None or have.numel() < size:
-                self.buffers[device] = torch.empty(size, dtype=torch.uint8, device=device)
-        staged = [self.buffers[t.device][o : o + t.numel()] for t, o in zip(live, plan.offsets, strict=True)]
-        self.views = {
-            s.name: b.view(DTYPES[s.dtype]).view(s.shape) for s, b in zip(specs, staged, strict=True)
-        }
-        pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(plan.groups)]
-        for g, d, s in zip(plan.group_of, live, staged, strict=True):
-            if d.numel():
-                pairs[g].append((d, s))
-        self.flips = [CopyList(p, self._graphs) for p in pairs]
-        self.group_bytes = [sum(d.numel() for d, _ in p) for p in pairs]
-        self.specs, self.plan, self.info = specs, plan, self._describe(specs, plan)
-        logger.info("staging for %d tensors: %s", len(specs), self.info)
-
-    def _describe(self, specs: tuple[TensorSpec, ...], plan: GroupPlan) -> StagingInfo:
-        push = sum(s.nbytes for s in specs)
-        if plan.groups > 1:
-            mode, why = (
-                "groups",
-                (
-                    f"the push ({push} bytes) exceeds staging_bytes={self.staging_bytes}: {plan.groups} groups of "
-                    f"consecutive tensors, one flip each; steps between the first and last flip run on MIXED weights"
-                ),
-            )
-        elif self.staging_bytes is None:
-            mode, why = "whole", "no staging_bytes: staging for the whole push"
-        else:
-            mode, why = "whole", f"the push ({push} bytes) fits staging_bytes={self.staging_bytes}"
-        devices = tuple((str(d), b.numel()) for d, b in self.buffers.items())
-        return StagingInfo(mode, why, plan.groups, push, sum(b for _, b in devices), devices)
-
-    def close(self) -> None:
-        self.buffers, self.views, self.flips, self.specs = {}, {}, [], None
 
 
 class Staging:

@@ -1,0 +1,145 @@
+"""Staging memory in host memory (issue 18 item 1, raysync.core.staging_memory): ``staging_memory="host"`` stages a
+push in (pinned, for a GPU) host memory and the flip copies it into the live weights; ``"auto"`` picks the
+device when it has room; ``StagingInfo.memory`` says where and ``memory_why`` why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import session_pair
+from test_staged import CONFIG, LAYERS, Engine, _push, make_model, weights_digest
+
+from raysync.core.staging_memory import StagingMemory
+from raysync.core.version import MIXED
+from raysync.core.wire import TensorSpec
+
+SAME_MEMORY = "the destinations are in host memory: device and host staging are the same memory"
+
+
+def host_digest(params: dict[str, torch.Tensor]) -> str:
+    """weights_digest of a model whose ``params`` these are, read wherever they live (they stay there)."""
+    model = torch.nn.Module()
+    for i, t in enumerate(params.values()):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(t.detach().cpu(), requires_grad=False))
+    return weights_digest(model)
+
+
+def test_host_staging_is_bit_exact_after_each_flip_and_says_host(private_tmp, in_thread):
+    model = make_model(None)
+    params = dict(model.named_parameters())
+    addresses = [p.data_ptr() for p in params.values()]
+    with session_pair(CONFIG) as (sender, receiver):
+        for version in (1, 2, 3):
+            pushing = in_thread(_push, sender, version)
+            receiver.receive(into=params, flip=False, staging_memory="host")
+            pushing.result(timeout=30)
+            assert receiver.version == (version - 1 or None) and receiver.staged_version == version
+            assert weights_digest(model) == weights_digest(make_model(version - 1 or None))  # live untouched
+            assert receiver.flip().version == version and receiver.version == version
+            assert weights_digest(model) == weights_digest(make_model(version))
+        info = receiver.staging
+    assert [p.data_ptr() for p in params.values()] == addresses  # the flip wrote in place
+    assert (info.memory, info.memory_why, info.mode) == ("host", SAME_MEMORY, "whole")
+    assert info.push_bytes <= info.nbytes and info.devices == ((str(model[0].weight.device), info.nbytes),)
+
+
+@pytest.mark.parametrize("staging_memory", ["auto", "device", "host"])
+def test_host_destinations_stage_in_host_memory_whatever_staging_memory_says(
+    private_tmp, in_thread, staging_memory
+):
+    model = make_model(None)
+    with session_pair(CONFIG) as (sender, receiver):
+        pushing = in_thread(_push, sender, 1)
+        receiver.receive(into=dict(model.named_parameters()), flip=False, staging_memory=staging_memory)
+        pushing.result(timeout=30)
+        assert receiver.flip().version == 1 and weights_digest(model) == weights_digest(make_model(1))
+        assert (receiver.staging.memory, receiver.staging.memory_why) == ("host", SAME_MEMORY)
+
+
+def test_an_unknown_staging_memory_is_refused_before_the_push_starts(private_tmp):
+    model = make_model(None)
+    with session_pair(CONFIG) as (_, receiver):
+        with pytest.raises(ValueError, match="staging_memory='gpu': one of auto, device, host"):
+            receiver.receive(into=dict(model.named_parameters()), flip=False, staging_memory="gpu")
+        assert receiver.version is None and receiver.staging is None
+
+
+def test_groups_mode_in_host_memory_flips_group_by_group_to_exactly_each_version(private_tmp, in_thread):
+    model = make_model(None)
+    layer = model[0].weight.nbytes + model[0].bias.nbytes
+    with session_pair(CONFIG) as (sender, receiver):
+        engine = Engine(receiver, model)
+        running = in_thread(engine.run)
+        for version in (1, 2, 3):
+            pushing = in_thread(_push, sender, version)
+            receiver.receive(
+                into=dict(model.named_parameters()),
+                flip=False,
+                staging_bytes=layer + 1024,
+                staging_memory="host",
+            )
+            pushing.result(timeout=30)
+            engine.wait(lambda s, v=version: s[-1].version == v, f"on version {version}")
+        engine.stop.set()
+        running.result(timeout=60)
+        info = receiver.staging
+    assert (info.mode, info.groups, info.memory) == ("groups", LAYERS, "host")
+    assert info.nbytes < info.push_bytes  # the budget, not the model
+    digests = {v: weights_digest(make_model(v)) for v in (None, 1, 2, 3)}
+    assert [s for s in engine.steps if s.before != s.after] == []  # no flip inside a step
+    assert [s for s in engine.steps if s.version != MIXED and digests[s.version] != s.before] == []
+    assert any(s.version == MIXED for s in engine.steps)
+    assert weights_digest(model) == digests[3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_staging_for_a_gpu_engine_is_pinned_takes_no_gpu_memory_and_flips_bit_exact(
+    private_tmp, in_thread
+):
+    model = make_model(None).cuda()
+    params = dict(model.named_parameters())
+    addresses = [p.data_ptr() for p in params.values()]
+    push_bytes = sum(p.nbytes for p in params.values())
+    with session_pair(CONFIG) as (sender, receiver):
+        for version in (1, 2):
+            torch.cuda.synchronize()
+            allocated = torch.cuda.memory_allocated()
+            pushing = in_thread(_push, sender, version)  # CPU tensors over shm into pinned host staging
+            receiver.receive(into=params, flip=False, staging_memory="host")
+            pushing.result(timeout=60)
+            assert torch.cuda.memory_allocated() - allocated < push_bytes  # staged off the GPU
+            assert host_digest(params) == weights_digest(make_model(version - 1 or None))  # live untouched
+            assert receiver.flip().version == version  # complete when it returns: read at once below
+            assert host_digest(params) == weights_digest(make_model(version))
+        buffers = list(receiver._staging.memory.buffers.values())  # the staging memory itself
+        info = receiver.staging
+    assert [p.data_ptr() for p in params.values()] == addresses
+    assert (info.memory, info.memory_why) == ("host", "staging_memory='host'")
+    assert info.devices == (("cuda:0", info.nbytes),) and push_bytes <= info.nbytes
+    assert len(buffers) == 1 and buffers[0].device.type == "cpu" and buffers[0].is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_stages_on_the_gpu_when_it_has_room_and_in_pinned_host_memory_when_not():
+    dest = {f"w{i}": torch.zeros(256, 256, device="cuda") for i in range(4)}
+    specs = tuple(TensorSpec(n, "float32", tuple(t.shape)) for n, t in dest.items())
+    _, total = torch.cuda.mem_get_info()
+    roomy = StagingMemory(dest, None, staging_memory="auto", margin_bytes=0)
+    roomy.prepare(specs)
+    assert roomy.info.memory == "device" and "fit" in roomy.info.memory_why
+    assert roomy.buffers[torch.device("cuda", 0)].is_cuda
+    full = StagingMemory(dest, None, staging_memory="auto", margin_bytes=total)  # no room left
+    full.prepare(specs)
+    assert full.info.memory == "host" and "do not fit" in full.info.memory_why
+    buffer = full.buffers[torch.device("cuda", 0)]
+    assert buffer.device.type == "cpu" and buffer.is_pinned() and buffer.numel() == full.info.nbytes
+    for i, name in enumerate(dest):  # the flip's copies: pinned host -> the live tensors on the GPU
+        full.views[name].fill_(i + 1)
+    for copies in full.flips:
+        copies.run()
+    torch.cuda.synchronize()
+    assert [bool((t == i + 1).all()) for i, t in enumerate(dest.values())] == [True] * len(dest)
+    roomy.close()
+    full.close()
