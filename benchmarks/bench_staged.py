@@ -4,6 +4,7 @@ update, next to the one-copy floor measured in the same run, and how much the tr
     python benchmarks/bench_staged.py                    # GPU: Qwen2.5-7B's layout over cuda_ipc, then shm
     python benchmarks/bench_staged.py --device cpu       # CPU (the default without a GPU): 0.5B, 2 layers, shm
     python benchmarks/bench_staged.py --json out.json
+    python benchmarks/bench_staged.py --staging-memory host   # staged in pinned host memory, not on the GPU
 
 A trainer process (spawned, torch + pyzmq + msgpack only: no Ray) pushes the tensors of --layout (allocated on
 its device, filled with the version's number, so every push is checked bit-exact) to the engine in this
@@ -20,6 +21,9 @@ every weight once.
   synchronized, are ``flip``). ``slowdown`` is 1 - (steps per second while the push streams) / (steps per
   second with no push), from the steps that ended inside the transfer.
 * floor: one copy of the push's bytes as a single flat tensor (``copy_``) on --device, in this process.
+  With ``--staging-memory host`` on cuda (the staging memory in pinned host memory, so the flip copies host ->
+  device) also ``floor h2d``: one copy of those bytes from a pinned host tensor to the GPU; stall/floor is then
+  taken against it. The default, ``device``, stages on --device as before.
 
 Times are medians of --repeats (after one warm-up push of each kind: the ring, the staging memory and the
 flip's copies are made then). Prints a table, then JSON (also written to --json).
@@ -179,7 +183,7 @@ class Run:
     def staged(self, gen: Generation) -> dict:
         version = self._push()
         started = time.perf_counter()
-        report = self.receiver.receive(into=self.live, flip=False)
+        report = self.receiver.receive(into=self.live, flip=False, staging_memory=self.args.staging_memory)
         ended = time.perf_counter()
         flip = gen.wait_flip(version)
         self._check(version)
@@ -229,6 +233,13 @@ def floor_s(nbytes: int, device: torch.device, repeats: int) -> float:
     return timed(lambda: dst.copy_(src), device, max(repeats, 5))
 
 
+def h2d_floor_s(nbytes: int, device: torch.device, repeats: int) -> float:
+    """One copy of ``nbytes`` from pinned host memory to ``device`` (what a host-staged flip moves)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return timed(lambda: dst.copy_(src, non_blocking=True), device, max(repeats, 5))
+
+
 def median_of(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -258,6 +269,13 @@ def main() -> None:
         default=None,
         help="the step also multiplies by the vocabulary matrix (default: on cuda only)",
     )
+    p.add_argument(
+        "--staging-memory",
+        default="device",
+        choices=["device", "host", "auto"],
+        help="where a staged push lands (receive(staging_memory=)): on --device (default), pinned host memory, "
+        "or auto (the device when it has room)",
+    )
     p.add_argument("--idle-s", type=float, default=1.0, help="the loop alone, for its rate with no push")
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads per process")
     p.add_argument("--repeats", type=int, default=3)
@@ -280,6 +298,8 @@ def main() -> None:
         nbytes, tensors = sum(t.nbytes for t in run.live.values()), len(run.live)
         del run
     floor = floor_s(nbytes, device, args.repeats)
+    host = cuda and any(r["staging"].memory != "device" for r in rows.values())
+    h2d = h2d_floor_s(nbytes, device, args.repeats) if host else None
     hardware = (
         torch.cuda.get_device_name(device)
         if cuda
@@ -295,6 +315,8 @@ def main() -> None:
         "batch": args.batch,
         "head": args.head,
         "floor_s": floor,
+        "floor_h2d_s": h2d,
+        "staging_memory": args.staging_memory,
         "transports": {
             t: {
                 "in place": median_of(r["in place"]),
@@ -305,6 +327,8 @@ def main() -> None:
                     "mode": r["staging"].mode,
                     "nbytes": r["staging"].nbytes,
                     "why": r["staging"].why,
+                    "memory": r["staging"].memory,
+                    "memory_why": r["staging"].memory_why,
                 },
                 "runs": {"in place": r["in place"], "staged": r["staged"]},
             }
@@ -324,13 +348,22 @@ def main() -> None:
             m = r[mode]
             flip = f"{m['flip_s'] * 1e3:8.2f}" if "flip_s" in m else f"{'':8}"
             slow = f"{m['slowdown'] * 100:7.1f}%" if "slowdown" in m else f"{'(stopped)':>8}"
+            host_flip = mode == "staged" and h2d is not None and r["staging"]["memory"] != "device"
+            ref = h2d if host_flip else floor  # a flip from host memory, against a copy from host memory
             print(
                 f"{t:9}  {mode:8}  {m['transfer_s'] * 1e3:11.1f}  {m['stall_s'] * 1e3:9.2f}  {flip}  "
-                f"{m['stall_s'] / floor:11.2f}  {slow}"
+                f"{m['stall_s'] / ref:11.2f}  {slow}"
             )
     print(
         f"{'floor':9}  {'':8}  {'':11}  {floor * 1e3:9.2f}  {'':8}  {1:11.2f}            one copy of {nbytes / 1e6:.0f} MB"
     )
+    if h2d is not None:
+        print(
+            f"{'floor h2d':9}  {'':8}  {'':11}  {h2d * 1e3:9.2f}  {'':8}  {1:11.2f}            "
+            f"pinned host -> {device}, {nbytes / 1e6:.0f} MB"
+        )
+    for t, r in result["transports"].items():
+        print(f"{t}: staging memory {r['staging']['memory']} ({r['staging']['memory_why']})")
     emit(result, args.json)
 
 
