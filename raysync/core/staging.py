@@ -28,8 +28,9 @@ where it lives (``memory``, the reason in ``memory_why``), chosen by ``staging_m
 * ``host``: in host memory, page-locked (pinned) for GPU destinations, so the push lands without taking GPU
   memory and the flip is one host -> device copy per tensor (non-blocking, then one synchronize: the flip is
   complete when it returns; its bytes cross the host link rather than staying in GPU memory).
-* ``auto`` (the default): ``device`` when the GPU's free memory (``torch.cuda.mem_get_info``) less
-  ``margin_bytes`` holds the buffer, else ``host``; decided per device when its buffer is allocated.
+* ``auto`` (the default): ``device`` when the GPU's free memory (``torch.cuda.mem_get_info``, plus what torch's
+  allocator holds unused) less ``margin_bytes`` holds the buffer, else ``host``; decided per device when its
+  buffer is allocated.
 
 For destinations in host memory (a CPU engine) device and host staging are the same memory: ``memory`` is
 "host" whatever ``staging_memory`` says.

@@ -93,8 +93,13 @@ def place(device: torch.device, nbytes: int, staging_memory: str, margin_bytes: 
         return staging_memory, f"staging_memory={staging_memory!r}"
     if device.type != "cuda":
         return "device", f"auto: no free-memory probe for {device.type} devices, staged on the device"
-    free, _ = torch.cuda.mem_get_info(device)
-    room = f"{device} has {free} bytes free, {margin_bytes} of them kept free (margin_bytes)"
+    driver, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch reuses it first
+    free = driver + cached
+    room = (
+        f"{device} has {free} bytes free ({driver} in the driver, {cached} cached by this process's allocator), "
+        f"{margin_bytes} of them kept free (margin_bytes)"
+    )
     if nbytes <= free - margin_bytes:
         return "device", f"auto: {nbytes} bytes of staging fit: {room}"
     return "host", f"auto: {nbytes} bytes of staging do not fit ({room}): pinned host memory"
