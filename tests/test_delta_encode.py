@@ -89,6 +89,48 @@ def test_a_staged_encoding_writes_the_same_bytes_and_reuses_its_workspace(densit
     assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("density", [0.0, 0.0004, 0.036, 0.6])
+def test_listing_without_counting_writes_what_counting_writes(device, density):
+    """A bucket expected sparse (``sparse=True``, Note [listing instead of counting]) is listed without a count
+    first: the same table and the same bytes as counting, every mode (GAPS, FULL by size, SAME, a chunk without
+    a reference), the forced entries of long runs included, and the receiver ends bit-exact."""
+    gen = torch.Generator().manual_seed(21)
+    olds = [
+        random_tensor(d, (n,), gen) for d, n in [(BF16, 4 * GAP_SPAN + 9), (F32, 999), (BF16, 64), (F16, 300)]
+    ]
+    news = [changed_copy(o, random_mask(o.numel(), density, 22 + i)) for i, o in enumerate(olds)]
+    news[2] = olds[2].clone()  # a SAME chunk
+    olds, news = [o.to(device) for o in olds], [n.to(device) for n in news]
+    pairs = [(o, n) for o, n in zip(olds, news, strict=True)]
+    pairs[3] = (None, news[3])  # no reference: FULL "base"
+    chunks = [(n.numel(), n.element_size()) for n in news]
+    space = Workspace.for_buckets([chunks], torch.device(device))
+    counted = torch.zeros(delta.capacity(chunks), dtype=torch.uint8, device=device)
+    listed = torch.full_like(counted, 0xCD)
+    code = encode(pairs, counted, base_version=5, space=space)
+    again = encode(pairs, listed, base_version=5, space=space, sparse=True)
+    assert again == code
+    assert code.chunks[0].mode == (Mode.SAME if density == 0 else Mode.GAPS if density < 0.5 else Mode.FULL)
+    for start, end in defined_bytes(code):
+        assert torch.equal(listed[start:end], counted[start:end]), (start, end)
+    engine = [o.clone() for o in olds]
+    delta.decode(listed, engine, held_version=5)
+    assert all(same_bits(e, n) for e, n in zip(engine, news, strict=True))
+
+
 # --- on a GPU -------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

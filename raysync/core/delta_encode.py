@@ -15,12 +15,24 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #
 #     compare  ne(reference, new) into the workspace's mask, chunk by chunk       (reads 2 x, writes 1 byte)
 #     count    changed and forced entries of every chunk, stacked: one host sync  (reads the mask)
+#              or, for a bucket the caller expects sparse (``sparse``), list instead of count: each chunk's
+#              forced entries set, then its indices listed (nonzero: their number is the count; a host sync a
+#              chunk), which spares the count's pass over the mask (Note [listing instead of counting])
 #     choose   FULL / SAME / GAPS per chunk on the host (the density rule, its reason)
-#     compact  GAPS: indices (nonzero_static where the count is known: no sync on CUDA), gaps as int16,
-#              values gathered straight into the payload (index_select out=); FULL: one copy of the chunk
+#     compact  GAPS: indices (listed already, or nonzero_static where the count is known: no sync on CUDA),
+#              gaps as int16, values gathered straight into the payload (index_select out=); FULL: one copy
 #     copy     the used bytes into ``out`` when it lives on another device: on CUDA in runs of >= 4 MiB on
 #              a side stream as the payloads are written (the copy engine works while the next chunks are
 #              compacted), then one wait; elsewhere one copy
+#
+# Note [listing instead of counting]
+# On an H200, for a 512 MB bf16 bucket at 5% changed (benchmarks/bench_delta_ops.py, docs/benchmarks.md section
+# 12): ne 0.33 ms, count_nonzero of the mask 1.34 ms (its sum of the mask's bytes as int32: 0.72 ms), nonzero
+# 0.73 ms, nonzero_static with the count known 0.67 ms. Counting and then listing reads the mask twice; listing
+# alone gives the count (its length) in the same pass. But listing holds 8 bytes an entry: for a dense chunk (one
+# that goes FULL) that is up to 4x its bf16 bytes, allocated for nothing. So the caller lists only buckets that
+# were sparse at their last push (raysync.core.delta_push: at most SPARSE_DENSITY changed) and counts the others.
+# On the CPU count_nonzero is the fastest count (29 ms for 64 Mi elements on the VM, where a byte sum takes 174 ms).
 #
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
@@ -55,6 +67,7 @@ from raysync.core.version import is_version
 
 Mark = Callable[[str], None]
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
+SPARSE_DENSITY = 1 / 8  # a bucket at most this dense at its last push is listed, not counted first
 
 
 @dataclass
@@ -93,13 +106,15 @@ def encode(
     space: Workspace | None = None,
     mark: Mark | None = None,
     staged: bool | None = None,
+    sparse: bool = False,
 ) -> BucketCode:
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
     and size, all on one device; a reference of None, or ``base_version`` None, sends that chunk FULL. Nothing
     is modified but ``out`` and ``space``. One host sync per bucket for the counts (two when ``out`` is on
     another device than the chunks: the copy of the bytes used). ``staged``: encode into the workspace first
-    and copy (None: when ``out`` lives on another device than the chunks)."""
+    and copy (None: when ``out`` lives on another device than the chunks). ``sparse``: the bucket is expected
+    to have few changes: its indices are listed without counting first (Note [listing instead of counting])."""
     _check_buffer(out, "out")
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
@@ -109,7 +124,10 @@ def encode(
         )
     mark = mark or _no_mark
     masks = _compare(views, base_version is not None, space, device)
-    counts = _host_counts(masks)
+    if sparse:
+        counts, listed = _list_changes(masks)
+    else:
+        counts, listed = _host_counts(masks), [None] * len(masks)
     mark("compare")
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
@@ -132,8 +150,8 @@ def encode(
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = _CopyOut(out, target, offset, space) if target is not out else None
     try:
-        for code, (_, new), mask in zip(codes, views, masks, strict=True):
-            _write_payload(code, new, mask, target[offset : offset + code.payload_bytes])
+        for code, (_, new), mask, index in zip(codes, views, masks, listed, strict=True):
+            _write_payload(code, new, mask, index, target[offset : offset + code.payload_bytes])
             offset = _align(offset + code.payload_bytes)
             if copy is not None:
                 copy.written(min(offset, used))
@@ -248,24 +266,59 @@ def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_densi
 def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
     """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
     stats = [
-        None
-        if m is None
-        else torch.stack([m.count_nonzero(), (~m[GAP_SPAN - 1 :: GAP_SPAN]).count_nonzero()])
+        None if m is None else torch.stack([_count(m).long(), _count(~m[GAP_SPAN - 1 :: GAP_SPAN]).long()])
         for m in masks
     ]
     return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
 
 
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """The True elements of a bool mask, as a 0-d tensor on its device (Note [listing instead of counting])."""
+    if mask.device.type == "cuda" and mask.numel() < 1 << 31:
+        return mask.view(torch.uint8).sum(dtype=torch.int32)  # 0/1 bytes; int32 cannot overflow here
+    return mask.count_nonzero()
+
+
+def _list_changes(
+    masks: list[torch.Tensor | None],
+) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None]]:
+    """Per mask: (changed, forced) as ``_host_counts`` gives them, and the increasing indices of its entries
+    (changed elements and the forced ones, which this sets in the mask: Note [delta pushes]). The forced counts
+    cross in one host sync, then each mask's listing makes its own."""
+    strided = [None if m is None else m[GAP_SPAN - 1 :: GAP_SPAN] for m in masks]
+    forced = _to_host([None if s is None else _count(~s) for s in strided])
+    counts: list[tuple[int, int] | None] = []
+    listed: list[torch.Tensor | None] = []
+    for m, s, f in zip(masks, strided, forced, strict=True):
+        if m is None:
+            counts.append(None)
+            listed.append(None)
+            continue
+        s.fill_(True)
+        index = _nonzero_sparse(m) if m.device.type == "cpu" else m.nonzero().view(-1)
+        counts.append((index.numel() - f, f))
+        listed.append(index)
+    return counts, listed
+
+
 def _write_payload(
-    code: ChunkCode, new: torch.Tensor, mask: torch.Tensor | None, region: torch.Tensor
+    code: ChunkCode,
+    new: torch.Tensor,
+    mask: torch.Tensor | None,
+    listed: torch.Tensor | None,
+    region: torch.Tensor,
 ) -> None:
-    """One chunk's payload into ``region``, on the chunk's device (Note [where a delta is encoded])."""
+    """One chunk's payload into ``region``, on the chunk's device (Note [where a delta is encoded]).
+    ``listed``: the chunk's entries' indices when ``_list_changes`` found them already."""
     if code.mode == Mode.FULL:
         region.copy_(new.view(torch.uint8))
     elif code.mode == Mode.GAPS:
         assert mask is not None
-        mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
-        index = _indices(mask, code.entries)
+        if listed is None:
+            mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
+            index = _indices(mask, code.entries)
+        else:
+            index = listed
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
         split = _align(2 * code.entries)
         region[: 2 * code.entries].view(torch.int16).copy_(gaps)

@@ -62,7 +62,7 @@ import torch
 
 from raysync.core import delta
 from raysync.core.config import SyncConfig
-from raysync.core.delta_encode import encode
+from raysync.core.delta_encode import SPARSE_DENSITY, encode
 from raysync.core.delta_reference import ReferenceBytes, chunk_sizes
 from raysync.core.delta_rule import StageClock, TimeRule
 from raysync.core.plan import Bucket, align_up, plan_buckets
@@ -281,8 +281,18 @@ class Reference:
         mark("pack")
         cap = self.config.delta_max_density
         code = encode(
-            ref.pairs[k], buffer, base_version=self.base, max_density=cap, space=ref.space, mark=mark
+            ref.pairs[k],
+            buffer,
+            base_version=self.base,
+            max_density=cap,
+            space=ref.space,
+            mark=mark,
+            sparse=ref.sparse[k],
         )
+        density = code.density
+        ref.sparse[k] = (
+            density is not None and density <= SPARSE_DENSITY
+        )  # Note [listing instead of counting]
         ref.take_scratch(k)
         mark("reference")
         self.stats = self.stats.add(code)
