@@ -75,9 +75,15 @@ def main() -> None:
     rows["encode into pinned host memory"] = lambda: delta_encode.encode(
         [(old, new)], host_out, base_version=1, space=space
     )
+    rows["encode, listed (sparse=True), device"] = lambda: delta_encode.encode(
+        [(old, new)], dev_out, base_version=1, space=space, sparse=True
+    )
+    rows["encode, listed (sparse=True), pinned host"] = lambda: delta_encode.encode(
+        [(old, new)], host_out, base_version=1, space=space, sparse=True
+    )
     ms = {name: None if fn is None else 1e3 * timed_cuda(fn, args.repeats) for name, fn in rows.items()}
     for name, t in ms.items():
-        print(f"{name:34s} {'-' if t is None else f'{t:8.3f} ms'}")
+        print(f"{name:44s} {'-' if t is None else f'{t:8.3f} ms'}")
     emit(
         {
             "bucket_mb": args.mb,

@@ -115,7 +115,7 @@ def test_listing_without_counting_writes_what_counting_writes(device, density):
     news[2] = olds[2].clone()  # a SAME chunk
     olds, news = [o.to(device) for o in olds], [n.to(device) for n in news]
     pairs = [(o, n) for o, n in zip(olds, news, strict=True)]
-    pairs[3] = (None, news[3])  # no reference: FULL "base"
+    pairs[1] = (None, news[1])  # no reference: FULL "base", between chunks that have one
     chunks = [(n.numel(), n.element_size()) for n in news]
     space = Workspace.for_buckets([chunks], torch.device(device))
     counted = torch.zeros(delta.capacity(chunks), dtype=torch.uint8, device=device)
