@@ -240,3 +240,19 @@ def test_a_signed_answer_that_is_not_an_endpoint_result_is_refused(item):
 def test_an_unknown_way_to_run_rounds_is_refused():
     with pytest.raises(ValueError, match="push_rounds='loops': expected one of 'calls', 'graph', 'loop'"):
         keeper_for("loops", None, None)  # type: ignore[arg-type]
+
+
+def test_a_sender_pushes_one_session_on_its_own_thread_and_several_sessions_at_once():
+    from raysync.ray.endpoint import _each
+
+    me = threading.current_thread()
+    assert _each(lambda x: (x, threading.current_thread()), ["one"]) == [("one", me)]
+    barrier = threading.Barrier(3, timeout=10)  # broken unless all three run at the same time
+
+    def meet(x: int) -> tuple[int, threading.Thread]:
+        barrier.wait()
+        return x, threading.current_thread()
+
+    out = _each(meet, [0, 1, 2])
+    assert [x for x, _ in out] == [0, 1, 2] and out[0][1] is me
+    assert len({t for _, t in out}) == 3

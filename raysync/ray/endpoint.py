@@ -256,9 +256,18 @@ def sender_push(
         jobs[tuple(in_group)] = group
     if in_fanout:
         jobs[tuple(in_fanout)] = side.fanout
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        results = dict(zip(jobs, pool.map(one, jobs.values()), strict=True))
+    results = dict(zip(jobs, _each(one, list(jobs.values())), strict=True))
     return {j: r for js, r in results.items() for j in js}
+
+
+def _each(fn: Callable[[Any], Any], items: list) -> list:
+    """``fn`` of every item at once: the first in this thread, each other one on a thread of its own (a push of
+    one session starts no thread: a thread's start and join cost more than a push of small tensors)."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=len(items) - 1) as pool:
+        rest = pool.map(fn, items[1:])
+        return [fn(items[0]), *rest]
 
 
 # --- a push round in a compiled Ray graph (raysync.ray.push_graph) ---------------------------------------------------
@@ -289,10 +298,7 @@ def round_answer(actor: Any, sync_id: str, version: int) -> Any:
 def _abort_sessions(senders: list[PushSender], error: Exception) -> None:
     """The source raised: every receiver hears it now (their waits end at once, nothing touched) rather than
     at timeout_s: ring sessions each, a broadcast group once for all its receivers."""
-    if not senders:
-        return
-    with ThreadPoolExecutor(max_workers=len(senders)) as pool:
-        list(pool.map(lambda s: s.abort(error, "source"), senders))
+    _each(lambda s: s.abort(error, "source"), senders)
 
 
 # --- receiver side -----------------------------------------------------------------------------------------------

@@ -199,11 +199,8 @@ class _DriverEnd:
 
     def frames(self) -> Iterator[tuple[Key, str, list]]:
         """The frames waiting on the socket, checked; those of strangers, or that fail their check, dropped."""
-        while True:
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised (and made) per round
+            parts = self.sock.recv_multipart(zmq.NOBLOCK)
             key = self._by_id.get(parts[0]) if len(parts) == 2 else None
             try:
                 if key is None:
@@ -240,6 +237,8 @@ class PushLoops:
         jobs = {("sender", i): ("sender", js) for i, js in shape[0]}
         jobs |= {("receiver", e): ("receiver", slots) for e, slots in shape[1]}
         self.keys: list[Key] = list(jobs)
+        # the receivers hear "go" first: a sender's session starts by waiting for its receivers
+        self._go_order = sorted(self.keys, key=lambda k: k[0] != "receiver")
         nodes = {actors.sender_at[i].node_id for i, _ in shape[0]}
         nodes |= {
             actors.receiver_at[j].node_id for j, (e, _) in enumerate(actors.slots) if ("receiver", e) in jobs
@@ -271,7 +270,7 @@ class PushLoops:
         self._round += 1
         end, answers = self._end, {}
         next_check = time.monotonic() + self._timeout_s
-        for key in self.keys:
+        for key in self._go_order:
             try:
                 end.send(key, "go", [self._round, version])
             except zmq.ZMQError:  # no connection to that loop: ask Ray why, now
