@@ -2,7 +2,9 @@
 lands in an ``LLM`` engine (between its generate calls) and in an ``AsyncLLM`` engine (while its requests run)
 as host copies, both keep generating on the live version, ``flip()`` makes it live on both, ``discard()`` frees
 the copies; an engine that refuses the stage makes neither flip (Note [staging in a vLLM worker] in
-raysync.engines.vllm_staged). One engine of each kind serves the module, plus one that refuses."""
+raysync.engines.vllm_staged). WeightSync's ``max_version_lag`` holds the requests of both kinds until the flip
+(Note [requests and the staleness bound]). One engine of each kind serves the module, plus one that refuses;
+the LLM engine's actor takes two calls at once (its requests through raysync's ``generate``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import threading
 import types
 
 import pytest
-from vllm_cpu import EngineProcesses, engine, require_vllm_cpu, stop, watch
+from vllm_cpu import EngineProcesses, require_vllm_cpu, stop, watch
 
 ray = require_vllm_cpu()
 
@@ -24,20 +26,62 @@ from test_vllm_async import WAIT_S, AsyncHost  # noqa: E402
 from raysync import WeightSync  # noqa: E402
 from raysync.core.errors import NothingStaged, StageFailed  # noqa: E402
 from raysync.engines.vllm import VllmEngine  # noqa: E402
+from raysync.engines.vllm_server import ServerEngine  # noqa: E402
+from raysync.ray import staged_endpoint as se  # noqa: E402
 from raysync.tools.models import tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
 class SyncHost(VllmHost):
+    """Its requests go through raysync's ``generate``: they and the driver's calls never overlap, also when the
+    actor takes two calls at once."""
+
     def staged_bytes(self) -> int:
         """The host memory the engine's workers hold for staged pushes."""
         return sum(self.llm.collective_rpc("raysync_staged_bytes"))
+
+    def generate(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        return self.request(prompts, tokens, WAIT_S)[0]
+
+    def request(self, prompts: list[list[int]], tokens: int, wait_s: float) -> tuple[list[list[int]], object]:
+        """The greedy tokens of each prompt, and the version that made them (raysync.engines.vllm.generate)."""
+        from vllm import SamplingParams
+
+        from raysync.engines.vllm import generate
+
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+        prompts = [{"prompt_token_ids": p} for p in prompts]
+        done = generate(self.llm, prompts, params, wait_s=wait_s, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in done.output], done.version
+
+    def request_refused(self, wait_s: float) -> str:
+        try:
+            self.request(PROMPTS[:1], 1, wait_s)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "admitted"
+
+    def requests_in(self, count: int, timeout_s: float) -> None:
+        """Until ``count`` requests are inside raysync's ``generate`` (begun, not ended)."""
+        from raysync.ray.step_gate import gate_of
+
+        gate = gate_of(self.llm)
+        with gate.cond:
+            assert gate.cond.wait_for(lambda: gate.loops >= count, timeout_s), "no request came"
 
 
 class AsyncStagedHost(AsyncHost):
     async def staged_bytes(self) -> int:
         return sum(await self.llm.collective_rpc("raysync_staged_bytes"))
+
+    async def requests_held(self, count: int, timeout_s: float) -> None:
+        """Until ``count`` requests wait for a flip that max_version_lag needs."""
+        from raysync.engines.vllm_async import gate_of
+
+        gate = gate_of(self.llm)
+        async with gate.bound_moved:
+            await asyncio.wait_for(gate.bound_moved.wait_for(lambda: gate.held >= count), timeout_s)
 
     async def finished(self, version: object) -> int:
         """How many requests made by ``version`` have finished."""
@@ -113,7 +157,9 @@ def hosts(ray_local, model_dirs):
                 processes.look(*ray.get(where, timeout=WAIT_S))
             else:
                 which = "other-vocab" if kind == "other" else "tiny"
-                host = engine(model_dirs[which], ONE_PROCESS, host=SyncHost)
+                concurrency = 2 if kind == "sync" else 1  # a request waits for a flip while the flip comes in
+                host = ray.remote(num_cpus=0.5, max_concurrency=concurrency)(SyncHost)
+                host = host.options(runtime_env=ONE_PROCESS).remote(model_dirs[which])
             started[kind] = host
         return started[kind]
 
@@ -219,6 +265,57 @@ def test_a_stage_refused_by_one_of_two_engines_flips_neither(
     done, errors = ray.get(async_host.stop.remote(), timeout=WAIT_S)
     assert errors == [] and {v for _, _, v, _ in done} == {None}
     assert all(tokens == checkpoint[prompt] for prompt, tokens, _, _ in done)
+
+
+def test_max_version_lag_holds_the_requests_of_both_engines_until_the_flip(
+    ray_local, no_leftovers, hosts, async_host
+):
+    """max_version_lag=0: once version 11 is staged, a request of the LLM engine and one of the AsyncLLM engine
+    wait for the flip instead of starting on the live weights; after it they run on 11 and say so. With 12
+    staged and never flipped, a request that may wait 1 s raises StaleWeights naming the WeightSync and the
+    stage; after the discard, requests run on 11 again."""
+    llm = hosts("sync")
+    trainer = ray.remote(num_cpus=0.25)(Policy).remote(seed=13)
+    ray.get(trainer.step.remote(11))
+    v11 = ray.get(trainer.greedy.remote(PROMPTS, TOKENS))
+    with WeightSync([trainer], [VllmEngine(llm), VllmEngine(async_host)], CFG, max_version_lag=0) as sync:
+        sync.push(11, staged=True)
+        requests = [
+            llm.request.remote(PROMPTS, TOKENS, WAIT_S),
+            async_host.generate_now.remote(PROMPTS, TOKENS),
+        ]
+        ray.get(
+            [llm.requests_in.remote(1, WAIT_S), async_host.requests_held.remote(1, WAIT_S)], timeout=WAIT_S
+        )
+        held = ray.wait(requests, num_returns=2, timeout=0)[0]
+        assert held == []  # neither can start on the live weights
+        assert sync.flip().version == 11
+        answers = ray.get(requests, timeout=WAIT_S)
+        assert answers == [(v11, 11), [(tokens, 11) for tokens in v11]]
+
+        ray.get(trainer.step.remote(12))
+        sync.push(12, staged=True)
+        refused = ray.get([llm.request_refused.remote(1.0), async_host.generate_refused.remote(1.0)])
+        for error in refused:
+            assert error.startswith("StaleWeights: the live weights are version 11, version 12"), error
+            assert f"WeightSync {sync._sync_id} (its flip())" in error and "max_version_lag=0" in error, error
+            assert "at stage 'generate: waiting for the flip" in error, error
+        assert sync.discard() == 12 and sync.versions() == [11, 11]
+        assert ray.get(llm.request.remote(PROMPTS, TOKENS, WAIT_S), timeout=WAIT_S) == (v11, 11)
+        assert ray.get(async_host.generate_now.remote(PROMPTS[:1], TOKENS), timeout=WAIT_S) == [(v11[0], 11)]
+
+
+def test_the_openai_server_refuses_a_staged_push_before_a_byte_moves(ray_local):
+    """ServerEngine answers the check that precedes a WeightSync's staged push (receiver_stageable) with its
+    refusal, naming the server, without a call to it (the driver turns a refusal there into StageFailed before
+    a byte moves); the staged calls after that check are refused outright."""
+    server = ServerEngine("http://127.0.0.1:9", "00" * 32)
+    answer = ray.get(server.call(se.receiver_stageable, {0: ("s",), 1: ("s",)}), timeout=WAIT_S)
+    assert set(answer) == {0, 1}, answer
+    for reason in answer.values():
+        assert "vLLM's OpenAI server at http://127.0.0.1:9" in reason and "push it live" in reason, reason
+    with pytest.raises(ValueError, match="receiver_stage cannot run in a vLLM server"):
+        server.call(se.receiver_stage, {0: ("s", 1, None)})
 
 
 def test_calls_into_a_worker_wait_for_a_stage_landing_on_its_thread(monkeypatch):

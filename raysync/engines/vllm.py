@@ -9,10 +9,11 @@ Driver side, an adapter for an engine that lives in one of the user's Ray actors
     sync = WeightSync([trainer], [VllmEngine(engine_actor)], config)
     sync.push(version)
 
-The same adapter drives an ``AsyncLLM`` held by an async actor (raysync.engines.vllm_async: generation paused
-around a push, each request's version); vLLM's OpenAI-compatible server is reached through
-raysync.engines.vllm_server.ServerEngine. docs/vllm.md says what is supported per vLLM version. Staged pushes
-(``push(v, staged=True)``, ``flip()``, ``discard()``) run in the workers as raysync.engines.vllm_staged says.
+Requests made in the actor through ``generate(self.llm, prompts, params)`` say their version and keep
+WeightSync's ``max_version_lag`` (Note [requests and the staleness bound] in raysync.engines.vllm_staged). The
+same adapter drives an ``AsyncLLM`` in an async actor (raysync.engines.vllm_async); vLLM's OpenAI server is
+reached through raysync.engines.vllm_server.ServerEngine; docs/vllm.md says what runs on which vLLM. Staged
+pushes (``push(v, staged=True)``, ``flip()``, ``discard()``) run in the workers as raysync.engines.vllm_staged says.
 
 Every engine worker is one receiver (a tensor-parallel engine of 2 workers is 2 receivers): it reports its own
 placement, holds its own session, and loads each push through vLLM's own path, which shards and fuses the
@@ -36,8 +37,7 @@ cache after it. An engine's version is only what its weights hold: a worker forg
 is applied in full, never skipped) when its weights change outside raysync (a reload, a level-2 sleep), and a
 partial push names no version until pushes have written every parameter of the engine (a fresh engine's other
 weights are its checkpoint's): Notes [an engine's version and its weights], [a version over every weight] (in
-raysync.engines.vllm_version), [sleep, wake and the version]. Put an engine to sleep with ``sleep(llm, level)``
-from this module, and wake it with ``wake_up(llm)``.
+raysync.engines.vllm_version), [sleep, wake and the version]: ``sleep(llm, level)`` and ``wake_up(llm)`` here.
 
 This module never imports vllm itself: the driver can build a WeightSync without vLLM installed.
 
@@ -45,9 +45,8 @@ This module never imports vllm itself: the driver can build a WeightSync without
 # collective_rpc arguments and results travel through vLLM's own serialization between its processes, which
 # carries plain values (dicts, lists, str, bytes, numbers). Configs, secrets, rendezvous points, placements and
 # the receivers' answers (EndpointResult, with its PushReport or RemoteFailure) become dicts tagged with a type
-# name from an allowlist and are rebuilt on the other side; no callable
-# crosses: the driver's sink is replaced by the worker's own loader, and only allowlisted endpoint functions
-# can be named.
+# name from an allowlist and are rebuilt on the other side; no callable crosses: the driver's sink is replaced
+# by the worker's own loader, and only allowlisted endpoint functions can be named.
 """
 
 from __future__ import annotations
@@ -66,11 +65,13 @@ from raysync.core.version import MIXED, Version
 from raysync.core.wire import SessionSecret
 from raysync.engines import vllm_staged as staged
 from raysync.engines import vllm_version as versions
+from raysync.engines.vllm_async import Generated
 from raysync.engines.vllm_model import PushCheck
 from raysync.engines.vllm_reload import has_layerwise_reload, loader_for
 from raysync.engines.vllm_reload import refusal as reload_refusal
 from raysync.ray import endpoint as ep
 from raysync.ray import staged_endpoint as se
+from raysync.ray import step_gate
 from raysync.ray.placement import Placement
 from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
 from raysync.transport.collective import Rendezvous
@@ -159,10 +160,9 @@ class WorkerExtension:
     """``LLM(..., worker_extension_cls="raysync.engines.vllm.WorkerExtension")``. Every name starts with ``raysync_``
     or ``_raysync_``: vLLM refuses to start when an extension's attribute clashes with its Worker's."""
 
-    raysync_cpu_staged = (
-        True  # CPU: stage a push, apply it at its end, undo a failed reload (one more copy of
-    )
-    # the weights); False: load it bucket by bucket through vLLM's layerwise reload, as on GPU (not atomic)
+    # CPU: stage a push, apply it at its end, undo a failed reload (one more copy of the weights); False: load
+    # it bucket by bucket through vLLM's layerwise reload, as on GPU (not atomic)
+    raysync_cpu_staged = True
 
     def raysync_reload_refusal(self) -> str | None:
         """Why raysync cannot load a push into this worker as vLLM loads a checkpoint, or None (Note [a reload
@@ -256,10 +256,27 @@ def weight_version(llm: Any) -> Version:
     """The engine's weight version (inside the process that holds ``llm``): None until every worker has applied
     a push; MIXED while any worker is MIXED or the workers hold different versions (the engine's tensor-parallel
     shards then come from several versions: Note [versions never lie] in raysync.core.version)."""
-    held = set(llm.collective_rpc("raysync_version"))
-    if None in held:
-        return None
-    return held.pop() if len(held) == 1 else MIXED
+    return staged.engine_version(llm.collective_rpc("raysync_version"))
+
+
+def generate(
+    llm: Any, prompts: Any, sampling_params: Any = None, *, wait_s: float = 600.0, **kwargs
+) -> Generated:
+    """``llm.generate(prompts, sampling_params, **kwargs)`` in the engine's actor, as one step of the engine:
+    it starts between two calls of the driver, after the flips asked for, on weights within WeightSync's
+    ``max_version_lag``, waiting up to ``wait_s`` for a flip (else StaleWeights: Note [requests and the
+    staleness bound] in raysync.engines.vllm_staged). ``Generated.output``: vLLM's outputs; ``.version``:
+    the version of the weights that made all of them (None: no version, or they changed outside raysync)."""
+    gate = step_gate.gate_of(llm, staged.REQUESTS)
+    gate.enter()
+    try:
+        gate.boundary(wait_s, staged.REQUEST_STAGE)
+        version = weight_version(llm)
+        outputs = llm.generate(prompts, sampling_params, **kwargs)
+        after = weight_version(llm)
+    finally:
+        gate.leave()
+    return Generated(outputs, version if after == version else None)
 
 
 # --- sleep and wake, where raysync drives them (Note [sleep, wake and the version]) -------------------------------
@@ -327,8 +344,14 @@ def _on_engine(
         from raysync.engines.vllm_async import on_async_engine
 
         return on_async_engine(llm, actor, name, args, _replies)
-    # a push applied live, or a staged one's flip: the actor runs one call at a time, so between two
-    # generate calls of the user's (a staged push is received the same way, into copies: the live weights wait)
+    # between two requests of the actor's (calls of ``generate``): a push applied live, a staged one's flip, its
+    # stage (received into copies: the live weights wait), every call (or at the boundary of a request waiting
+    # for a flip: Note [requests and the staleness bound] in raysync.engines.vllm_staged)
+    call = lambda: _on_llm(llm, name, args)  # noqa: E731
+    return staged.between_requests(llm, name, args, call, lambda: weight_version(llm))
+
+
+def _on_llm(llm: Any, name: str, args: list | dict[str, list]) -> dict[int, Any]:
     applies = name in ("receiver_receive", "receiver_flip")
     asleep = applies and llm.llm_engine.is_sleeping()
     if asleep:  # Note [sleep, wake and the version]: the weights now, the KV cache after the load

@@ -13,6 +13,10 @@ loop, where AsyncLLM starts its output handler) and generates through ``generate
             done = await generate(self.llm, prompt, params)  # done.output: vLLM's RequestOutput
             return done.output, done.version  # the version of the weights that produced every token
 
+A request made through ``generate`` also keeps WeightSync's ``max_version_lag``: it is not admitted on weights
+more versions behind the newest one staged than that; it waits for the flip, or raises StaleWeights after its
+``wait_s`` (Note [requests and the staleness bound] in raysync.engines.vllm_staged).
+
 Driver side, the same adapter as for ``LLM``: ``WeightSync([trainer], [VllmEngine(rollout)], config)``. Each
 call of the driver reaches the actor through Ray's ``__ray_call__``, which an async actor runs outside its event
 loop; the call is handed to that loop (the one AsyncLLM's output handler runs on) and goes to the workers
@@ -74,8 +78,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raysync.core.errors import PeerTimeout
-from raysync.core.version import MIXED, Version
+from raysync.core.version import Version
+from raysync.engines import vllm_staged as staged
 from raysync.engines.vllm_staged import POLL_S, weights_changed
+from raysync.ray import step_gate
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +92,9 @@ _STAGE_TIMEOUTS = 10  # a staged push not landed after this many SyncConfig.time
 
 @dataclasses.dataclass(frozen=True)
 class Generated:
-    """A finished request: vLLM's final ``RequestOutput`` and the version of the weights that made all of it
-    (None: no version, or the weights changed outside raysync while it ran)."""
+    """A finished request: vLLM's final ``RequestOutput`` (an ``LLM``'s: its list of them, from
+    raysync.engines.vllm.generate) and the version of the weights that made all of it (None: no version, or
+    the weights changed outside raysync while it ran)."""
 
     output: Any
     version: Version
@@ -96,8 +103,9 @@ class Generated:
 async def generate(
     llm: Any, prompt: Any, sampling_params: Any, request_id: str | None = None, *, wait_s: float = 600.0
 ) -> Generated:
-    """``llm.generate`` to its end, never across a push (Note [a push into a generating engine]). Waits at most
-    ``wait_s`` for a push that is running (PeerTimeout at stage "generate")."""
+    """``llm.generate`` to its end, never across a push (Note [a push into a generating engine]), started on
+    weights within WeightSync's ``max_version_lag``. Waits at most ``wait_s`` for a push that is running
+    (PeerTimeout at stage "generate"), and as long for a flip that the bound needs (StaleWeights)."""
     gate = gate_of(llm)
     version = await gate.admit(wait_s)
     try:
@@ -112,15 +120,7 @@ async def generate(
 
 async def weight_version(llm: Any) -> Version:
     """The engine's version, read from its workers now (raysync.engines.vllm.weight_version for AsyncLLM)."""
-    return held_version(await llm.collective_rpc("raysync_version"))
-
-
-def held_version(by_worker: list[Version]) -> Version:
-    """One version for the engine from its workers' (as raysync.engines.vllm.weight_version says it)."""
-    held = set(by_worker)
-    if None in held:
-        return None
-    return held.pop() if len(held) == 1 else MIXED
+    return staged.engine_version(await llm.collective_rpc("raysync_version"))
 
 
 def gate_of(llm: Any) -> Gate:
@@ -151,17 +151,43 @@ class Gate:
         self.landing = (
             asyncio.Event()
         )  # set while a staged push lands in the workers (requests run meanwhile)
+        self.bound = step_gate.gate_of(llm, staged.REQUESTS)  # max_version_lag's count (its stale() only)
+        self.bound_moved = asyncio.Condition()  # notified when the bound's versions change, or ``held`` does
+        self.held = 0  # requests waiting for a flip that the bound needs
 
     async def admit(self, wait_s: float) -> Version:
         while True:
             await _bounded(self._open.wait(), wait_s, "a push into the engine", "generate: wait for the push")
             if not self._known:
                 await self.read()
-            elif self._open.is_set():  # no await since the check above: no push can start in between
+            elif self.bound.stale() is not None:
+                await self._within_bound(wait_s)
+            elif self._open.is_set():  # no await since the checks above: no push can start in between
                 break
         self._running += 1
         self._idle.clear()
         return self.version
+
+    async def _within_bound(self, wait_s: float) -> None:
+        """Until no WeightSync's ``max_version_lag`` forbids a request now; StaleWeights after ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        async with self.bound_moved:
+            self.held += 1
+            self.bound_moved.notify_all()
+            try:
+                while (stale := self.bound.stale()) is not None:
+                    left = deadline - time.monotonic()
+                    try:
+                        await asyncio.wait_for(self.bound_moved.wait(), max(left, 0.0))
+                    except asyncio.TimeoutError:
+                        raise step_gate.stale_error(stale, wait_s, staged.REQUEST_STAGE) from None
+            finally:
+                self.held -= 1
+
+    async def moved(self) -> None:
+        """The bound's versions changed (an announce, a settle): requests waiting for it look again."""
+        async with self.bound_moved:
+            self.bound_moved.notify_all()
 
     def leave(self) -> None:
         self._running -= 1
@@ -297,22 +323,33 @@ def on_async_engine(llm: Any, actor: Any, name: str, args: Any, replies: Callabl
 
 async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict], engine: str) -> dict:
     gate = gate_of(llm)
-    if name in ("receiver_connect", "collective_connect"):
-        config = args[1] if isinstance(args, list) else next(iter(args.values()))[1]
-        gate.drain_s = float(config["timeout_s"])  # the session's SyncConfig, as plain values
-    if name == "receiver_stage":  # lands while requests run, and the engine steps
-        return replies(await _stage(llm, args, engine, gate.drain_s))
+    if name in staged.CONNECTS:
+        gate.drain_s = float(
+            staged.call_args(args)[1]["timeout_s"]
+        )  # the session's SyncConfig, as plain values
+    if staged.before_call(gate.bound, name, args):  # a stage: the bound counts from its version
+        await gate.moved()
     if name not in ("receiver_receive", "receiver_flip"):
-        return replies(await llm.collective_rpc("raysync_call", args=(name, args)))
+        if name == "receiver_stage":  # lands while requests run, and the engine steps
+            answers = replies(await _stage(llm, args, engine, gate.drain_s))
+        else:
+            answers = replies(await llm.collective_rpc("raysync_call", args=(name, args)))
+        connected = await gate.read() if name in staged.CONNECTS else None
+        if staged.after_call(gate.bound, name, args, answers, connected):
+            await gate.moved()
+        return answers
 
     async def receive() -> dict:  # woken around it where it sleeps: Gate.push
         answers = replies(await llm.collective_rpc("raysync_call", args=(name, args)))
         if weights_changed(name, answers):
             if not await llm.reset_prefix_cache():  # blocks cached under the old weights must not be reused
                 raise RuntimeError(f"{engine} took the push but refused to reset its prefix cache")
+        staged.after_call(gate.bound, name, args, answers)  # settled before requests are let in again
         return answers
 
-    return await gate.push(receive, engine)  # a push applied live, or a staged push's flip
+    answers = await gate.push(receive, engine)  # a push applied live, or a staged push's flip
+    await gate.moved()
+    return answers
 
 
 async def _stage(llm: Any, args: Any, engine: str, timeout_s: float) -> list:

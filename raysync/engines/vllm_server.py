@@ -11,7 +11,10 @@ runs as a small Ray task on the server's node (``node_id``, default: where Ray p
 the server; the data plane is the same as for an engine in an actor: the server's workers connect to the
 trainer's ring or broadcast group themselves. A push goes: ``/pause?mode=wait`` (running requests finish, new
 ones wait), the receive, ``/reset_prefix_cache``, ``/resume`` (Note [a push into a generating engine] in
-raysync.engines.vllm_async, whose steps 3-5 these are).
+raysync.engines.vllm_async, whose steps 3-5 these are). A staged push (``push(v, staged=True)``) is refused
+before any byte moves: the check that precedes a WeightSync's first staged push gets the server's refusal
+(``STAGING_REFUSED``), and the driver raises StageFailed naming the server. Its requests do not come through
+raysync, so WeightSync's ``max_version_lag`` has nothing to hold there either.
 
 # Note [a signed call through the server]
 # The driver's calls cross HTTP through the dev endpoint ``/collective_rpc`` as one string argument: a
@@ -41,6 +44,10 @@ import msgpack
 from raysync.core.errors import BadSignature, ReplayedFrame, SchemaError
 
 KEY_ENV = "RAYSYNC_SERVER_KEY"
+STAGING_REFUSED = (
+    "vLLM's OpenAI server at {url} (ServerEngine) takes no staged push: push it live (push(version)), or serve "
+    "the engine from a Ray actor (VllmEngine over an LLM or AsyncLLM) to stage and flip"
+)
 REPLAY_WINDOW_S = 300.0
 _SEEN = "_raysync_nonces"  # on the worker: {nonce: time seen} within the window
 
@@ -98,8 +105,16 @@ class ServerEngine:
         """Like ActorEndpoint.call; slots are the server's worker ranks. Returns a Ray ObjectRef."""
         import ray
 
-        from raysync.engines.vllm import _FUNCTIONS, to_plain
+        from raysync.engines.vllm import _FUNCTIONS, _STAGED, to_plain
 
+        if (
+            _STAGED.get(fn.__name__) is fn
+        ):  # the check before a first staged push gets the refusal, as its answer
+            if fn.__name__ != "receiver_stageable":  # never asked: the check refused the push
+                raise ValueError(f"{fn.__name__} cannot run in a vLLM server: it takes no staged push")
+            return ray.put(
+                {s: STAGING_REFUSED.format(url=self.url) for s in (args if isinstance(args, dict) else [0])}
+            )
         if _FUNCTIONS.get(fn.__name__) is not fn:
             raise ValueError(f"{fn.__name__} cannot run in a vLLM worker")
         plain = {str(s): to_plain(a) for s, a in args.items()} if isinstance(args, dict) else to_plain(args)

@@ -8,6 +8,9 @@ raysync.ray.staged_round, the same as for any engine; raysync.engines.vllm forwa
     flip       apply the held copies: vLLM's ``reload_weights``, as a live push does at its end on CPU
     discard    drop the held copies (their memory is freed)
 
+WeightSync's ``max_version_lag`` is kept in the engine's actor, where requests start, around these calls
+(``before_call``, ``after_call``: Note [requests and the staleness bound]).
+
 Each takes the worker first and has the name and arguments of its twin in raysync.ray.staged_endpoint (the
 functions the driver names); raysync.engines.vllm.WorkerExtension runs these in their place (``IN_WORKER``).
 
@@ -54,6 +57,7 @@ from raysync.engines import vllm_version as versions
 from raysync.ray import endpoint as ep
 from raysync.ray import staged_endpoint as se
 from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
+from raysync.ray.step_gate import StepGate, gate_of
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +119,8 @@ def stageable(worker: Any, sync_id: str) -> str | None:
 
 def stage(worker: Any, sync_id: str, version: int, max_version_lag: int | None) -> EndpointResult:
     """Receive the push of ``version`` into host copies held for the flip; the engine keeps generating on
-    its live weights, whose version this receive leaves as it was. ``max_version_lag`` is the driver's (an
-    engine bounds its requests' staleness in its actor, not here)."""
+    its live weights, whose version this receive leaves as it was. ``max_version_lag`` is kept by the engine's
+    actor, not here (Note [requests and the staleness bound])."""
     from raysync.engines.vllm import checked_parameters, engine_loader  # it imports this module
 
     side = ep._sessions(worker).get(sync_id)
@@ -212,6 +216,102 @@ def weights_changed(name: str, replies: dict[int, Any]) -> bool:
     if name == "receiver_flip":
         return any(not r.ok or r.flip_s != 0.0 for r in replies.values())
     return False
+
+
+# --- the staleness bound, in the engine's actor (Note [requests and the staleness bound]) ----------------------
+# Note [requests and the staleness bound]
+# WeightSync's ``max_version_lag`` holds a request back rather than start it on live weights more than that many
+# versions behind the newest version staged into the engine (Note [the staleness bound at a step boundary] in
+# raysync.ray.step_gate: its StepGate, one per engine, keeps the count and its StaleWeights is the error). The
+# engine's actor keeps it, not the workers: requests start there. Around each call of the driver: a stage
+# announces its version before it starts (``before_call``); a connect (with the version read from the workers),
+# a push applied live, a flip, a discard, and a stage skipped (live already) settle it with the live version the
+# workers answered; a close forgets it (``after_call``). Where a request waits:
+#   LLM       raysync.engines.vllm.generate: a request is one step of the engine (``enter``, ``boundary``,
+#             ``leave``) and the driver's calls run as the gate's jobs, between two requests or at a request's
+#             boundary, so a request that waits for a flip there runs the flip itself. The flip must reach the
+#             actor while a request waits: the actor takes two calls at once (``max_concurrency=2``, one request
+#             at a time: an LLM is not thread-safe); in a plain actor the request waits its ``wait_s`` in vain
+#             and raises StaleWeights.
+#   AsyncLLM  raysync.engines.vllm_async.generate: admission waits on the event loop until the gate's
+#             ``stale()`` is None, woken by each announce and settle, or raises StaleWeights after its ``wait_s``.
+# Each request says the version it ran on (``Generated.version``), as read from the workers.
+CONNECTS = ("receiver_connect", "collective_connect")
+REQUEST_STAGE = "generate: waiting for the flip of a staged version (max_version_lag)"
+REQUESTS = "the requests of the engine's actor (raysync.engines.vllm.generate)"
+_WAIT = "_raysync_wait_s"  # on an LLM: how long a call of the driver waits for a request to end (timeout_s)
+_WAIT_S = 60.0  # that, until a session says its SyncConfig.timeout_s
+
+
+def between_requests(
+    llm: Any, name: str, args: list | dict[str, list], call: Callable[[], dict], read: Callable[[], Version]
+) -> dict[int, Any]:
+    """The driver's call ``name`` into an ``LLM``, made by ``call()`` as a job of the engine's gate: between two
+    requests, waited for up to SyncConfig.timeout_s (a flip: its own timeout_s), PeerTimeout naming the
+    requests; around it the bound announced and settled (``read()``: the engine's version)."""
+    gate = gate_of(llm, REQUESTS)
+    if name in CONNECTS:  # the session's SyncConfig, as plain values
+        llm.__dict__[_WAIT] = float(call_args(args)[1]["timeout_s"])
+    wait_s = call_args(args)[2] if name == "receiver_flip" else llm.__dict__.get(_WAIT, _WAIT_S)
+    before_call(gate, name, args)
+
+    def job() -> dict[int, Any]:
+        replies = call()
+        after_call(gate, name, args, replies, read() if name in CONNECTS else None)
+        return replies
+
+    return gate.run(job, wait_s, f"vLLM {name}")
+
+
+def call_args(args: list | dict[str, list]) -> list:
+    """The arguments of a driver's call (every worker's, or the first worker's: its sync_id and version)."""
+    return args if isinstance(args, list) else next(iter(args.values()))
+
+
+def before_call(gate: StepGate, name: str, args: list | dict[str, list]) -> bool:
+    """Before the driver's call ``name``: a stage announces its version. Whether the bound changed."""
+    if name != "receiver_stage":
+        return False
+    sync_id, version, lag = call_args(args)[:3]
+    gate.announce(sync_id, version, lag)
+    return True
+
+
+def after_call(
+    gate: StepGate,
+    name: str,
+    args: list | dict[str, list],
+    replies: dict[int, Any],
+    connected: Version = None,
+) -> bool:
+    """After the driver's call ``name`` answered ``replies`` ({rank: answer}): settle or forget the bound where
+    the call did (``connected``: the engine's version, read after a connect). Whether the bound changed."""
+    if name == "close":
+        gate.forget(call_args(args)[0])
+        return True
+    if name in CONNECTS:
+        live = connected
+    elif name == "receiver_receive":
+        live = engine_version([r.version for r in replies.values()])
+    elif name in ("receiver_flip", "receiver_discard"):
+        live = engine_version([r.live for r in replies.values()])
+    elif name == "receiver_stage":
+        version = call_args(args)[1]
+        if not replies or not all(r.ok and r.version == version for r in replies.values()):
+            return False  # staged (or failed: the driver discards): the announce stands
+        live = version  # skipped: live here already
+    else:
+        return False
+    gate.settled(call_args(args)[0], live)
+    return True
+
+
+def engine_version(by_worker: list[Version]) -> Version:
+    """One version for the engine from its workers' (raysync.engines.vllm.weight_version says it)."""
+    held = set(by_worker)
+    if None in held:
+        return None
+    return held.pop() if len(held) == 1 else MIXED
 
 
 # --- a stage on a thread of the worker (Note [a stage beside the engine's steps]) ------------------------------

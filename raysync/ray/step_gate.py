@@ -17,7 +17,9 @@ on the engine's thread:
 # this engine (a staged push started): at a boundary where live + lag < newest, the engine waits for the flip
 # (or a discard, or a push applied live) rather than start a step on older weights, bounded by its wait, then
 # StaleWeights names the WeightSync and the stage. The engine never flips on its own: a flip comes only from
-# the driver, so the flip stays all-or-nothing across engines.
+# the driver, so the flip stays all-or-nothing across engines. A vLLM engine counts the same way, a request
+# being its step: an ``LLM``'s requests wait at this gate's boundary, an ``AsyncLLM``'s on its event loop on
+# ``stale()`` (raysync.engines.vllm_staged, Note [requests and the staleness bound]).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from raysync.core.version import Version, is_version
 
 _GATE = "_raysync_step_gate"
 LOOP = "the engine's step loop (raysync.ray.staged_endpoint.engine_steps)"
+BOUNDARY = "step boundary: waiting for the flip of a staged version"
+
+Stale = tuple[str, Version, int, int]  # a bound broken: (sync_id, live, newest, lag)
 
 
 @dataclass
@@ -56,9 +61,10 @@ class _Sync:
 @dataclass
 class StepGate:
     cond: threading.Condition = field(default_factory=threading.Condition)
-    loops: int = 0  # engine_steps loops running
+    loops: int = 0  # engine_steps loops running (or, for an LLM, requests in raysync.engines.vllm.generate)
     jobs: list[_Job] = field(default_factory=list)
     syncs: dict[str, _Sync] = field(default_factory=dict)
+    loop: str = LOOP  # what a job waits for: the peer its PeerTimeout names
 
     # --- the Ray call thread ------------------------------------------------------------------------------------
     def run(self, job: Callable[[], Any], timeout_s: float, stage: str) -> Any:
@@ -76,10 +82,12 @@ class StepGate:
                 if not posted.taken:
                     self.jobs.remove(posted)
                     raise PeerTimeout(
-                        LOOP, f"{stage}: waiting for the engine's next step boundary", timeout_s
+                        self.loop, f"{stage}: waiting for the engine's next step boundary", timeout_s
                     )
                 elif not self.cond.wait_for(lambda: posted.done, timeout_s):  # begun: one copy of the weights
-                    raise PeerTimeout(LOOP, f"{stage}: the flip at the engine's step boundary", 2 * timeout_s)
+                    raise PeerTimeout(
+                        self.loop, f"{stage}: the flip at the engine's step boundary", 2 * timeout_s
+                    )
             if not posted.done:  # the loop ended before it took the job: run it here, between no steps
                 self.jobs.remove(posted)
                 return job()
@@ -102,9 +110,16 @@ class StepGate:
             s.live, s.newest = live, None
             self.cond.notify_all()
 
+    def forget(self, sync_id: str) -> None:
+        """Session ``sync_id`` closed: its bound goes with it."""
+        with self.cond:
+            self.syncs.pop(sync_id, None)
+            self.cond.notify_all()
+
     # --- the engine's thread ------------------------------------------------------------------------------------
-    def boundary(self, wait_s: float) -> None:
-        """Run the flips asked for; then, while the live weights are staler than a bound, wait for one."""
+    def boundary(self, wait_s: float, stage: str = BOUNDARY) -> None:
+        """Run the flips asked for; then, while the live weights are staler than a bound, wait for one (up to
+        ``wait_s``, then StaleWeights at ``stage``)."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
@@ -115,9 +130,7 @@ class StepGate:
                 left = deadline - time.monotonic()
                 changed = lambda was=stale: self.jobs or self._stale() != was  # noqa: E731
                 if left <= 0 or not self.cond.wait_for(changed, left):
-                    sync_id, live, newest, lag = stale
-                    stage = "step boundary: waiting for the flip of a staged version"
-                    raise StaleWeights(f"WeightSync {sync_id} (its flip())", stage, wait_s, live, newest, lag)
+                    raise stale_error(stale, wait_s, stage)
 
     def _run_jobs(self) -> None:
         while self.jobs:
@@ -130,8 +143,12 @@ class StepGate:
             job.done = True
             self.cond.notify_all()
 
-    def _stale(self) -> tuple[str, Version, int, int] | None:
+    def stale(self) -> Stale | None:
         """The first WeightSync whose bound the live weights break: (sync_id, live, newest, lag), values."""
+        with self.cond:
+            return self._stale()
+
+    def _stale(self) -> Stale | None:
         for sync_id, s in self.syncs.items():
             if s.lag is None or s.newest is None:
                 continue
@@ -142,6 +159,7 @@ class StepGate:
     def enter(self) -> None:
         with self.cond:
             self.loops += 1
+            self.cond.notify_all()  # for whoever waits for a step to begin
 
     def leave(self) -> None:
         with self.cond:
@@ -149,5 +167,13 @@ class StepGate:
             self.cond.notify_all()  # a job posted and not taken runs in its caller's thread now
 
 
-def gate_of(actor: Any) -> StepGate:
-    return actor.__dict__.setdefault(_GATE, StepGate())
+def stale_error(stale: Stale, wait_s: float, stage: str = BOUNDARY) -> StaleWeights:
+    """The error of a step (a request) that waited ``wait_s`` in vain for the flip the bound ``stale`` needs."""
+    sync_id, live, newest, lag = stale
+    return StaleWeights(f"WeightSync {sync_id} (its flip())", stage, wait_s, live, newest, lag)
+
+
+def gate_of(actor: Any, loop: str = LOOP) -> StepGate:
+    """The gate of ``actor`` (or of any object that steps: a vLLM engine), made on first use; ``loop``
+    names what its jobs wait for."""
+    return actor.__dict__.setdefault(_GATE, StepGate(loop=loop))
