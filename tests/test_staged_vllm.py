@@ -318,6 +318,40 @@ def test_the_openai_server_refuses_a_staged_push_before_a_byte_moves(ray_local):
         server.call(se.receiver_stage, {0: ("s", 1, None)})
 
 
+def test_the_drivers_calls_move_the_bound_as_the_workers_answer_them():
+    """Note [requests and the staleness bound]: a stage announces its version; a stage that failed or only
+    staged leaves the announce standing; a flip settles it with the version the workers say is live, a stage
+    skipped (live already) with its version; workers that disagree settle it as MIXED (no version: still
+    stale); a close forgets it."""
+    from raysync.core.report import PushReport
+    from raysync.core.version import MIXED
+    from raysync.engines import vllm_staged as staged
+    from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
+    from raysync.ray.step_gate import StepGate
+
+    gate, stage = StepGate(), {"0": ["s", 3, 0], "1": ["s", 3, 0]}
+    staged.after_call(gate, "receiver_connect", ["s", {"timeout_s": 1}], {0: None, 1: None}, connected=2)
+    assert gate.stale() is None
+    assert staged.before_call(gate, "receiver_stage", stage) and gate.stale() == ("s", 2, 3, 0)
+    report = PushReport(3, "shm", 10, 1, 1, 0.1)
+    failed = EndpointResult(failure=RemoteFailure("stage", "ValueError: no", ""), version=2)
+    assert not staged.after_call(
+        gate, "receiver_stage", stage, {0: EndpointResult(report, version=2), 1: failed}
+    )
+    assert gate.stale() == ("s", 2, 3, 0)  # staged, or failed: the driver flips or discards
+    assert staged.after_call(gate, "receiver_flip", {"0": ["s", 3, 5.0]}, {0: StagedState(3, None)})
+    assert gate.stale() is None
+    staged.before_call(gate, "receiver_stage", stage)
+    skipped = EndpointResult(PushReport(3, "shm", 0, 0, 0, 0.0, skipped=True), version=3)
+    assert staged.after_call(gate, "receiver_stage", stage, {0: skipped, 1: skipped}) and gate.stale() is None
+    staged.before_call(gate, "receiver_stage", {"0": ["s", 4, 0]})
+    staged.after_call(gate, "receiver_discard", ["s"], {0: StagedState(3, None), 1: StagedState(2, None)})
+    assert gate.syncs["s"].live == MIXED and gate.stale() is None  # nothing announced waits
+    staged.before_call(gate, "receiver_stage", {"0": ["s", 5, 3]})
+    assert gate.stale() == ("s", MIXED, 5, 3)  # a mix is no version: no lag makes it fresh
+    assert staged.after_call(gate, "close", ["s"], {}) and gate.stale() is None and gate.syncs == {}
+
+
 def test_calls_into_a_worker_wait_for_a_stage_landing_on_its_thread(monkeypatch):
     """Note [a stage beside the engine's steps]: the stage's answer comes once it landed; a call that changes
     the worker's sessions waits for it, bounded (StagingError naming the call)."""
