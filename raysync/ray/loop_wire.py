@@ -5,9 +5,9 @@ to scalars only; a round's answer is rebuilt as EndpointResult, PushReport, Remo
 They travel over one stream socket per member, each frame after its length (4 bytes, big-endian), read only
 up to a cap per direction:
 
-    ┌──────────┬──────────────────────────────────────────────────┐
+    ┌──────────┬─────────────────────────────────────────────────────────────┐
     │ length n │ n bytes: msgpack [protocol, member, seq, kind, body] + HMAC │
-    └──────────┴──────────────────────────────────────────────────┘
+    └──────────┴─────────────────────────────────────────────────────────────┘
 
 A plain socket rather than zmq: a frame goes from the writer's thread to the reader's with no I/O thread of
 zmq's on either side, two thread wake-ups fewer each way (benchmarks/bench_ray_share.py times a round)."""
