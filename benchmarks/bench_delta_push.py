@@ -26,7 +26,8 @@ NCCL is not run here), per step: the Adam step (not timed), then
 * full push, delta off: a session without delta, the same model (median over the steps);
 * the rule: a third session with the time rule on (``delta_by_time``, the default), one ``push(version)`` a
   step after its own Adam step: what it sent (delta or full), in what time and why (PushReport.why). Its
-  first push measures a delta, its second a full push, from its third on it chooses (so --steps >= 3);
+  first push measures a full push, its second a delta (whose buckets go full from where it falls behind the
+  full push), from its third on it chooses (so --steps >= 3);
 * floor: one read of the trainer's tensors (what change detection must read at least: count_nonzero over
   each fp32 master tensor) plus moving the delta's bytes over the transport: shm, a copy into host memory
   and one out (from and into --device); cuda_ipc, two device copies; the collective, one broadcast of that

@@ -21,12 +21,12 @@ GB = 10**9
 
 
 # --- the rule alone -------------------------------------------------------------------------------------------------
-def test_the_first_delta_measures_then_a_full_push_then_the_faster_one_wins():
+def test_a_full_push_measures_first_then_a_delta_then_the_faster_one_wins():
     rule = TimeRule()
-    assert rule.choose() == (True, "time: no delta push measured yet, this one measures")
-    rule.observe(True, 2.0, GB)
     assert rule.choose() == (False, "time: no full push measured yet, this one measures")
     rule.observe(False, 1.0, GB)
+    assert rule.choose() == (True, "time: no delta push measured yet, this one measures")
+    rule.observe(True, 2.0, GB)
     delta, why = rule.choose()
     assert not delta and why == "time: the last delta push took 2000.0 ms/GB, the last full push 1000.0 ms/GB"
     rule.observe(True, 0.5, GB)  # the delta got cheaper (a sparser step): it wins
@@ -93,7 +93,7 @@ def test_a_full_push_is_measured_again_while_deltas_win():
             False,
             1,
             {"delta_full_every": 3},
-            (True, "time: no delta push measured yet, this one measures"),
+            (False, "time: no full push measured yet, this one measures"),
         ),
         (True, False, 0, {"delta_by_time": False}, (True, "")),
     ],
@@ -118,10 +118,11 @@ def test_a_stage_clock_sums_marked_stages_only_when_enabled():
 
 # --- in pushes ------------------------------------------------------------------------------------------------------
 def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private_tmp, in_thread):
-    """Real pushes over shm with the time rule on: push 1 is full (nothing to diff), push 2 a delta (the first
-    attempt measures), push 3 full (a full push is measured); then the costs are injected through the rule's
+    """Real pushes over shm with the time rule on: push 1 is full (nothing to diff), push 2 full (a full push
+    is measured), push 3 a delta (the first attempt measures); then the costs are injected through the rule's
     ``observe``: a delta much slower than a full push sends push 4 full, said so in the report; a delta much
-    faster sends push 5 as a delta. Every push lands bit-exact."""
+    faster sends push 5 as a delta. Every push lands bit-exact. (Full pushes are made slow before push 3 and
+    push 5, so that no bucket of these deltas falls behind: Note [a delta push that falls behind].)"""
     master = small_model(seed=5)
     dest = bf16(small_model(seed=6))
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
@@ -131,21 +132,59 @@ def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private
         rule = sender._delta.rule  # the seam: what the session tells the rule after each push
         for version in range(1, 6):
             rl_step(master, version)
+            if version == 3:
+                rule.observe(False, 100.0, full_bytes)
             if version == 4:
-                rule.observe(True, 100.0, full_bytes)  # encoding made expensive relative to moving bytes
+                rule.observe(True, 1000.0, full_bytes)  # encoding made expensive relative to moving bytes
             if version == 5:
                 rule.observe(True, 1e-9, full_bytes)  # and cheap
             got = in_thread(receiver.receive, into=dest)
             reports.append(sender.push(master.items(), version))
             assert got.result(timeout=30).base_version == reports[-1].base_version
             assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
-    assert [r.base_version for r in reports] == [None, 1, None, None, 4]
-    assert [r.bytes == r.sent_as_full == full_bytes for r in reports] == [True, False, True, True, False]
+    assert [r.base_version for r in reports] == [None, None, 2, None, 4]
+    assert [r.bytes == r.sent_as_full == full_bytes for r in reports] == [True, True, False, True, False]
     assert reports[0].why.startswith("new tensors or a new layout")
-    assert reports[1].why == "time: no delta push measured yet, this one measures"
-    assert reports[2].why == "time: no full push measured yet, this one measures"
+    assert reports[1].why == "time: no full push measured yet, this one measures"
+    assert reports[2].why == "time: no delta push measured yet, this one measures"
     assert reports[3].why.startswith("time: the last delta push took") and reports[4].why.startswith("time: ")
     assert "(time: " in str(reports[3])
+
+
+def test_a_delta_push_that_falls_behind_a_full_one_sends_its_other_buckets_full(private_tmp, in_thread):
+    """Note [a delta push that falls behind]: the rule chose a delta (measured faster), but full pushes were
+    measured so fast that no delta bucket can keep up: bucket 0 goes as a delta, the others full, from the
+    same base; the receiver applies both kinds in one push and ends bit-exact; the report says from which
+    bucket and why, and the push counts as a delta push for the rule. With full pushes measured slow, the next
+    delta goes whole."""
+    master = small_model(seed=13)
+    dest = bf16(small_model(seed=14))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    full_bytes = sum(t.numel() * 2 for t in master.values())
+    reports = []
+    with session_pair(config) as (sender, receiver):
+        rule = sender._delta.rule
+        for version in range(1, 5):
+            rl_step(master, version)
+            if version == 3:  # deltas measured faster than full pushes, which are still near-instant
+                rule.observe(False, 1e-9, full_bytes)
+                rule.observe(True, 1e-10, full_bytes)
+            if version == 4:  # full pushes slow: nothing falls behind
+                rule.observe(False, 100.0, full_bytes)
+                rule.observe(True, 1e-10, full_bytes)
+            got = in_thread(receiver.receive, into=dest)
+            reports.append(sender.push(master.items(), version))
+            assert got.result(timeout=30).version == version
+            assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
+            if version == 3:
+                assert rule.delta_s_per_byte > 1e-10 / full_bytes  # the push was measured as a delta push
+    behind, whole = reports[2], reports[3]
+    buckets = len(sender._delta._ref.offsets) - 1
+    assert buckets > 2 and behind.base_version == 2 and whole.base_version == 3
+    assert 0 < behind.sent_as_full < full_bytes and behind.sent_as_delta > 0
+    assert f"buckets 1..{buckets - 1} of {buckets} full: its first" in behind.why
+    assert "the last full push" in behind.why
+    assert whole.sent_as_full < behind.sent_as_full and "full:" not in whole.why
 
 
 def test_the_report_says_which_chunks_went_full_by_the_density_cap(private_tmp, in_thread):
@@ -198,34 +237,34 @@ def test_buckets_of_sizes_not_a_multiple_of_16_take_deltas_bit_exact(private_tmp
 def test_a_receiver_that_never_takes_a_delta_is_measured_after_its_second_refusal(private_tmp, in_thread):
     """A receiver with a load function never takes a delta (a vLLM engine's load_weights): each delta the rule
     chose was encoded ahead, refused and sent full. A first refusal is not measured (an engine that joined
-    late); the second in a row is measured as what a delta costs here, so the rule stops trying one every
-    push: push 4 measures a full push, and from then on the rule compares the two. Every push bit-exact."""
+    late); the second in a row is measured as what a delta costs here, so from push 5 on the rule compares it
+    with the full push that push 2 measured, instead of trying a delta every push. Every push bit-exact."""
     master = small_model(seed=8)
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
     loaded: dict[str, torch.Tensor] = {}
     reports = []
     with session_pair(config) as (sender, receiver):
         rule = sender._delta.rule
-        for version in range(1, 6):
+        for version in range(1, 7):
             rl_step(master, version)
             got = in_thread(receiver.receive, load_fn=lambda b: loaded.update((n, t.clone()) for n, t in b))
             reports.append(sender.push(master.items(), version))
             assert got.result(timeout=30).version == version
             assert all(same_bits(loaded[n], t) for n, t in bf16(master).items()), version
-            if version == 2:
+            if version == 3:
                 assert rule.delta_s_per_byte is None  # one refusal: not measured
-    assert [r.base_version for r in reports] == [None] * 5
+    assert [r.base_version for r in reports] == [None] * 6
     assert rule.delta_s_per_byte is not None and rule.full_s_per_byte is not None
-    assert reports[1].why == reports[2].why == "a receiver needs a full push"
-    assert reports[3].why == "time: no full push measured yet, this one measures"
+    assert reports[1].why == "time: no full push measured yet, this one measures"
+    assert reports[2].why == reports[3].why == "a receiver needs a full push"
     assert reports[4].why.startswith(("time: the last delta push took", "a receiver needs a full push"))
 
 
 def test_a_fanout_reader_that_never_takes_a_delta_stops_the_turns_by_time(private_tmp, in_thread):
     """Two readers of one shm ring, one with a load function (it never takes a delta): a delta push serves
     them in turns (the delta, then a full push: more than a full push costs). The second time in a row it is
-    measured as a delta push, so push 4 measures a full one and the rule compares them from then on, instead
-    of serving every push in turns. Every push bit-exact at both readers."""
+    measured as a delta push, so from push 5 on the rule compares it with the full push that push 2 measured,
+    instead of serving every push in turns. Every push bit-exact at both readers."""
     master = small_model(seed=11)
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
     dest, loaded = bf16(small_model(seed=12)), {}
@@ -234,7 +273,7 @@ def test_a_fanout_reader_that_never_takes_a_delta_stops_the_turns_by_time(privat
     with WeightSender(secret, config, receivers=2) as sender:
         receivers = [WeightReceiver(e, secret, config) for e in sender.endpoints]
         try:
-            for version in range(1, 5):
+            for version in range(1, 6):
                 rl_step(master, version)
                 got = [
                     in_thread(receivers[0].receive, into=dest),
@@ -248,11 +287,12 @@ def test_a_fanout_reader_that_never_takes_a_delta_stops_the_turns_by_time(privat
                 assert all(same_bits(dest[n], t) and same_bits(loaded[n], t) for n, t in want.items()), (
                     version
                 )
-                if version == 2:
+                if version == 3:
                     assert sender._delta.rule.delta_s_per_byte is None  # one refusal: not measured
         finally:
             for r in receivers:
                 r.close()
-    assert [r.why.split(":")[0] for r in reports[1:3]] == ["in turns"] * 2
+    assert reports[1].why == "time: no full push measured yet, this one measures"
+    assert [r.why.split(":")[0] for r in reports[2:4]] == ["in turns"] * 2
     assert sender._delta.rule.delta_s_per_byte is not None
-    assert reports[3].why == "time: no full push measured yet, this one measures"
+    assert reports[4].why.startswith("time: the last delta push took")

@@ -108,8 +108,10 @@ class SyncConfig:
     delta_max_density delta: a chunk whose fraction of changed elements is above this goes full (it goes full
                     anyway where the delta would not be smaller than its bytes)
     delta_by_time   delta: a push goes as a delta only when the sender measured delta pushes faster than full
-                    ones on its plane (the first delta push measures; Note [the density rule by time] in
-                    raysync.core.delta_rule); False: every push that can be a delta is one
+                    ones on its plane (a full push measures first, then a delta; a delta push that falls
+                    behind a full one sends its other buckets full; Notes [the density rule by time] and [a
+                    delta push that falls behind] in raysync.core.delta_rule); False: every push that can be
+                    a delta is one
     """
 
     bucket_bytes: int | None = None

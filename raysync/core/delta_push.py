@@ -174,6 +174,7 @@ class Reference:
         self._usable = False  # this push could be a delta (a reference of this layout and its packer)
         self._refused = False  # this push was chosen a delta and a receiver could not take it (``demote``)
         self._refusals = 0  # delta pushes refused since the last one every receiver took
+        self._full_from: int | None = None  # this delta push's buckets from this one on go full
         self._ref: ReferenceBytes | None = None
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
@@ -206,6 +207,7 @@ class Reference:
         usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
         self._measured = self._usable = usable
         self._refused = False
+        self._full_from: int | None = None  # the bucket from which this delta push goes full (``_on_time``)
         based = usable and self.version is not None
         as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
@@ -283,7 +285,7 @@ class Reference:
         code = encode(
             ref.pairs[k],
             buffer,
-            base_version=self.base,
+            base_version=self.base if self._on_time(k) else None,
             max_density=cap,
             space=ref.space,
             mark=mark,
@@ -297,6 +299,23 @@ class Reference:
         mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes
+
+    def _on_time(self, k: int) -> bool:
+        """Whether bucket k of this delta push goes as a delta: False from the bucket at which the push fell
+        behind a full push (Note [a delta push that falls behind] in raysync.core.delta_rule)."""
+        if self._full_from is not None:
+            return k < self._full_from
+        if k == 0 or not self.config.delta_by_time:
+            return True
+        why = self.rule.behind(time.perf_counter() - self._started, self._ref.offsets[k])
+        if why is None:
+            return True
+        self._full_from = k
+        n = len(self._ref.offsets) - 1
+        self.stats = dataclasses.replace(
+            self.stats, why=f"{self.stats.why}; buckets {k}..{n - 1} of {n} full: {why}".lstrip("; ")
+        )
+        return False
 
     def keep(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
         """A full push's bucket k, packed into ``buffer`` (``nbytes`` bytes, ``payload`` of them tensors'):

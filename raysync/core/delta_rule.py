@@ -11,8 +11,9 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # the network is slow and a delta wins. So the sender measures, per push, the seconds from ``start`` to
 # ``finish`` (the receivers have applied it) over the layout's full bytes, for full pushes and for delta
 # pushes separately (the last of each), and before a push:
-#   * no delta push measured yet on this session: a delta (the first attempt measures);
 #   * no full push measured yet (the first push of a layout sets the session up, so it is not counted): full;
+#   * no delta push measured yet on this session: a delta (the first attempt measures; a full push was
+#     measured first, so that this attempt already has a budget: Note [a delta push that falls behind]);
 #   * else a delta when its last measured time is below the last full one; full otherwise ("time" in the
 #     report's ``why``), with the other kind measured again after ``probe_every`` pushes of the faster one, in
 #     case the density changed or the plane did, the interval doubling each time the probe confirms the
@@ -28,6 +29,17 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # Without it the rule never measured a delta and tried one every push; a refusal once (an engine that joined
 # late or lost its version) is not measured, and a delta every receiver takes counts the refusals from zero.
 # SyncConfig(delta_by_time=False) turns this rule off: every push that can be a delta is one.
+
+# Note [a delta push that falls behind]
+# Choosing a delta is a bet made before the push: the measuring push, each probe after 8..512 full pushes, and
+# a step denser than the last can each be slower than a full push (a delta's compare alone reads twice what a
+# full push over a cuda_ipc ring copies once: 178 ms against 35 ms for the 7B layout on an H200). So a delta
+# push under the time rule, once a full push was measured, checks before each bucket k > 0 that its buckets so
+# far took at most FALL_BEHIND x what the last full push took for as many bytes (``behind``); past that, it
+# sends the rest of its buckets full (a bucket without a base applies on top of any version: Note [delta
+# pushes]), so such a push costs about a full push plus the buckets it spent finding out. The push still
+# counts as a delta push for the rule (that is what choosing a delta cost), and its report says from which
+# bucket it went full and why.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 PROBE_EVERY = 8  # pushes of the faster kind before the other is measured again (doubling, Note above)
+FALL_BEHIND = 1.1  # a delta push goes on full past this x a full push's time for its bytes so far
 PROBE_MAX = 64 * PROBE_EVERY
 
 
@@ -55,10 +68,10 @@ class TimeRule:
     def choose(self) -> tuple[bool, str]:
         """(send this push as a delta, why): the reason is for the report either way."""
         d, f = self.delta_s_per_byte, self.full_s_per_byte
-        if d is None:
-            return True, "time: no delta push measured yet, this one measures"
         if f is None:
             return False, "time: no full push measured yet, this one measures"
+        if d is None:
+            return True, "time: no delta push measured yet, this one measures"
         measured = f"the last delta push took {_per_gb(d)}, the last full push {_per_gb(f)}"
         wins = d < f
         if self._probe_in <= 0:  # the other kind is measured again
@@ -85,6 +98,17 @@ class TimeRule:
             return
         if delta == after:  # a push of the faster kind: one fewer before the probe
             self._probe_in -= 1
+
+    def behind(self, seconds: float, nbytes: int) -> str | None:
+        """Why a delta push that took ``seconds`` for its first ``nbytes`` (of the layout's full bytes) should
+        send the rest full (Note [a delta push that falls behind]); None to go on."""
+        f = self.full_s_per_byte
+        if f is None or nbytes <= 0 or seconds <= FALL_BEHIND * f * nbytes:
+            return None
+        return (
+            f"its first {nbytes / 1e6:.1f} MB took {seconds * 1e3:.1f} ms as a delta, the last full push "
+            f"{f * nbytes * 1e3:.1f} ms for as many"
+        )
 
     def _winner(self) -> bool | None:
         """True: delta pushes measured faster, False: full ones (or as fast), None: not both measured."""
