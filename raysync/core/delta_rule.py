@@ -12,8 +12,7 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # ``finish`` (the receivers have applied it) over the layout's full bytes, for full pushes and for delta
 # pushes separately (the last of each), and before a push:
 #   * no full push measured yet (the first push of a layout sets the session up, so it is not counted): full;
-#   * no delta push measured yet on this session: a delta (the first attempt measures; a full push was
-#     measured first, so that this attempt already has a budget: Note [a delta push that falls behind]);
+#   * no delta push measured yet on this session: a delta (the first attempt measures, whole);
 #   * else a delta when its last measured time is below the last full one; full otherwise ("time" in the
 #     report's ``why``), with the other kind measured again after ``probe_every`` pushes of the faster one, in
 #     case the density changed or the plane did, the interval doubling each time the probe confirms the
@@ -34,12 +33,15 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # Choosing a delta is a bet made before the push: the measuring push, each probe after 8..512 full pushes, and
 # a step denser than the last can each be slower than a full push (a delta's compare alone reads twice what a
 # full push over a cuda_ipc ring copies once: 178 ms against 35 ms for the 7B layout on an H200). So a delta
-# push under the time rule, once a full push was measured, checks before each bucket k > 0 that its buckets so
-# far took at most FALL_BEHIND x what the last full push took for as many bytes (``behind``); past that, it
-# sends the rest of its buckets full (a bucket without a base applies on top of any version: Note [delta
-# pushes]), so such a push costs about a full push plus the buckets it spent finding out. The push still
-# counts as a delta push for the rule (that is what choosing a delta cost), and its report says from which
-# bucket it went full and why.
+# push under the time rule, once a full push and a delta push were measured, checks before each bucket k > 0
+# that its buckets so far took at most FALL_BEHIND x what the last full push took for as many bytes
+# (``behind``); past that, it sends the rest of its buckets full (a bucket without a base applies on top of
+# any version: Note [delta pushes]). The push still counts as a delta push for the rule (that is what
+# choosing a delta cost), and its report says from which bucket it went full and why. The first delta push,
+# which measures, is not cut: it pays the delta path's first-use costs (allocations of the encoder's outputs),
+# and cut it measures what a mixed push costs, not a delta. On an H200 (7B, shm) a cut first probe went full
+# from bucket 2 (its first 1.07 GB took 67.6 ms, a full push's 26.6) and measured 26.7 ms/GB, so the rule
+# sent full where uncut deltas take 14-17 ms/GB and full pushes 23-25 (docs/benchmarks.md, section 12).
 """
 
 from __future__ import annotations
