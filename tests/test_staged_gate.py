@@ -6,9 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import session_pair
 
+from raysync import SyncConfig
 from raysync.core.errors import PeerTimeout, StaleWeights
-from raysync.ray.step_gate import LOOP, StepGate
+from raysync.ray import endpoint
+from raysync.ray.step_gate import LOOP, StepGate, gate_of
 
 
 def test_without_a_step_loop_a_job_runs_in_the_callers_thread():
@@ -90,3 +93,28 @@ def test_a_held_boundary_goes_on_once_the_flip_lands(in_thread):
     assert gate.run(lambda: gate.settled("s", 2), 30.0, "flip") is None
     assert held.result(timeout=30) is None
     gate.leave()
+
+
+def test_closing_a_receivers_session_drops_its_bound(private_tmp):
+    """A version staged and never flipped when WeightSync closes: the engine's steps no longer wait for it
+    (endpoint.close closes the session's receiver and forgets its bound), while another session's bound still
+    holds."""
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    gate = gate_of(engine)
+    for sync_id in ("closed", "open"):
+        gate.settled(sync_id, 1)
+    gate.announce("closed", 2, 0)
+    with pytest.raises(StaleWeights):
+        gate.boundary(0.05)
+    with session_pair(SyncConfig(timeout_s=30, progress=False)) as (_, receiver):
+        endpoint._sessions(engine)["closed"] = endpoint._ReceiverSide(sink=None, receiver=receiver)
+        endpoint.close(engine, "closed")
+        assert "closed" not in endpoint._sessions(engine)
+    gate.boundary(0.0)  # no bound left
+    gate.announce("open", 2, 0)
+    with pytest.raises(StaleWeights):
+        gate.boundary(0.05)

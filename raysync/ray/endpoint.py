@@ -385,6 +385,7 @@ def close(actor: Any, sync_id: str) -> None:
             side.group.close()
     elif isinstance(side, _ReceiverSide):
         side.receiver.close()
+        gate_of(actor).forget(sync_id)  # a version staged and never flipped holds no step after the close
 
 
 def forget_version(actor: Any) -> None:
