@@ -297,3 +297,40 @@ def test_full_passes_through_a_live_push_drops_the_staged_version_and_a_load_fun
         seven = ray.get(trainer.nudge.remote(7))
         sync.push(7)  # applied live, through the load function
         assert sync.versions() == [7] and ray.get(engine.digest.remote()) == seven
+
+
+def test_a_staged_push_reports_where_each_engine_staged_it_and_staging_memory_passes_through(
+    ray_local, no_leftovers, made
+):
+    """CPU engines stage in host memory whatever staging_memory asks (their device memory is host memory): each
+    engine's StagingReport says so and why, its bytes the push's (whole staging); the plan says the choice once
+    made. An unknown staging_memory is refused before any actor is asked anything (here: one that is dead)."""
+    total = sum(p.nbytes for p in make_model(0).parameters())
+    trainer, engines = _actors(made, 2)
+    with WeightSync([trainer], engines, CFG, sink=sink) as sync:
+        assert sync.staging() == [None, None] and sync.plan.staging == {}
+        assert "staging (staging_memory='auto'): chosen at the first staged push" in str(sync.plan)
+        one = ray.get(trainer.step.remote(1))
+        report = sync.push(1, staged=True)
+        assert [p.bytes for p in report.pairs] == [total, total]
+        staging = sync.staging()
+        for s in staging:
+            assert (s.mode, s.memory, s.asked, s.groups) == ("whole", "host", "auto", 1)
+            assert s.nbytes == s.push_bytes == total and "staging for the whole push" in s.why
+            assert "device and host staging are the same memory" in s.memory_why
+        assert sync.plan.staging == dict(enumerate(staging))
+        text = str(sync.plan)
+        assert all(f"receiver #{j}: whole, host memory, {total} bytes" in text for j in (0, 1))
+        assert sync.flip().version == 1 and sync.staging() == staging  # the memory is kept for the next push
+        assert ray.get([e.digest.remote() for e in engines]) == [one, one]
+    with WeightSync([trainer], engines[:1], CFG, sink=sink, staging_memory="device") as sync:
+        assert "staging (staging_memory='device'): chosen at the first staged push" in str(sync.plan)
+        two = ray.get(trainer.step.remote(2))
+        sync.push(2, staged=True)
+        [s] = sync.staging()
+        assert (s.asked, s.memory, s.nbytes) == ("device", "host", total)
+        assert "device and host staging are the same memory" in s.memory_why
+        assert sync.flip().version == 2 and ray.get(engines[0].digest.remote()) == two
+    ray.kill(engines[1])
+    with pytest.raises(ValueError, match="staging_memory='gpu': one of 'auto', 'device', 'host'"):
+        WeightSync([trainer], engines[1:], CFG, sink=sink, staging_memory="gpu")

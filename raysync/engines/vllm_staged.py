@@ -44,6 +44,7 @@ functions the driver names); raysync.engines.vllm.WorkerExtension runs these in 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -56,7 +57,7 @@ from raysync.core.version import MIXED, Version
 from raysync.engines import vllm_version as versions
 from raysync.ray import endpoint as ep
 from raysync.ray import staged_endpoint as se
-from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
+from raysync.ray.results import EndpointResult, RemoteFailure, StagedState, StagingReport
 from raysync.ray.step_gate import StepGate, gate_of
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,13 @@ def stageable(worker: Any, sync_id: str) -> str | None:
     return None
 
 
-def stage(worker: Any, sync_id: str, version: int, max_version_lag: int | None) -> EndpointResult:
+def stage(
+    worker: Any, sync_id: str, version: int, max_version_lag: int | None, staging_memory: str = "auto"
+) -> EndpointResult:
     """Receive the push of ``version`` into host copies held for the flip; the engine keeps generating on
     its live weights, whose version this receive leaves as it was. ``max_version_lag`` is kept by the engine's
-    actor, not here (Note [requests and the staleness bound])."""
+    actor, not here (Note [requests and the staleness bound]). ``staging_memory`` changes nothing: a CPU
+    worker's device memory is host memory."""
     from raysync.engines.vllm import checked_parameters, engine_loader  # it imports this module
 
     side = ep._sessions(worker).get(sync_id)
@@ -139,6 +143,7 @@ def stage(worker: Any, sync_id: str, version: int, max_version_lag: int | None) 
         side.receiver.version = live  # only the flip changes what the weights hold
     result = EndpointResult(report=report, version=live)
     if not report.skipped:  # skipped: live here already
+        result = dataclasses.replace(result, staging=staging_report(loader.nbytes, staging_memory))
         written, parameters = versions.writing(worker), checked_parameters(worker)
         _held(worker)[sync_id] = Held(version, loader, result, written, parameters)
         logger.info(
@@ -149,6 +154,20 @@ def stage(worker: Any, sync_id: str, version: int, max_version_lag: int | None) 
             live,
         )
     return result
+
+
+def staging_report(nbytes: int, staging_memory: str) -> StagingReport:
+    """What the driver hears of a stage's copies (Note [staging in a vLLM worker])."""
+    return StagingReport(
+        "whole",
+        "a vLLM worker stages the whole push: copies in the checkpoint's format, allocated at each stage",
+        "host",
+        "a vLLM CPU worker: device and host memory are the same memory",
+        staging_memory,
+        nbytes,
+        nbytes,
+        1,
+    )
 
 
 def staged(worker: Any, sync_id: str) -> StagedState:

@@ -7,6 +7,7 @@ push rounds across all pairs at once, and repairs pairs whose actor was restarte
     sync.versions()                   # what each receiver holds: a version, "mixed" or None
     sync.push(version=2, staged=True) # lands in staging memory while the engines keep generating (docs/staged.md)
     sync.flip()                       # then every engine applies it at its next step boundary, or none does
+    sync.staging()                    # where each engine staged it: whole or groups, device or host, bytes, why
     sync.close()                      # or use `with WeightSync(...) as sync:`
 
 Endpoints are the user's own Ray actors. By default a sender pushes ``actor.model.named_parameters()`` and a
@@ -55,7 +56,8 @@ from raysync.ray.connections import PairConnections, Plan
 from raysync.ray.push_graph import keeper_for
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import FlipReport, PairReport, SyncReport
-from raysync.ray.staged_round import StagedPushes
+from raysync.ray.results import StagingReport
+from raysync.ray.staged_round import StagedPushes, StagingPlan, check_staged_options
 
 __all__ = [
     "ActorGone",
@@ -66,6 +68,7 @@ __all__ = [
     "PairReport",
     "Plan",
     "StageFailed",
+    "StagingReport",
     "SyncClosed",
     "SyncError",
     "SyncReport",
@@ -93,6 +96,7 @@ class WeightSync:
         max_version_lag: int | None = None,
         push_rounds: str = "calls",
         fan_out: bool = False,
+        staging_memory: str = "auto",
     ):
         """``pairs`` (sender index, receiver index) default to placement: the sender on the receiver's GPU,
         else on its node, else sender 0. ``transport`` overrides the plan globally or per pair.
@@ -108,7 +112,11 @@ class WeightSync:
         step on weights more than this many versions older than the newest staged on it (docs/staged.md).
         ``fan_out``: a sender's shm ring pairs to engines on its host become one session whose ring they all read,
         each bucket packed once (raysync.ray.fanout_group); its engines then move together: one that fails a push
-        fails it for all of them. Not with SyncConfig.delta (one session per pair)."""
+        fails it for all of them. Not with SyncConfig.delta (one session per pair). ``staging_memory``: where the
+        engines stage a staged push: "device" (beside the live weights), "host" (pinned host memory) or "auto"
+        (the device when it has room; raysync.core.staging_memory); ``staging()`` and ``plan`` say what each
+        chose, and why, once it staged."""
+        check_staged_options(max_version_lag, staging_memory)  # before any actor call
         self._actors = SyncActors(senders, receivers, source, sink)
         self.senders, self.receivers = self._actors.senders, self._actors.receivers
         self.config = config or SyncConfig()
@@ -129,7 +137,11 @@ class WeightSync:
         self._closed = False
         self._graphs = keeper_for("graph" if compiled_graph else push_rounds, self._actors, self._connections)
         self._staged = StagedPushes(
-            self._actors, self._connections, setup_timeout_s=setup_timeout_s, max_version_lag=max_version_lag
+            self._actors,
+            self._connections,
+            setup_timeout_s=setup_timeout_s,
+            max_version_lag=max_version_lag,
+            staging_memory=staging_memory,
         )
         self._actors.locate(setup_timeout_s)
         self._connections.open()
@@ -139,8 +151,9 @@ class WeightSync:
     @property
     def plan(self) -> Plan:
         """Who sends to whom, over which transport, and why: one PairPlan per pair; ``str(plan)`` is a table,
-        followed by how the push rounds reach the actors (a compiled graph, ordinary calls)."""
-        return self._graphs.plan()
+        followed by how the push rounds reach the actors (a compiled graph, ordinary calls) and the engines'
+        staging memory (``plan.staging``, as ``staging()``; "chosen at the first staged push" before it)."""
+        return StagingPlan(self._graphs.plan(), self._staged)
 
     def push(self, version: int, *, staged: bool = False, full: bool = False) -> SyncReport:
         """One round: every sender pushes ``version`` to its receivers, all pairs at once. Raises SyncError
@@ -188,6 +201,12 @@ class WeightSync:
         """Each receiver's version waiting for its flip (None: nothing staged there)."""
         self._check_open("staged_versions")
         return self._staged.staged_versions()
+
+    def staging(self) -> list[StagingReport | None]:
+        """Where each receiver staged its last staged push, as it answered that push (no call now): whole or
+        groups, device or host memory, its bytes, and why (StagingReport); None where none was staged yet."""
+        self._check_open("staging")
+        return [self._staged.staging.get(j) for j in range(len(self._actors.slots))]
 
     def versions(self) -> list[Version]:
         """What each receiver holds (Note [versions never lie]): the version of its last complete push,

@@ -5,22 +5,25 @@ of answer. Ray pickles them between its own processes; nothing here crosses a ra
     collective_open  -> GroupOpened      the rendezvous of its broadcast group, the bytes a push moves
     fanout_connect   -> FanoutOpened     the address each reader of its one ring connects to, the bytes
     sender_push      -> {receiver j: EndpointResult}
-    receiver_receive -> EndpointResult    (receiver_stage too: raysync.ray.staged_endpoint)
+    receiver_receive -> EndpointResult    (receiver_stage too, with its StagingReport: raysync.ray.staged_endpoint)
     receiver_staged, receiver_flip, receiver_discard -> StagedState
 
 An EndpointResult holds a PushReport, or the RemoteFailure that stopped that endpoint (stage, message, remote
 traceback), never both; a receiver's also says which version its weights hold after the round. Inside vLLM
 engine workers they cross vLLM's channel as plain values and are rebuilt on the other side (an allowlist of
-these types: Note [what crosses vLLM's channel] in raysync.engines.vllm).
+these types: Note [what crosses vLLM's channel] in raysync.engines.vllm); a StagingReport crosses it as a
+tuple of scalars, checked where the EndpointResult is rebuilt.
 """
 
 from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from raysync.core.errors import PeerUnavailable, PushIncomplete, RemoteError
+from raysync.core.errors import PeerUnavailable, PushIncomplete, RemoteError, SchemaError
 from raysync.core.report import PushReport
+from raysync.core.staging_memory import STAGING_MEMORY
 from raysync.core.version import Version
 from raysync.transport.process_group import Rendezvous
 
@@ -72,6 +75,49 @@ class RemoteFailure:
         )
 
 
+STAGING_MODES = ("whole", "groups")
+STAGING_MEMORIES = ("device", "host", "mixed")  # where it was staged (STAGING_MEMORY: what may be asked)
+
+
+class StagingReport(NamedTuple):
+    """Where a receiver staged a push, as its staged push answered it (raysync.core.staging_memory.StagingInfo,
+    or a vLLM worker's host copies): ``mode`` "whole" or "groups" and ``why``; ``memory`` "device", "host" or
+    "mixed" (several devices, not all with room) and ``memory_why``, given ``asked`` (WeightSync's
+    ``staging_memory``); ``nbytes`` of staging memory held,
+    ``push_bytes`` of the push's tensors, in ``groups`` flips. A tuple of scalars: it crosses vLLM's channel as
+    a list and comes back through ``checked``."""
+
+    mode: str
+    why: str
+    memory: str
+    memory_why: str
+    asked: str  # the staging_memory the receiver was given: "auto", "device" or "host"
+    nbytes: int
+    push_bytes: int
+    groups: int
+
+    @classmethod
+    def checked(cls, values: object) -> StagingReport:
+        """``values`` (a StagingReport, or its fields as a tuple or list) checked: SchemaError if not one."""
+        types = (str, str, str, str, str, int, int, int)
+        ok = (
+            isinstance(values, (tuple, list))
+            and len(values) == len(types)
+            and all(type(v) is t for v, t in zip(values, types, strict=True))
+        )
+        if not ok or values[0] not in STAGING_MODES or values[2] not in STAGING_MEMORIES:
+            raise SchemaError(f"staging report: {values!r:.300}")
+        if values[4] not in STAGING_MEMORY or min(values[5:]) < 0 or values[7] < 1:
+            raise SchemaError(f"staging report: negative bytes or no group: {values!r:.300}")
+        return cls(*values)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.mode}, {self.memory} memory, {self.nbytes} bytes (staging_memory={self.asked!r}): {self.why}; "
+            f"{self.memory_why}"
+        )
+
+
 @dataclass(frozen=True)
 class EndpointResult:
     """One endpoint's part of a push round: a sender's for one of its receivers, or a receiver's."""
@@ -81,8 +127,11 @@ class EndpointResult:
     version: Version = (
         None  # a receiver's weights after the round (Note [versions never lie]); None: a sender
     )
+    staging: StagingReport | None = None  # a staged push's receiver: where it staged (None: it did not)
 
     def __post_init__(self) -> None:
+        if self.staging is not None:
+            object.__setattr__(self, "staging", StagingReport.checked(self.staging))
         if (self.report is None) == (self.failure is None):
             raise ValueError(
                 f"an EndpointResult holds a report or a failure, exactly one of them; got report={self.report!r}, "

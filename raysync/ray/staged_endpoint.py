@@ -3,7 +3,8 @@ raysync.ray.staged_round). Like raysync.ray.endpoint, each function takes the ac
 typed result (raysync.ray.results), a failure carrying its stage and traceback.
 
     receiver_stageable  can this receiver stage? (its sink gives destination tensors, one push session)
-    receiver_stage      receive a push into staging memory (receive(flip=False)); the live weights untouched
+    receiver_stage      receive a push into staging memory (receive(flip=False)); the live weights untouched;
+                        answers where it staged (a StagingReport: whole or groups, device or host, bytes, why)
     receiver_staged     what is live and what is staged, for the flip's check
     receiver_flip       apply the staged version at the engine's step boundary (raysync.ray.step_gate)
     receiver_discard    drop the staged version (or acknowledge a failed stage)
@@ -25,9 +26,10 @@ from typing import Any
 from raysync.core.errors import StagingError
 from raysync.core.session_receiver import PushReceiver
 from raysync.core.sharded import ShardedReceiver
+from raysync.core.staging_memory import StagingInfo
 from raysync.core.version import Version
 from raysync.ray.endpoint import _APPLIED, _failed, _sessions, applied_version
-from raysync.ray.results import EndpointResult, RemoteFailure, StagedState
+from raysync.ray.results import EndpointResult, RemoteFailure, StagedState, StagingReport
 from raysync.ray.step_gate import gate_of
 
 _NO_SESSION = "this actor has no session (restarted by Ray?): a version staged here is gone"
@@ -84,8 +86,12 @@ def receiver_stageable(actor: Any, sync_id: str) -> str | None:
     return None
 
 
-def receiver_stage(actor: Any, sync_id: str, version: int, max_version_lag: int | None) -> EndpointResult:
-    """Receive the push of ``version`` into staging memory; the engine keeps computing on the live weights."""
+def receiver_stage(
+    actor: Any, sync_id: str, version: int, max_version_lag: int | None, staging_memory: str = "auto"
+) -> EndpointResult:
+    """Receive the push of ``version`` into staging memory (placed by ``staging_memory``: "auto", "device" or
+    "host", raysync.core.staging_memory); the engine keeps computing on the live weights. The answer says where
+    the push was staged (its StagingReport)."""
     side = _sessions(actor).get(sync_id)
     if side is None:
         return _failed("stage", RuntimeError(_NO_SESSION))
@@ -93,12 +99,23 @@ def receiver_stage(actor: Any, sync_id: str, version: int, max_version_lag: int 
     gate.announce(sync_id, version, max_version_lag)
     try:
         session = _session(side.receiver)
-        report = session.receive(into=side.sink(actor), flip=False)
+        report = session.receive(into=side.sink(actor), flip=False, staging_memory=staging_memory)
     except Exception as e:
         return EndpointResult(failure=stage_failure(e), version=side.receiver.version)
     if session.version == version:  # skipped: live here already
         gate.settled(sync_id, session.version)
-    return EndpointResult(report=report, version=session.version)
+    staging = None if report.skipped else staging_report(session.staging, staging_memory)
+    return EndpointResult(report=report, version=session.version, staging=staging)
+
+
+def staging_report(info: StagingInfo | None, asked: str) -> StagingReport | None:
+    """What the driver hears of a session's staging memory, placed as ``asked`` (staging_memory); None:
+    nothing staged."""
+    if info is None:
+        return None
+    return StagingReport(
+        info.mode, info.why, info.memory, info.memory_why, asked, info.nbytes, info.push_bytes, info.groups
+    )
 
 
 def stage_failure(error: BaseException) -> RemoteFailure:

@@ -38,14 +38,27 @@ from raysync.core.errors import (
     StageFailed,
     SyncError,
 )
+from raysync.core.staging_memory import STAGING_MEMORY
 from raysync.ray import staged_endpoint as se
 from raysync.ray.actors import SyncActors, first_line
 from raysync.ray.connections import PairConnections
+from raysync.ray.push_graph import RoundPlan
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import FlipReport, SyncReport
-from raysync.ray.results import StagedState
+from raysync.ray.results import StagedState, StagingReport
 
 logger = logging.getLogger(__name__)
+
+
+def check_staged_options(max_version_lag: int | None, staging_memory: str) -> None:
+    """WeightSync's options for staged pushes, checked: ValueError naming the value and what it may be."""
+    if max_version_lag is not None and max_version_lag < 0:
+        raise ValueError(f"max_version_lag={max_version_lag}: 0 or more, or None for no bound")
+    if staging_memory not in STAGING_MEMORY:
+        raise ValueError(
+            f"staging_memory={staging_memory!r}: one of {', '.join(map(repr, STAGING_MEMORY))} "
+            f"(where the engines stage a push: raysync.core.staging_memory)"
+        )
 
 
 class StagedPushes:
@@ -58,11 +71,13 @@ class StagedPushes:
         *,
         setup_timeout_s: float,
         max_version_lag: int | None,
+        staging_memory: str = "auto",
     ):
-        if max_version_lag is not None and max_version_lag < 0:
-            raise ValueError(f"max_version_lag={max_version_lag}: 0 or more, or None for no bound")
+        check_staged_options(max_version_lag, staging_memory)
         self.actors, self.connections = actors, connections
         self._setup_timeout_s, self._lag = setup_timeout_s, max_version_lag
+        self.staging_memory = staging_memory
+        self.staging: dict[int, StagingReport] = {}  # receiver j -> where its last staged push was staged
         self.version: int | None = None  # staged on every receiver, waiting for flip()
         self._failed: StageFailed | PeerTimeout | None = None  # the last staged push, if it failed
         self._stageable = False  # every receiver said it can stage (asked once)
@@ -70,8 +85,8 @@ class StagedPushes:
     def push(self, version: int, *, full: bool, timeout_s: float, progress: bool) -> SyncReport:
         self._check_stageable(version)
         self.version, self._failed = None, None
-        stage = (se.receiver_stage, (version, self._lag))
-        round_ = PushRound(
+        stage = (se.receiver_stage, (version, self._lag, self.staging_memory))
+        round_ = _StageRound(
             self.actors,
             self.connections,
             version,
@@ -90,7 +105,18 @@ class StagedPushes:
             self._failed = e  # its pairs are reconnected before the next push: their staging goes with them
             raise
         self.version = version
+        self.staging.update(round_.staging)
         return dataclasses.replace(report, staged=True)
+
+    def describe(self) -> str:
+        """The engines' staging, for ``sync.plan``: chosen at the first staged push, then as each reported it."""
+        head = f"staging (staging_memory={self.staging_memory!r})"
+        if not self.staging:
+            return f"{head}: chosen at the first staged push"
+        lines = [f"{head}, as each receiver staged its last staged push:"]
+        for j in range(len(self.actors.slots)):
+            lines.append(f"  receiver #{j}: {self.staging.get(j, 'not staged yet')}")
+        return "\n".join(lines)
 
     def flip(self, timeout_s: float) -> FlipReport:
         """Check that every receiver still holds the staged version, then flip it everywhere."""
@@ -194,6 +220,29 @@ class StagedPushes:
         return EndpointFailure(
             f"receiver #{j} ({self.actors.receiver_at[j].label()})", stage, error, traceback
         )
+
+
+class StagingPlan(RoundPlan):
+    """A WeightSync's plan (its pairs, how push rounds reach the actors), then the engines' staging:
+    ``staging`` {receiver j: StagingReport} as each staged its last staged push ({} before the first)."""
+
+    def __init__(self, plan: RoundPlan, staged: StagedPushes):
+        super().__init__(list(plan), staged.actors, plan.rounds)
+        self.staging = dict(staged.staging)
+        self._staging_text = staged.describe()
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self._staging_text}"
+
+
+class _StageRound(PushRound):
+    """A staged push's round, which also keeps where each receiver staged it (``staging``)."""
+
+    staging: dict[int, StagingReport]
+
+    def _read_receivers(self) -> None:
+        super()._read_receivers()
+        self.staging = {j: r.staging for j, r in self._received.items() if r.ok and r.staging is not None}
 
 
 def _call_or_put(make: Callable[[], Any]) -> Any:
