@@ -132,13 +132,7 @@ def instrument_actor(actor: Any) -> None:
     _wrap(endpoint, "sender_push", "work starts", "work done")
     _wrap(endpoint, "_receive", "work starts", "work done")
     _wrap(push_loop, "_run", None, "encoded")
-    if not hasattr(push_loop, "zmq"):  # the loops' streams (raysync.ray.loop_wire): a frame read, one sent
-        from raysync.ray import loop_wire
-
-        _wrap(loop_wire, "recv_frame", "woke", None)
-        _wrap(loop_wire, "send_frame", "sent", None)
-        return
-    poll, send = zmq.Poller.poll, zmq.Socket.send  # the loops' zmq channel, before 2026-12-02
+    poll, send = zmq.Poller.poll, zmq.Socket.send
 
     def timed_poll(self, *args, **kwargs):
         events = poll(self, *args, **kwargs)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import struct
 import threading
 import time
 
@@ -20,13 +18,11 @@ from actors import Adapter, Engine, Trainer, engine_load  # noqa: E402
 from conftest import own_entries  # noqa: E402
 
 from raysync import SyncConfig, SyncError, WeightSync  # noqa: E402
-from raysync.core.errors import BadSignature, FrameTooLarge, PeerTimeout, ReplayedFrame, SchemaError  # noqa: E402
+from raysync.core.errors import BadSignature, ReplayedFrame, SchemaError  # noqa: E402
 from raysync.core.report import PushReport  # noqa: E402
 from raysync.core.version import MIXED  # noqa: E402
-from raysync.ray import loop_wire  # noqa: E402
 from raysync.ray.loop_wire import Codec, from_wire, to_wire  # noqa: E402
 from raysync.ray.push_graph import keeper_for  # noqa: E402
-from raysync.ray.push_loop import _DriverEnd  # noqa: E402
 from raysync.ray.results import EndpointResult, RemoteFailure  # noqa: E402
 
 CFG = SyncConfig(bucket_bytes=64 << 10, timeout_s=5, progress=False)  # the embedding spans 4 buckets
@@ -260,72 +256,3 @@ def test_a_sender_pushes_one_session_on_its_own_thread_and_several_sessions_at_o
     out = _each(meet, [0, 1, 2])
     assert [x for x, _ in out] == [0, 1, 2] and out[0][1] is me
     assert len({t for _, t in out}) == 3
-
-
-# --- the loop channel's streams -------------------------------------------------------------------------------------
-def test_a_stream_reads_whole_frames_and_refuses_one_past_its_cap_or_cut_short():
-    a, b = socket.socketpair()
-    with a, b:
-        b.settimeout(5)
-        loop_wire.send_frame(a, b"x" * 4096)
-        loop_wire.send_frame(a, b"")
-        assert loop_wire.recv_frame(b, 4096) == b"x" * 4096 and loop_wire.recv_frame(b, 4096) == b""
-        loop_wire.send_frame(a, b"y" * 4097)
-        with pytest.raises(FrameTooLarge):
-            loop_wire.recv_frame(b, 4096)  # refused on its length, before a byte of it is read
-    a, b = socket.socketpair()
-    with b:
-        b.settimeout(5)
-        a.sendall(struct.pack("!I", 10) + b"short")
-        a.close()
-        with pytest.raises(ConnectionError):
-            loop_wire.recv_frame(b, 4096)
-        assert loop_wire.recv_frame(b, 4096) is None  # ended between frames: the other end closed
-
-
-def test_the_driver_takes_only_members_hellos_then_stops_listening_and_drops_a_stream_past_its_cap(ray_local):
-    member = ("receiver", 0)
-    end = _DriverEnd([member], {ray.get_runtime_context().get_node_id()}, timeout_s=5)
-    try:
-        path = end.address[len("ipc://") :]
-        stranger = loop_wire.connect(end.address, 5)
-        loop_wire.send_frame(stranger, Codec(os.urandom(32), "receiver-0", "actor").encode("hello", [1]))
-        forger = loop_wire.connect(end.address, 5)  # the member's name, signed under its own key: not a hello
-        loop_wire.send_frame(forger, Codec(end.secret, "receiver-0", "driver").encode("hello", [1]))
-        actor = Codec(end.secret, "receiver-0", "actor")
-        conn = loop_wire.connect(end.address, 5)
-        loop_wire.send_frame(conn, actor.encode("hello", [os.getpid()]))
-        end.hellos(5, str)
-        assert not os.path.exists(path)  # no one else can connect
-        for peer in (stranger, forger):  # each closed by the driver (reset, if it never got to read it)
-            assert closed(peer)
-            peer.close()
-        end.send(member, "go", [1, 7])
-        assert actor.decode(loop_wire.recv_frame(conn, 4096)) == ("go", [1, 7])
-        loop_wire.send_frame(conn, actor.encode("answer", [1, []]))
-        assert [(k, kind) for k, kind, _ in end.frames(5000)] == [(member, "answer")]
-        conn.sendall(struct.pack("!I", (64 << 20) + 1))  # an answer past the driver's cap
-        assert list(end.frames(5000)) == [] and end.dropped
-        with pytest.raises(OSError):  # its stream is closed: a round asks Ray about it
-            end.send(member, "go", [2, 8])
-        conn.close()
-    finally:
-        end.close()
-
-
-def closed(peer: socket.socket) -> bool:
-    try:
-        return loop_wire.recv_frame(peer, 4096) is None
-    except ConnectionError:
-        return True
-
-
-def test_a_member_that_never_says_hello_is_named_in_a_timeout(ray_local):
-    end = _DriverEnd([("sender", 0)], {ray.get_runtime_context().get_node_id()}, timeout_s=5)
-    silent = loop_wire.connect(end.address, 5)
-    try:
-        with pytest.raises(PeerTimeout, match="sender-0"):
-            end.hellos(0.5, lambda key: f"{key[0]}-{key[1]}")
-    finally:
-        silent.close()
-        end.close()

@@ -1,26 +1,13 @@
 """The frames between WeightSync's driver and a push loop in an actor (raysync.ray.push_loop, Note [push loops]):
 msgpack signed with HMAC-SHA256 under a key per member and direction, numbered (a replay is refused), decoding
-to scalars only; a round's answer is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values.
-
-They travel over one stream socket per member, each frame after its length (4 bytes, big-endian), read only
-up to a cap per direction:
-
-    ┌──────────┬─────────────────────────────────────────────────────────────┐
-    │ length n │ n bytes: msgpack [protocol, member, seq, kind, body] + HMAC │
-    └──────────┴─────────────────────────────────────────────────────────────┘
-
-A plain socket rather than zmq: a frame goes from the writer's thread to the reader's with no I/O thread of
-zmq's on either side, two thread wake-ups fewer each way (benchmarks/bench_ray_share.py times a round)."""
+to scalars only; a round's answer is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import hmac
-import logging
 import operator
-import socket
-import struct
 from typing import Any
 
 from raysync.core import errors
@@ -29,9 +16,7 @@ from raysync.core.report import PushReport
 from raysync.core.version import MIXED
 from raysync.ray.results import EndpointResult, RemoteFailure
 
-logger = logging.getLogger(__name__)
-
-_PROTOCOL = "rs-loop2"  # 2: length-prefixed frames over a stream socket, not zmq
+_PROTOCOL = "rs-loop1"
 _MAX_FRAME = 64 << 20  # an answer carries failures' tracebacks
 
 
@@ -118,102 +103,3 @@ def _build(cls: type, values: object) -> Any:
     ):
         raise errors.SchemaError(f"push loop answer: {cls.__name__} fields {values!r:.200}")
     return None if values is None else cls(*values)
-
-
-# --- the stream ------------------------------------------------------------------------------------------------------
-_LENGTH = struct.Struct("!I")
-
-
-def listen(path: str | None, host: str | None, backlog: int) -> tuple[socket.socket, str]:
-    """The driver's listening socket and its address: a unix socket at ``path``, else TCP on ``host`` (a port
-    the kernel picks); ``ipc://path`` or ``tcp://host:port``, as the loops connect to it."""
-    family = socket.AF_UNIX if path is not None else socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind(path if path is not None else (host, 0))
-        sock.listen(backlog)
-        if path is not None:
-            return sock, f"ipc://{path}"
-        port = sock.getsockname()[1]
-        return sock, f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-    except BaseException:
-        sock.close()
-        raise
-
-
-def connect(address: str, timeout_s: float) -> socket.socket:
-    """A loop's connection to the driver's ``address`` (what ``listen`` gave); sends and reads wait up to
-    ``timeout_s``."""
-    if address.startswith("ipc://"):
-        sock, to = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), address[len("ipc://") :]
-    elif address.startswith("tcp://"):
-        host, _, port = address[len("tcp://") :].rpartition(":")
-        host = host.strip("[]")
-        sock, to = (
-            socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM),
-            (host, int(port)),
-        )
-    else:
-        raise ValueError(f"a push loop address is ipc:// or tcp://, not {address!r}")
-    try:
-        sock.settimeout(timeout_s)
-        sock.connect(to)
-        nodelay(sock)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def hello_from(conn: socket.socket, codecs: dict[Any, Codec], max_bytes: int) -> Any:
-    """The key of the codec under which ``conn``'s first frame is a signed hello, or None (logged): a stranger,
-    a member that is not waited for, a frame past ``max_bytes`` or the socket's timeout."""
-    try:
-        frame = recv_frame(conn, max_bytes)
-    except (OSError, errors.WireError) as e:
-        logger.warning("push loops: dropped a connection: %s", e)
-        return None
-    for key, codec in codecs.items() if frame is not None else ():
-        try:
-            kind, _ = codec.decode(frame)
-        except errors.WireError:
-            continue  # another member's key, or no member's
-        return key if kind == "hello" else None
-    logger.warning("push loops: dropped a connection whose first frame is no member's hello")
-    return None
-
-
-def nodelay(sock: socket.socket) -> None:
-    """A small frame leaves at once (no Nagle delay on TCP)."""
-    if sock.family != socket.AF_UNIX:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def send_frame(sock: socket.socket, frame: bytes) -> None:
-    """Raises OSError when the other end is closed, or the send waited past the socket's timeout."""
-    sock.sendall(_LENGTH.pack(len(frame)) + frame)
-
-
-def recv_frame(sock: socket.socket, max_bytes: int) -> bytes | None:
-    """The next frame; None when the other end closed between frames. FrameTooLarge past ``max_bytes`` (the
-    stream is then unusable: its reader closes it); OSError on a reset, a timeout, or an end mid-frame."""
-    header = _recv_exactly(sock, _LENGTH.size, at_boundary=True)
-    if header is None:
-        return None
-    (n,) = _LENGTH.unpack(header)
-    if n > max_bytes:
-        raise errors.FrameTooLarge(f"push loop frame of {n} bytes exceeds max_frame_bytes={max_bytes}")
-    return bytes(_recv_exactly(sock, n, at_boundary=False) or b"")
-
-
-def _recv_exactly(sock: socket.socket, n: int, *, at_boundary: bool) -> bytearray | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0 and at_boundary:
-                return None
-            raise ConnectionError(f"push loop stream ended {got} bytes into a {n}-byte read")
-        got += k
-    return buf

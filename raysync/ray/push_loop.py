@@ -2,25 +2,23 @@
 thread) that waits on raysync's own control channel for the driver's "push version v": a round costs the driver a
 signed frame out and one back per actor, not a Ray call's submission, scheduling and answer.
 
-    driver (PushLoops, _DriverEnd)                each member actor (_serve, on a thread of its own)
-    listener, then one  ─── go [round, version] ──>  its      endpoint.sender_round / endpoint.receiver_round, as
-    stream per member  <── answer [round, results] ─ stream   a compiled graph's tasks run them: EndpointResults
+    driver (PushLoops, _DriverEnd)             each member actor (_serve, on a thread of its own)
+    ROUTER ─── go [round, version] ─────────>  DEALER   endpoint.sender_round / endpoint.receiver_round, as a
+           <── answer [round, results] ──────           compiled graph's tasks run them: EndpointResults
 
 # Note [push loops]
-# - The channel: the driver listens on a unix socket in a private directory when every member runs on the
-#   driver's node, else on TCP on the driver's node IP; each loop connects one stream (raysync.ray.loop_wire:
-#   length-prefixed frames, capped per direction) and says hello, signed: that names its member. Once every member
-#   has, the listener is closed and its directory removed (no one else can connect). Frames are msgpack signed
-#   with HMAC-SHA256 under a key per member and direction (from a secret Ray hands each actor at start), numbered
-#   (a replay is refused), and decode to scalars only: a result is rebuilt as EndpointResult, PushReport,
-#   RemoteFailure from checked values. Nothing pickled. A stream that breaks a frame's cap or signature is closed.
+# - The channel: the driver binds one ROUTER, ipc:// in a private directory (removed once every loop has said
+#   hello) when every member runs on the driver's node, else tcp:// on the driver's node IP; each loop connects a
+#   DEALER whose routing id names its member. Frames are msgpack signed with HMAC-SHA256 under a key per member and
+#   direction (from a secret Ray hands each actor at start), numbered (a replay is refused), and decode to scalars
+#   only: a result is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values. Nothing pickled.
 # - Ray keeps supervising: it starts the loops, and the driver asks it about the members that have not answered
-#   as soon as a member's stream ends (the kernel says so at once) or a send finds it closed, and every timeout_s
+#   as soon as a member's connection drops (zmq says so at once) or a send finds no one, and every timeout_s
 #   otherwise: an actor that died is ActorGone, one Ray restarted (no loop in it) ActorUnavailable; a busy loop is
 #   waited for, up to push_timeout_s. A member lost, or a round past its deadline, ends every loop (each once its
 #   part of the push has ended, bounded by timeout_s); the next push starts new ones.
 # - A loop runs beside the actor's ordinary calls, as a graph's tasks do (Note [a push round in a compiled graph]):
-#   wait for the train step before pushing. Idle, it sleeps in poll(2), waking each second to see whether
+#   wait for the train step before pushing. Idle, it sleeps in zmq's poll, waking each second to see whether
 #   close() stopped it; it ends when told to, or when the driver's end closes. Engine adapters keep their calls.
 """
 
@@ -31,9 +29,7 @@ import logging
 import math
 import os
 import secrets
-import select
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -41,10 +37,12 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from raysync.core import errors, leftovers
 from raysync.core.control import private_dir_base
 from raysync.ray import endpoint as ep
-from raysync.ray import loop_wire as lw
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
 from raysync.ray.loop_wire import Codec, from_wire, to_wire
@@ -54,64 +52,68 @@ logger = logging.getLogger(__name__)
 
 _MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
 _MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
-_MAX_HELLO_FRAME = 4096  # what the driver reads from a connection before it has said which member it is
-_HELLO_READ_S = 1.0  # a hello begun is whole by then (one small frame): a stranger cannot hold up the others
 _IDLE_POLL_MS = 1000  # an idle loop looks whether close() stopped it this often
 _LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
 
 
 # --- inside the actor -------------------------------------------------------------------------------------------------
-def start_loop(
-    actor: Any, sync_id: str, member: str, job: tuple, address: str, secret: bytes, timeout_s: float
-) -> None:
+def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, secret: bytes) -> None:
     """(Re)start this actor's push loop as ``member`` of WeightSync ``sync_id`` (through ``__ray_call__``); it has
-    connected and said hello when this returns. ``job``: ("sender", its receivers) or ("receiver", its slots);
-    ``timeout_s`` bounds the connection, each read of a frame begun, each send of an answer."""
+    connected and said hello when this returns. ``job``: ("sender", its receivers) or ("receiver", its slots)."""
     import torch
 
     stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
-    conn = lw.connect(address, timeout_s)  # made here, then used by the loop's thread only
+    options = {
+        zmq.IDENTITY: member.encode(),
+        zmq.RECONNECT_IVL: -1,
+        zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
+        zmq.SNDTIMEO: _IDLE_POLL_MS,
+    }
+    sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
     codec = Codec(secret, member, "actor")
     try:
-        lw.send_frame(conn, codec.encode("hello", [os.getpid()]))
+        sockets[1].connect(address)
+        sockets[1].send(codec.encode("hello", [os.getpid()]))
     except BaseException:
-        conn.close()
+        _close(*sockets)
         raise
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the thread works there
     stop = threading.Event()
-    args = (actor, sync_id, job, conn, codec, device, stop)
+    args = (actor, sync_id, job, sockets, codec, device, stop)
     thread = threading.Thread(target=_serve, args=args, name=f"raysync-push-loop-{member}", daemon=True)
     actor.__dict__.setdefault(_LOOPS, {})[(sync_id, member)] = (thread, stop)
     thread.start()
 
 
-def _serve(actor: Any, sync_id: str, job: tuple, conn: socket.socket, codec: Codec, device, stop) -> None:
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
+def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: Codec, device, stop) -> None:
+    ctx, sock, monitor = sockets
+    poller = zmq.Poller()
+    for s in (sock, monitor):
+        poller.register(s, zmq.POLLIN)
     try:
         if device is not None:
             import torch
 
             torch.cuda.set_device(device)
         while not stop.is_set():
-            if not poller.poll(_IDLE_POLL_MS):
-                continue
-            frame = lw.recv_frame(conn, _MAX_DRIVER_FRAME)
-            if frame is None:
+            events = dict(poller.poll(_IDLE_POLL_MS))
+            if monitor in events:
                 break  # the driver closed its end, or died
+            if sock not in events:
+                continue
             try:
-                kind, body = codec.decode(frame)
+                kind, body = codec.decode(sock.recv())
             except errors.WireError as e:
                 logger.warning("a push loop dropped a frame: %s", e)
                 continue
             if kind == "stop":
                 break
             if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
-                lw.send_frame(conn, _run(codec, actor, sync_id, job, *body))
-    except (OSError, errors.WireError) as e:  # a reset, a send past its timeout, a frame past its cap
+                sock.send(_run(codec, actor, sync_id, job, *body))  # zmq.Again: the driver is gone
+    except zmq.ZMQError as e:
         logger.warning("a push loop of WeightSync %s ended: %s", sync_id, e)
     finally:
-        conn.close()
+        _close(ctx, sock, monitor)
 
 
 def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
@@ -123,6 +125,22 @@ def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, versio
     except Exception as e:  # the endpoint functions answer failures themselves: this is anything else
         text = "".join(traceback.format_exception(e))
         return codec.encode("failed", [round_, f"{type(e).__name__}: {e}", text])
+
+
+def _open(kind: int, options: dict[int, Any]) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A context, its socket of ``kind``, and the monitor that hears the socket's connections drop."""
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    for option, value in {zmq.LINGER: 0, **options}.items():
+        sock.setsockopt(option, value)
+    return ctx, sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def _close(ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int = 0) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=linger_ms)
+    ctx.term()
 
 
 def stop_loops(actor: Any, sync_id: str, member: str, timeout_s: float) -> bool:
@@ -143,118 +161,66 @@ def loop_alive(actor: Any, sync_id: str, member: str) -> bool:
 
 # --- on the driver ----------------------------------------------------------------------------------------------------
 class _DriverEnd:
-    """The driver's end: a listener until every member has said hello, then one stream per member, each with its
-    codec; the frames in and out; the members whose stream ended."""
+    """The driver's socket: every member's codec, the frames in and out, the disconnects zmq reports."""
 
-    def __init__(self, keys: list[Key], nodes: set[str], timeout_s: float):
-        """``nodes``: where the members run (a unix socket when it is only the driver's node, else TCP);
-        ``timeout_s`` bounds each send, and each read of a frame begun."""
+    def __init__(self, keys: list[Key], nodes: set[str]):
+        """``nodes``: where the members run (ipc when it is only the driver's node, else tcp)."""
         import ray
 
-        self.secret, self._dir, self.keys, self._timeout_s = secrets.token_bytes(32), None, keys, timeout_s
+        self.secret, self._dir, self.keys = secrets.token_bytes(32), None, keys
+        self._ids = {key: _member(key).encode() for key in keys}
+        self._by_id = {i: key for key, i in self._ids.items()}
         self._codecs = {key: Codec(self.secret, _member(key), "driver") for key in keys}
-        self._conns: dict[Key, socket.socket] = {}
-        self._by_fd: dict[int, Key] = {}
-        self.poller = select.poll()
-        self.dropped = False  # a member's stream ended since the caller last looked
-        self._listener: socket.socket | None = None
+        options = {zmq.ROUTER_MANDATORY: 1, zmq.MAXMSGSIZE: _MAX_ANSWER_FRAME}
+        self._ctx, self.sock, self.monitor = _open(zmq.ROUTER, options)
+        self.poller = zmq.Poller()
+        for sock in (self.sock, self.monitor):
+            self.poller.register(sock, zmq.POLLIN)
         try:
             if nodes <= {ray.get_runtime_context().get_node_id()}:  # Note [names that outlive a crash]
                 self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())
-                self._listener, self.address = lw.listen(f"{self._dir}/loop", None, len(keys) + 8)
+                self.sock.bind(f"ipc://{self._dir}/loop")
             else:
-                self._listener, self.address = lw.listen(None, ray.util.get_node_ip_address(), len(keys) + 8)
+                self.sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
         except BaseException:
             self.close()
             raise
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def hellos(self, timeout_s: float, label) -> None:
-        """Wait until every member has connected and said hello; then the listener closes (no one else can
-        connect). A connection whose first frame is no member's hello is closed."""
-        deadline, waiting, pending = time.monotonic() + timeout_s, set(self.keys), {}
-        poller = select.poll()  # not select(): a driver's descriptors may be numbered past FD_SETSIZE
-        poller.register(self._listener, select.POLLIN)
-        try:
-            while waiting:
-                left = deadline - time.monotonic()
-                ready = poller.poll(max(1, math.ceil(left * 1000))) if left > 0 else []
-                if not ready:
-                    raise errors.PeerTimeout(
-                        ", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s
-                    )
-                for fd, _ in ready:
-                    if fd == self._listener.fileno():
-                        conn = self._listener.accept()[0]
-                        pending[conn.fileno()] = conn
-                        poller.register(conn, select.POLLIN)
-                        continue
-                    conn = pending.pop(fd)
-                    poller.unregister(conn)
-                    conn.settimeout(min(max(deadline - time.monotonic(), 1e-3), _HELLO_READ_S))
-                    key = lw.hello_from(conn, {k: self._codecs[k] for k in waiting}, _MAX_HELLO_FRAME)
-                    if key is None:
-                        conn.close()
-                    else:
-                        waiting.discard(key)
-                        self._add(key, conn)
-        finally:
-            for conn in pending.values():
-                conn.close()
-            self._stop_listening()
+        """Wait until every member has said hello; then nobody else needs to find the socket."""
+        deadline, waiting = time.monotonic() + timeout_s, set(self.keys)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, math.ceil(left * 1000))):
+                raise errors.PeerTimeout(", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s)
+            waiting -= {key for key, kind, _ in self.frames() if kind == "hello"}
+        self._forget()
 
-    def _add(self, key: Key, conn: socket.socket) -> None:
-        conn.settimeout(self._timeout_s)
-        lw.nodelay(conn)
-        self._conns[key] = conn
-        self._by_fd[conn.fileno()] = key
-        self.poller.register(conn, select.POLLIN)
-
-    def frames(self, timeout_ms: int) -> Iterator[tuple[Key, str, list]]:
-        """The frames that come within ``timeout_ms`` (one per stream that is ready), checked; those that fail
-        their check dropped. A stream that ended, or broke its cap, is closed and ``dropped`` set."""
-        for fd, _ in self.poller.poll(timeout_ms):
-            key = self._by_fd.get(fd)
-            if key is None:
-                continue
+    def frames(self) -> Iterator[tuple[Key, str, list]]:
+        """The frames waiting on the socket, checked; those of strangers, or that fail their check, dropped."""
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised (and made) per round
+            parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            key = self._by_id.get(parts[0]) if len(parts) == 2 else None
             try:
-                frame = lw.recv_frame(self._conns[key], _MAX_ANSWER_FRAME)
-            except (OSError, errors.WireError) as e:
-                logger.warning("push loops: the stream of %s broke: %s", _member(key), e)
-                frame = None
-            if frame is None:
-                self._drop(key)
-                continue
-            try:
-                yield (key, *self._codecs[key].decode(frame))
+                if key is None:
+                    raise errors.WireError("a frame from a connection that is no member's")
+                yield (key, *self._codecs[key].decode(parts[1]))
             except errors.WireError as e:
                 logger.warning("push loops: dropped a frame: %s", e)
 
     def send(self, key: Key, kind: str, body: list) -> None:
-        """Raises OSError when that member's stream is closed (or its send waited past timeout_s)."""
-        conn = self._conns.get(key)
-        if conn is None:
-            raise ConnectionError(f"no stream to push loop {_member(key)}")
-        lw.send_frame(conn, self._codecs[key].encode(kind, body))
-
-    def _drop(self, key: Key) -> None:
-        conn = self._conns.pop(key, None)
-        if conn is not None:
-            self._by_fd.pop(conn.fileno(), None)
-            self.poller.unregister(conn)
-            conn.close()
-            self.dropped = True
+        """Raises zmq.ZMQError when that member is not connected (ROUTER_MANDATORY)."""
+        self.sock.send_multipart([self._ids[key], self._codecs[key].encode(kind, body)], zmq.NOBLOCK)
 
     def close(self) -> None:
-        for key in list(self._conns):
-            with contextlib.suppress(OSError):  # closed already: its loop ends by its stop call
+        for key in self.keys:
+            with contextlib.suppress(zmq.ZMQError):  # not connected: its loop ends by its stop call
                 self.send(key, "stop", [])
-            self._drop(key)
-        self._stop_listening()
+        _close(self._ctx, self.sock, self.monitor, linger_ms=200)  # the stops go out
+        self._forget()
 
-    def _stop_listening(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+    def _forget(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -277,14 +243,11 @@ class PushLoops:
         nodes |= {
             actors.receiver_at[j].node_id for j, (e, _) in enumerate(actors.slots) if ("receiver", e) in jobs
         }
-        self._end: _DriverEnd | None = _DriverEnd(self.keys, nodes, timeout_s)
+        self._end: _DriverEnd | None = _DriverEnd(self.keys, nodes)
         self._round, self.alive = 0, False
         try:
             end = self._end
-            calls = {
-                k: self._call(k, start_loop, job, end.address, end.secret, timeout_s)
-                for k, job in jobs.items()
-            }
+            calls = {k: self._call(k, start_loop, job, end.address, end.secret) for k, job in jobs.items()}
             for answer in actors.ask(calls, "push loop start", timeout_s).values():
                 if isinstance(answer, BaseException):
                     raise answer
@@ -310,27 +273,29 @@ class PushLoops:
         for key in self._go_order:
             try:
                 end.send(key, "go", [self._round, version])
-            except OSError:  # no stream to that loop: ask Ray why, now
+            except zmq.ZMQError:  # no connection to that loop: ask Ray why, now
                 next_check = 0.0
         while len(answers) < len(self.keys):
             now = time.monotonic()
             if now >= deadline:
                 self.teardown()
                 raise GraphTimedOut([k for k in self.keys if k not in answers])
-            self._take(answers, version, max(1, math.ceil((min(deadline, next_check) - now) * 1000)))
-            if end.dropped:  # a member's stream ended: ask Ray at once
-                end.dropped, next_check = False, 0.0
+            end.poller.poll(max(1, math.ceil((min(deadline, next_check) - now) * 1000)))
+            self._take(answers, version)
+            while end.monitor.poll(0):  # a member's connection dropped: ask Ray at once
+                recv_monitor_message(end.monitor)
+                next_check = 0.0
             if time.monotonic() >= next_check:
                 verdicts = self._check([k for k in self.keys if k not in answers], version)
-                self._take(answers, version, 0)  # an answer that came meanwhile wins over a verdict
+                self._take(answers, version)  # an answer that came meanwhile wins over a verdict
                 answers = verdicts | answers
                 next_check = time.monotonic() + self._timeout_s
         if any(isinstance(a, Exception) for a in answers.values()):
             self.teardown()
         return answers
 
-    def _take(self, answers: dict[Key, Any], version: int, timeout_ms: int) -> None:
-        for key, kind, body in self._end.frames(timeout_ms):
+    def _take(self, answers: dict[Key, Any], version: int) -> None:
+        for key, kind, body in self._end.frames():
             if kind not in ("answer", "failed") or not body or body[0] != self._round:
                 continue  # a hello, or the answer of an earlier round that timed out
             try:
