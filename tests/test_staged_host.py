@@ -143,3 +143,33 @@ def test_auto_stages_on_the_gpu_when_it_has_room_and_in_pinned_host_memory_when_
     assert [bool((t == i + 1).all()) for i, t in enumerate(dest.values())] == [True] * len(dest)
     roomy.close()
     full.close()
+
+
+class _Live:
+    """What holds the live weights' version (a receiver, in a session)."""
+
+    version = 0
+
+
+def test_a_bounded_flip_after_a_dropped_version_waits_for_the_next_push_without_holding_the_lock(in_thread):
+    """A new layout drops a version that waited for its flip; a flip bounded by max_version_lag then waits
+    (it does not spin holding the staging's lock): the next push's begin goes through, and the flip applies it
+    once it landed. With no next push, the wait ends in StaleWeights after wait_s."""
+    from raysync.core.errors import StaleWeights
+    from raysync.core.staging import Staging
+
+    dest = {"a": torch.zeros(4), "b": torch.zeros(8)}
+    specs = {n: TensorSpec(n, "float32", tuple(t.shape)) for n, t in dest.items()}
+    live = _Live()
+    staging = Staging(StagingMemory(dest, None), live, timeout_s=30, peer="trainer")
+    staging.make_sink((specs["a"],), graphs=False)
+    staging.begin(1)
+    staging.landed(1)
+    staging.make_sink((specs["a"], specs["b"]), graphs=False)  # a new layout: version 1 is dropped
+    with pytest.raises(StaleWeights):
+        staging.flip(max_version_lag=0, wait_s=0.2)
+    flipped = in_thread(staging.flip, max_version_lag=0, wait_s=30)
+    staging.begin(2)  # would block for good behind a spinning flip
+    staging.landed(2)
+    report = flipped.result(timeout=30)
+    assert report.staged_version == 2 and live.version == 2

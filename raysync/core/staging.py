@@ -157,11 +157,15 @@ class Staging:
             report = self._flip_one()
             while self._stale(max_version_lag):
                 left = deadline - time.monotonic()
-                if not self._cond.wait_for(lambda: self._ready > self._flipped or self.state == FAILED, left):
+                if left <= 0 or not self._cond.wait_for(self._flippable, left):
                     live, stage = self._owner.version, "flip: waiting for a staged version"
                     raise StaleWeights(self._peer, stage, limit, live, self.newest, max_version_lag)
                 report = self._flip_one() or report
             return report
+
+    def _flippable(self) -> bool:
+        """What ``_flip_one`` acts on: a group landed and not flipped, or a failure to raise."""
+        return self.state == FAILED or (self.state in (LANDING, READY) and self._ready > self._flipped)
 
     def _flip_one(self) -> FlipReport | None:
         if self.state == FAILED:
@@ -210,6 +214,7 @@ class Staging:
             log = logger.info if self._flipped == 0 else logger.warning
             log("staged version %s dropped after %d flips: %s", self._version, self._flipped, why)
             self.state = EMPTY
+            self._ready = self._flipped  # nothing of it is left to flip
 
     def close(self) -> None:
         with self._cond:
