@@ -110,7 +110,8 @@ def test_host_staging_for_a_gpu_engine_is_pinned_takes_no_gpu_memory_and_flips_b
             pushing.result(timeout=60)
             assert torch.cuda.memory_allocated() - allocated < push_bytes  # staged off the GPU
             assert host_digest(params) == weights_digest(make_model(version - 1 or None))  # live untouched
-            assert receiver.flip().version == version  # complete when it returns: read at once below
+            assert receiver.flip().version == version
+            assert torch.cuda.current_stream().query()  # complete when it returns: no copy still queued
             assert host_digest(params) == weights_digest(make_model(version))
         buffers = list(receiver._staging.memory.buffers.values())  # the staging memory itself
         info = receiver.staging
@@ -135,6 +136,7 @@ def test_auto_stages_on_the_gpu_when_it_has_room_and_in_pinned_host_memory_when_
     assert full.info.memory == "host" and "do not fit" in full.info.memory_why
     buffer = full.buffers[torch.device("cuda", 0)]
     assert buffer.device.type == "cpu" and buffer.is_pinned() and buffer.numel() == full.info.nbytes
+    assert full.pinned == {torch.device("cuda", 0)}  # page-locked as it is (exactly nbytes), until dropped
     for i, name in enumerate(dest):  # the flip's copies: pinned host -> the live tensors on the GPU
         full.views[name].fill_(i + 1)
     for copies in full.flips:
@@ -143,6 +145,7 @@ def test_auto_stages_on_the_gpu_when_it_has_room_and_in_pinned_host_memory_when_
     assert [bool((t == i + 1).all()) for i, t in enumerate(dest.values())] == [True] * len(dest)
     roomy.close()
     full.close()
+    assert not full.pinned and not buffer.is_pinned()  # unlocked when dropped
 
 
 class _Live:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raysync.core import host_memory
 from raysync.core.copies import CopyList
 from raysync.core.errors import LayoutError
 from raysync.core.sink import byte_view
@@ -105,11 +106,14 @@ def place(device: torch.device, nbytes: int, staging_memory: str, margin_bytes: 
     return "host", f"auto: {nbytes} bytes of staging do not fit ({room}): pinned host memory"
 
 
-def allocate(device: torch.device, nbytes: int, memory: str) -> torch.Tensor:
-    """A staging buffer for destinations on ``device``: there, or in host memory (pinned for a GPU)."""
+def allocate(device: torch.device, nbytes: int, memory: str) -> tuple[torch.Tensor, bool]:
+    """A staging buffer for destinations on ``device``: there, or in host memory, page-locked for a GPU
+    (raysync.core.host_memory: exactly ``nbytes``, unpinned when the buffer is dropped); and whether it was
+    page-locked."""
     if memory == "device":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), False
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer, device.type == "cuda" and host_memory.register(buffer)
 
 
 class StagingMemory:
@@ -136,6 +140,7 @@ class StagingMemory:
         self.staging_memory, self.margin_bytes = staging_memory, margin_bytes
         self.buffers: dict[torch.device, torch.Tensor] = {}  # per destination device
         self.placed: dict[torch.device, tuple[str, str]] = {}  # per destination device: (memory, why)
+        self.pinned: set[torch.device] = set()  # whose host buffer is page-locked (unlocked when dropped)
         self.specs: tuple[TensorSpec, ...] | None = None
         self.plan: GroupPlan | None = None
         self.views: dict[str, torch.Tensor] = {}  # name -> its staging tensor (groups share the memory)
@@ -151,9 +156,11 @@ class StagingMemory:
         self.specs, self.views, self.flips = None, {}, []  # a prepare that fails is redone at the next push
         for device, size in plan.sizes.items():
             if device not in self.buffers or self.buffers[device].numel() < size:
-                self.buffers.pop(device, None)  # its memory back before the probe and the new buffer
+                self._drop(device)  # its memory back before the probe and the new buffer
                 self.placed[device] = place(device, size, self.staging_memory, self.margin_bytes)
-                self.buffers[device] = allocate(device, size, self.placed[device][0])
+                self.buffers[device], pinned = allocate(device, size, self.placed[device][0])
+                if pinned:
+                    self.pinned.add(device)
         staged = [self.buffers[t.device][o : o + t.numel()] for t, o in zip(live, plan.offsets, strict=True)]
         self.views = {
             s.name: b.view(DTYPES[s.dtype]).view(s.shape) for s, b in zip(specs, staged, strict=True)
@@ -199,5 +206,16 @@ class StagingMemory:
             memory_why=memory_why,
         )
 
+    def _drop(self, device: torch.device) -> None:
+        """Drop ``device``'s buffer (the plan's views of it went at ``prepare``), page-locked or not."""
+        buffer = self.buffers.pop(device, None)
+        if buffer is not None and device in self.pinned:
+            torch.cuda.synchronize(device)  # no copy out of it is in flight
+            host_memory.unregister(buffer)
+        self.pinned.discard(device)
+
     def close(self) -> None:
-        self.buffers, self.placed, self.views, self.flips, self.specs = {}, {}, {}, [], None
+        self.views, self.flips, self.specs = {}, [], None
+        for device in list(self.buffers):
+            self._drop(device)
+        self.placed = {}

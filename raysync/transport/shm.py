@@ -53,7 +53,7 @@ from typing import ClassVar
 
 import torch
 
-from raysync.core import leftovers
+from raysync.core import host_memory, leftovers
 from raysync.core.control import private_dir_base
 from raysync.core.errors import LayoutError, ShmSpaceError
 from raysync.core.wire import Attached, RingInfo
@@ -163,11 +163,11 @@ class _Segment:
         self._mmap = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
         self.fd, self.nbytes = fd, nbytes
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self._pinned = pin and _cuda_host_register(self.tensor)
+        self._pinned = pin and host_memory.register(self.tensor)
 
     def close(self) -> None:
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            host_memory.unregister(self.tensor)
             self._pinned = False
         self.tensor = None  # type: ignore[assignment]
         try:
@@ -177,18 +177,6 @@ class _Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _cuda_host_register(tensor: torch.Tensor) -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 1)  # 1: portable
-    if int(err) != 0:
-        logger.warning(
-            "cudaHostRegister of %d bytes failed (%s): copies run at pageable speed", tensor.numel(), err
-        )
-        return False
-    return True
 
 
 def create_segment(nbytes: int, pin: bool = True) -> _Segment:
