@@ -347,8 +347,12 @@ async def _call(llm: Any, name: str, args: Any, replies: Callable[[list], dict],
         staged.after_call(gate.bound, name, args, answers)  # settled before requests are let in again
         return answers
 
-    answers = await gate.push(receive, engine)  # a push applied live, or a staged push's flip
-    await gate.moved()
+    try:
+        answers = await gate.push(receive, engine)  # a push applied live, or a staged push's flip
+    finally:
+        await (
+            gate.moved()
+        )  # requests held by the bound look again, also when the push's wake or resume failed
     return answers
 
 
