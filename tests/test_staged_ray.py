@@ -321,6 +321,7 @@ def test_a_staged_push_reports_where_each_engine_staged_it_and_staging_memory_pa
         assert sync.plan.staging == dict(enumerate(staging))
         text = str(sync.plan)
         assert all(f"receiver #{j}: whole, host memory, {total} bytes" in text for j in (0, 1))
+        assert text.splitlines()[-1].startswith("push rounds: ")  # the staging comes before it
         assert sync.flip().version == 1 and sync.staging() == staging  # the memory is kept for the next push
         assert ray.get([e.digest.remote() for e in engines]) == [one, one]
     with WeightSync([trainer], engines[:1], CFG, sink=sink, staging_memory="device") as sync:

@@ -41,7 +41,7 @@ from raysync.core.errors import (
 from raysync.core.staging_memory import STAGING_MEMORY
 from raysync.ray import staged_endpoint as se
 from raysync.ray.actors import SyncActors, first_line
-from raysync.ray.connections import PairConnections
+from raysync.ray.connections import PairConnections, Plan
 from raysync.ray.push_graph import RoundPlan
 from raysync.ray.push_round import PushRound
 from raysync.ray.report import FlipReport, SyncReport
@@ -223,8 +223,8 @@ class StagedPushes:
 
 
 class StagingPlan(RoundPlan):
-    """A WeightSync's plan (its pairs, how push rounds reach the actors), then the engines' staging:
-    ``staging`` {receiver j: StagingReport} as each staged its last staged push ({} before the first)."""
+    """A WeightSync's plan: its pairs, the engines' staging (``staging`` {receiver j: StagingReport} as each
+    staged its last staged push, {} before the first), then how push rounds reach the actors (the last line)."""
 
     def __init__(self, plan: RoundPlan, staged: StagedPushes):
         super().__init__(list(plan), staged.actors, plan.rounds)
@@ -232,7 +232,7 @@ class StagingPlan(RoundPlan):
         self._staging_text = staged.describe()
 
     def __str__(self) -> str:
-        return f"{super().__str__()}\n{self._staging_text}"
+        return f"{Plan.__str__(self)}\n{self._staging_text}\n{self.rounds}"
 
 
 class _StageRound(PushRound):
