@@ -160,7 +160,7 @@ def staging_report(nbytes: int, staging_memory: str) -> StagingReport:
     """What the driver hears of a stage's copies (Note [staging in a vLLM worker])."""
     return StagingReport(
         "whole",
-        "a vLLM worker stages the whole push: copies in the checkpoint's format, allocated at each stage, freed at its flip",
+        "a vLLM worker stages the whole push: copies in the checkpoint's format, freed at the flip",
         "host",
         "a vLLM CPU worker: device and host memory are the same memory",
         staging_memory,
