@@ -31,8 +31,10 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # 12): ne 0.33 ms, count_nonzero of the mask 1.34 ms (its sum of the mask's bytes as int32: 0.72 ms), nonzero
 # 0.73 ms, nonzero_static with the count known 0.67 ms. Counting and then listing reads the mask twice; listing
 # alone gives the count (its length) in the same pass. But listing holds 8 bytes an entry: for a dense chunk (one
-# that goes FULL) that is up to 4x its bf16 bytes, allocated for nothing. So the caller lists only buckets that
-# were sparse at their last push (raysync.core.delta_push: at most SPARSE_DENSITY changed) and counts the others.
+# that goes FULL) that is up to 4x its bf16 bytes (8x its fp8 ones), allocated for nothing. So the caller lists
+# only buckets that were sparse at their last push (raysync.core.delta_push: at most SPARSE_DENSITY changed),
+# and the listing has a fixed size, ``_listing_cap`` (twice that density): a bucket that turned denser is
+# counted after all (its listing then cost one pass for nothing), never listed whole.
 # The listing is one per bucket, not per chunk: listed chunk by chunk (a host sync each), the compare stage of a
 # 7B push (339 tensors in 30 buckets) took 98-110 ms on the H200, where counting took 60.
 # On the CPU count_nonzero is the fastest count (29 ms for 64 Mi elements on the VM, where a byte sum takes 174 ms).
@@ -290,8 +292,10 @@ def _list_changes(
 ) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None]]:
     """Per mask: (changed, forced) as ``_host_counts`` gives them, and the increasing indices of its entries
     (changed elements and the forced ones, which this sets in the mask: Note [delta pushes]). The masks lie one
-    after the other in ``span``: one listing of the span (a host sync on CUDA, nonzero's), cut at the masks'
-    starts, and the cuts and the forced counts cross together (a second sync): two a bucket, none a chunk."""
+    after the other in ``span``: one listing of the span, at most ``_listing_cap`` entries (nonzero_static:
+    memory bounded, no sync), cut at the masks' starts; the cuts and the forced counts cross together, one host
+    sync a bucket. A span with more entries than the cap (a bucket that turned dense) is counted instead, and
+    its indices listed chunk by chunk as a counted bucket's are (None in ``listed``)."""
     based = [m for m in masks if m is not None]
     if not based:
         return [None] * len(masks), [None] * len(masks)
@@ -299,13 +303,23 @@ def _list_changes(
     forced = torch.stack([_count(~s).long() for s in strided])  # before the forced entries are set
     for s in strided:
         s.fill_(True)
-    index = _nonzero_sparse(span) if span.device.type == "cpu" else span.nonzero().view(-1)
     starts = [0]
     for m in based:
         starts.append(starts[-1] + m.numel())
+    cap = _listing_cap(span.numel(), len(based))
+    index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
     cuts = torch.searchsorted(index, torch.tensor(starts, dtype=index.dtype, device=index.device))
     host = torch.cat([cuts, forced]).tolist()
     cut, forced_n = host[: len(starts)], host[len(starts) :]
+    if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
+        counted = iter(_host_counts(based))
+        counts = [None if m is None else next(counted) for m in masks]
+        j, fixed = 0, []
+        for c in counts:
+            if c is not None:
+                c, j = (c[0] - forced_n[j], forced_n[j]), j + 1
+            fixed.append(c)
+        return fixed, [None] * len(masks)
     counts: list[tuple[int, int] | None] = []
     listed: list[torch.Tensor | None] = []
     j = 0
@@ -319,6 +333,13 @@ def _list_changes(
         listed.append(own - starts[j] if starts[j] else own)
         j += 1
     return counts, listed
+
+
+def _listing_cap(elements: int, chunks: int) -> int:
+    """The most entries a listing holds for a span of ``elements`` in ``chunks`` chunks: twice SPARSE_DENSITY
+    (the density a listed bucket had at its last push) and every forced entry; 8 bytes each, at most about
+    the bytes of the span's bf16 values."""
+    return int(2 * SPARSE_DENSITY * elements) + elements // GAP_SPAN + chunks + 1
 
 
 def _write_payload(

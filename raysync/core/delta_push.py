@@ -282,6 +282,7 @@ class Reference:
         self._packer.pack(k)
         mark("pack")
         cap = self.config.delta_max_density
+        sparse, ref.sparse[k] = ref.sparse[k], False  # a failed encode leaves no hint behind
         code = encode(
             ref.pairs[k],
             buffer,
@@ -289,7 +290,7 @@ class Reference:
             max_density=cap,
             space=ref.space,
             mark=mark,
-            sparse=ref.sparse[k],
+            sparse=sparse,
         )
         density = code.density
         ref.sparse[k] = (
