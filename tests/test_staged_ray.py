@@ -268,7 +268,16 @@ def test_max_version_lag_holds_the_engine_at_its_step_boundary_until_the_flip(ra
 def test_full_passes_through_a_live_push_drops_the_staged_version_and_a_load_function_cannot_stage(
     ray_local, no_leftovers, made
 ):
-    config = SyncConfig(bucket_bytes=32 << 10, num_buffers=2, timeout_s=10, progress=False, delta=True)
+    config = (
+        SyncConfig(  # every push that can be a delta is one (the time rule would measure a full push first)
+            bucket_bytes=32 << 10,
+            num_buffers=2,
+            timeout_s=10,
+            progress=False,
+            delta=True,
+            delta_by_time=False,
+        )
+    )
     total = sum(p.nbytes for p in make_model(0).parameters())
     trainer, [engine] = _actors(made, 1)
     with WeightSync([trainer], [engine], config, sink=sink) as sync:
