@@ -211,6 +211,8 @@ def test_a_staged_push_lands_while_both_engines_generate_and_the_flip_makes_it_l
             assert sync.versions() == [live, live] and sync.staged_versions() == [version, version]
             held = ray.get([llm.staged_bytes.remote(), async_host.staged_bytes.remote()], timeout=WAIT_S)
             assert held == [p.bytes for p in report.pairs]  # host copies of the push's tensors
+            staging = sync.staging()  # what each engine says it staged, and where
+            assert [(r.mode, r.memory, r.nbytes) for r in staging] == [("whole", "host", b) for b in held]
             assert ray.get(llm.generate.remote(PROMPTS, TOKENS), timeout=WAIT_S) == expected[live]
             # at most two requests were running when the stage returned: a third one started after it
             after = ray.get(async_host.finished.remote(live), timeout=WAIT_S) + 3
