@@ -114,11 +114,12 @@ def test_host_staging_for_a_gpu_engine_is_pinned_takes_no_gpu_memory_and_flips_b
             assert torch.cuda.current_stream().query()  # complete when it returns: no copy still queued
             assert host_digest(params) == weights_digest(make_model(version))
         buffers = list(receiver._staging.memory.buffers.values())  # the staging memory itself
+        assert len(buffers) == 1 and buffers[0].device.type == "cpu" and buffers[0].is_pinned()
         info = receiver.staging
+    assert not buffers[0].is_pinned()  # unlocked when the session closed
     assert [p.data_ptr() for p in params.values()] == addresses
     assert (info.memory, info.memory_why) == ("host", "staging_memory='host'")
     assert info.devices == (("cuda:0", info.nbytes),) and push_bytes <= info.nbytes
-    assert len(buffers) == 1 and buffers[0].device.type == "cpu" and buffers[0].is_pinned()
 
 
 @pytest.mark.gpu
