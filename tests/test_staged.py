@@ -255,7 +255,8 @@ def test_a_newer_staged_push_replaces_one_never_flipped_and_a_live_push_drops_it
         assert receiver.staged_version is None and receiver.flip() is None and receiver.version == 4
 
 
-def test_groups_mode_flips_one_group_per_step_and_says_mixed_between(private_tmp, in_thread):
+@pytest.mark.parametrize("staging_memory", ["auto", "host"])  # host: what a GPU engine without room gets
+def test_groups_mode_flips_one_group_per_step_and_says_mixed_between(private_tmp, in_thread, staging_memory):
     model = make_model(None)
     layer = model[0].weight.nbytes + model[0].bias.nbytes
     with session_pair(CONFIG) as (sender, receiver):
@@ -263,18 +264,25 @@ def test_groups_mode_flips_one_group_per_step_and_says_mixed_between(private_tmp
         running = in_thread(engine.run)
         for version in (1, 2, 3):
             pushing = in_thread(_push, sender, version)
-            receiver.receive(into=dict(model.named_parameters()), flip=False, staging_bytes=layer + 1024)
+            receiver.receive(
+                into=dict(model.named_parameters()),
+                flip=False,
+                staging_bytes=layer + 1024,
+                staging_memory=staging_memory,
+            )
             pushing.result(timeout=30)
             engine.wait(lambda s, v=version: s[-1].version == v, f"on version {version}")
         engine.stop.set()
         running.result(timeout=60)
         info = receiver.staging
     assert (info.mode, info.groups) == ("groups", LAYERS) and "exceeds staging_bytes" in info.why
+    assert info.memory == "host"  # the model's tensors are in host memory
     assert info.nbytes < info.push_bytes  # the budget, not the model
     digests = {v: weights_digest(make_model(v)) for v in (1, 2, 3)} | {None: weights_digest(make_model(None))}
     assert [s for s in engine.steps if s.before != s.after] == []
     assert [s for s in engine.steps if s.version != MIXED and digests[s.version] != s.before] == []
     assert any(s.version == MIXED for s in engine.steps)  # between a push's first and last flip
+    assert weights_digest(model) == digests[3]
 
 
 def test_groups_mode_without_an_engine_flipping_times_out_naming_the_engine(private_tmp, in_thread):

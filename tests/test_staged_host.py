@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import session_pair
-from test_staged import CONFIG, LAYERS, Engine, _push, make_model, weights_digest
+from test_staged import CONFIG, _push, make_model, weights_digest
 
 from raysync.core.staging_memory import StagingMemory
-from raysync.core.version import MIXED
 from raysync.core.wire import TensorSpec
 
 SAME_MEMORY = "the destinations are in host memory: device and host staging are the same memory"
@@ -62,34 +61,6 @@ def test_an_unknown_staging_memory_is_refused_before_the_push_starts(private_tmp
         with pytest.raises(ValueError, match="staging_memory='gpu': one of auto, device, host"):
             receiver.receive(into=dict(model.named_parameters()), flip=False, staging_memory="gpu")
         assert receiver.version is None and receiver.staging is None
-
-
-def test_groups_mode_in_host_memory_flips_group_by_group_to_exactly_each_version(private_tmp, in_thread):
-    model = make_model(None)
-    layer = model[0].weight.nbytes + model[0].bias.nbytes
-    with session_pair(CONFIG) as (sender, receiver):
-        engine = Engine(receiver, model)
-        running = in_thread(engine.run)
-        for version in (1, 2, 3):
-            pushing = in_thread(_push, sender, version)
-            receiver.receive(
-                into=dict(model.named_parameters()),
-                flip=False,
-                staging_bytes=layer + 1024,
-                staging_memory="host",
-            )
-            pushing.result(timeout=30)
-            engine.wait(lambda s, v=version: s[-1].version == v, f"on version {version}")
-        engine.stop.set()
-        running.result(timeout=60)
-        info = receiver.staging
-    assert (info.mode, info.groups, info.memory) == ("groups", LAYERS, "host")
-    assert info.nbytes < info.push_bytes  # the budget, not the model
-    digests = {v: weights_digest(make_model(v)) for v in (None, 1, 2, 3)}
-    assert [s for s in engine.steps if s.before != s.after] == []  # no flip inside a step
-    assert [s for s in engine.steps if s.version != MIXED and digests[s.version] != s.before] == []
-    assert any(s.version == MIXED for s in engine.steps)
-    assert weights_digest(model) == digests[3]
 
 
 @pytest.mark.gpu
