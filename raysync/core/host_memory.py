@@ -2,9 +2,9 @@
 copies between it and a GPU run at pinned speed: ``cudaHostRegister`` on the bytes as they are, undone with
 ``unregister`` before they are freed or unmapped.
 
-Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every block up to a power of
-two (16 GiB pinned for a 15.2 GB staging buffer) and keeps freed blocks pinned and cached, never returning them
-to the system. Registering pins exactly the bytes asked for, for exactly as long as their owner holds them.
+Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator (as its source reads; not measured
+here) rounds every block up to a power of two, which is 16 GiB for a 15.2 GB staging buffer, and keeps freed
+blocks pinned and cached, never returning them to the system. Registering pins exactly the bytes asked for, for exactly as long as their owner holds them.
 """
 
 from __future__ import annotations
