@@ -141,8 +141,9 @@ def test_a_bounded_flip_after_a_dropped_version_waits_for_the_next_push_without_
     staging.begin(1)
     staging.landed(1)
     staging.make_sink((specs["a"], specs["b"]), graphs=False)  # a new layout: version 1 is dropped
+    waited = in_thread(staging.flip, max_version_lag=0, wait_s=0.2)  # on a thread: a spin fails, not hangs
     with pytest.raises(StaleWeights):
-        staging.flip(max_version_lag=0, wait_s=0.2)
+        waited.result(timeout=30)
     flipped = in_thread(staging.flip, max_version_lag=0, wait_s=30)
     staging.begin(2)  # would block for good behind a spinning flip
     staging.landed(2)

@@ -16,9 +16,9 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #     compare  ne(reference, new) into the workspace's mask, chunk by chunk       (reads 2 x, writes 1 byte)
 #     count    changed and forced entries of every chunk, stacked: one host sync  (reads the mask)
 #              or, for a bucket the caller expects sparse (``sparse``), list instead of count: each chunk's
-#              forced entries set, then the bucket's indices listed at once (nonzero: how many fall in each
-#              chunk is its count; two host syncs a bucket), which spares the count's pass over the mask and
-#              nonzero_static's (Note [listing instead of counting])
+#              forced entries set, then the bucket's indices listed at once (nonzero_static, capped: how many
+#              fall in each chunk is its count; one host sync a bucket), which spares the count's pass over the
+#              mask (Note [listing instead of counting])
 #     choose   FULL / SAME / GAPS per chunk on the host (the density rule, its reason)
 #     compact  GAPS: indices (listed already, or nonzero_static where the count is known: no sync on CUDA),
 #              gaps as int16, values gathered straight into the payload (index_select out=); FULL: one copy
@@ -312,27 +312,18 @@ def _list_changes(
     host = torch.cat([cuts, forced]).tolist()
     cut, forced_n = host[: len(starts)], host[len(starts) :]
     if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
-        counted = iter(_host_counts(based))
-        counts = [None if m is None else next(counted) for m in masks]
-        j, fixed = 0, []
-        for c in counts:
-            if c is not None:
-                c, j = (c[0] - forced_n[j], forced_n[j]), j + 1
-            fixed.append(c)
-        return fixed, [None] * len(masks)
-    counts: list[tuple[int, int] | None] = []
-    listed: list[torch.Tensor | None] = []
-    j = 0
-    for m in masks:
-        if m is None:
-            counts.append(None)
-            listed.append(None)
-            continue
-        own = index[cut[j] : cut[j + 1]]
-        counts.append((own.numel() - forced_n[j], forced_n[j]))
-        listed.append(own - starts[j] if starts[j] else own)
-        j += 1
-    return counts, listed
+        counted = [(c - f, f) for (c, _), f in zip(_host_counts(based), forced_n, strict=True)]
+        return _spread(masks, counted), [None] * len(masks)
+    owns = [index[cut[j] : cut[j + 1]] for j in range(len(based))]
+    counts = [(own.numel() - f, f) for own, f in zip(owns, forced_n, strict=True)]
+    listed = [own - start if start else own for own, start in zip(owns, starts[:-1], strict=True)]
+    return _spread(masks, counts), _spread(masks, listed)
+
+
+def _spread(masks: list[torch.Tensor | None], values: list) -> list:
+    """``values``, one per mask that is not None, laid out as ``masks`` (None where a mask is None)."""
+    it = iter(values)
+    return [None if m is None else next(it) for m in masks]
 
 
 def _listing_cap(elements: int, chunks: int) -> int:

@@ -207,7 +207,7 @@ class Reference:
         usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
         self._measured = self._usable = usable
         self._refused = False
-        self._full_from: int | None = None  # the bucket from which this delta push goes full (``_on_time``)
+        self._full_from = None
         based = usable and self.version is not None
         as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
@@ -292,10 +292,8 @@ class Reference:
             mark=mark,
             sparse=sparse,
         )
-        density = code.density
-        ref.sparse[k] = (
-            density is not None and density <= SPARSE_DENSITY
-        )  # Note [listing instead of counting]
+        density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
+        ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
         ref.take_scratch(k)
         mark("reference")
         self.stats = self.stats.add(code)

@@ -53,9 +53,8 @@ class ReferenceBytes:
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
         ]  # the same offsets in both
-        self.sparse = [False] * len(
-            buckets
-        )  # bucket k had few changes at its last delta (encode's ``sparse``)
+        # bucket k had few changes at its last delta push (encode's ``sparse``)
+        self.sparse = [False] * len(buckets)
 
     @property
     def off(self) -> str | None:

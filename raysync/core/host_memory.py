@@ -4,7 +4,8 @@ copies between it and a GPU run at pinned speed: ``cudaHostRegister`` on the byt
 
 Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator (as its source reads; not measured
 here) rounds every block up to a power of two, which is 16 GiB for a 15.2 GB staging buffer, and keeps freed
-blocks pinned and cached, never returning them to the system. Registering pins exactly the bytes asked for, for exactly as long as their owner holds them.
+blocks pinned and cached, never returning them to the system. Registering pins exactly the bytes asked for,
+for exactly as long as their owner holds them.
 """
 
 from __future__ import annotations

@@ -330,9 +330,8 @@ class Sinks:
         except KeyError:
             key = None  # IntoTensors names the missing destination
         if key is None or key != self._key:
-            self._into = (
-                None  # the old sink (its views of the staging memory) goes before the new one is made
-            )
+            # the old sink (its views of the staging memory) goes before the new one is made
+            self._into = None
             if make_sink is not None:
                 self._into = make_sink(specs, self._graphs)
             else:
