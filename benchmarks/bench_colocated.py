@@ -1,9 +1,11 @@
-"""Benchmark: one trainer -> N engines on its GPU (issue 20, item 4): one session per engine, pushed at once from
-threads of the trainer's process (as WeightSync pushes a sender's pairs), each engine a process of its own that
-copies every tensor into its own preallocated destinations.
+"""Benchmark: one trainer -> N engines on its GPU (issue 20, item 4), each engine a process of its own that copies
+every tensor into its own preallocated destinations, two ways: one session per engine, pushed at once from threads
+of the trainer's process (as WeightSync pushes a sender's pairs), and one fan-out session that all N read
+(``WeightSender(receivers=N)``: one PushStart, the ring packed once, or in direct mode the trainer's tensors).
 
     python benchmarks/bench_colocated.py --device cuda --layout qwen2.5-7b --engines 1 2 3   # cuda_ipc direct
     python benchmarks/bench_colocated.py --device cuda --no-direct                          # cuda_ipc ring
+    python benchmarks/bench_colocated.py --device cuda --ways fan-out                       # fan-out only
     python benchmarks/bench_colocated.py                                   # CPU stand-in: shm, Qwen2.5-0.5B
 
 In direct mode the trainer packs nothing: each engine reads the trainer's tensors in place, so the trainer's
@@ -40,7 +42,9 @@ def floor_s(src: dict[str, torch.Tensor], device: str, engines: int, repeats: in
     return timed(once, torch.device(device), repeats)
 
 
-def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool, bucket_mb: int) -> dict:
+def bench(
+    src, layout: str, device: str, engines: int, pushes: int, direct: bool, bucket_mb: int, fan_out: bool
+) -> dict:
     ctx = mp.get_context("spawn")
     config = SyncConfig(
         transport="cuda_ipc" if device == "cuda" else "shm",
@@ -51,20 +55,27 @@ def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool
         progress=False,
     )
     out = ctx.Queue()
-    secrets = [SessionSecret.generate() for _ in range(engines)]
-    senders = [WeightSender(secret, config) for secret in secrets]
-    pool = ThreadPoolExecutor(engines)
+    if fan_out:  # one session, N endpoints
+        secret = SessionSecret.generate()
+        senders = [WeightSender(secret, config, receivers=engines)]
+        ends = [(e, secret) for e in senders[0].endpoints]
+    else:
+        secrets = [SessionSecret.generate() for _ in range(engines)]
+        senders = [WeightSender(secret, config) for secret in secrets]
+        ends = [(s.endpoint, sec) for s, sec in zip(senders, secrets, strict=True)]
+    pool = ThreadPoolExecutor(len(senders))
     try:
         procs = [
-            ctx.Process(
-                target=receiver_main, args=(s.endpoint, sec, config, layout, device, pushes + 1, 1, out)
-            )
-            for s, sec in zip(senders, secrets, strict=True)
+            ctx.Process(target=receiver_main, args=(e, sec, config, layout, device, pushes + 1, 1, out))
+            for e, sec in ends
         ]
         for p in procs:
             p.start()
 
         def push_all(version: int) -> None:
+            if len(senders) == 1:
+                senders[0].push(src.items(), version)
+                return
             for f in [pool.submit(s.push, src.items(), version) for s in senders]:
                 f.result(timeout=600)
 
@@ -74,6 +85,7 @@ def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool
             t0 = time.perf_counter()
             push_all(version)
             times.append(time.perf_counter() - t0)
+        packed = sum(s.packed_buckets for s in senders)
         sums = [out.get(timeout=600) for _ in procs]
         for p in procs:
             p.join(timeout=60)
@@ -84,9 +96,11 @@ def bench(src, layout: str, device: str, engines: int, pushes: int, direct: bool
     assert all(s == checksum(src) for s in sums), "an engine's tensors differ from the trainer's"
     return {
         "engines": engines,
+        "way": "fan-out" if fan_out else "sessions",
         "median_s": statistics.median(times),
         "min_s": min(times),
         "max_s": max(times),
+        "packed_buckets_last_push": packed,
     }
 
 
@@ -98,6 +112,7 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=10)
     ap.add_argument("--no-direct", action="store_true", help="cuda_ipc ring instead of direct mode")
     ap.add_argument("--bucket-mb", type=int, default=512, help="the ring's bucket (ring and shm only)")
+    ap.add_argument("--ways", nargs="+", default=["sessions", "fan-out"], choices=["sessions", "fan-out"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -109,19 +124,23 @@ def main() -> None:
     if not direct:
         path += f" 2 x {args.bucket_mb} MiB"
     print(f"{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB, {path}, {hardware}")
-    print(f"{'engines':>7} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6}")
+    print(f"{'engines':>7} {'way':>9} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6} {'packs':>6}")
     rows = []
     for n in args.engines:
         floor = floor_s(src, args.device, n, args.pushes)
-        r = bench(src, args.layout, args.device, n, args.pushes, direct, args.bucket_mb) | {"floor_s": floor}
-        rows.append(r)
-        print(
-            f"{n:>7} {r['median_s']:>9.4f} {floor:>8.4f} {r['median_s'] / floor:>8.2f} "
-            f"{r['median_s'] / rows[0]['median_s']:>6.2f}"
-        )
+        for way in args.ways:
+            r = bench(
+                src, args.layout, args.device, n, args.pushes, direct, args.bucket_mb, way == "fan-out"
+            ) | {"floor_s": floor}
+            rows.append(r)
+            one = next(x for x in rows if x["way"] == way)
+            print(
+                f"{n:>7} {way:>9} {r['median_s']:>9.4f} {floor:>8.4f} {r['median_s'] / floor:>8.2f} "
+                f"{r['median_s'] / one['median_s']:>6.2f} {r['packed_buckets_last_push']:>6}"
+            )
     emit(
         {
-            "what": "one trainer -> N engines on its device, one session each, pushed at once",
+            "what": "one trainer -> N engines on its device: one session each, pushed at once, or one fan-out session",
             "layout": args.layout,
             "device": args.device,
             "hardware": hardware,

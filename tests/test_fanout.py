@@ -1,4 +1,5 @@
-"""Fan-out (issue 20, item 3): one sender, N receivers reading one shm ring; each bucket packed once."""
+"""Fan-out (issue 20, item 3): one sender, N receivers reading one ring (shm; cuda_ipc on a GPU) or, direct, the
+trainer's tensors; each bucket packed once."""
 
 from __future__ import annotations
 
@@ -76,3 +77,34 @@ def test_fan_out_is_refused_where_it_is_not_built():
     secret = SessionSecret.generate()
     with pytest.raises(ValueError, match="1 when an endpoint is given"):
         WeightSender(secret, CFG, endpoint="ipc:///tmp/x", receivers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("direct", [False, True], ids=["cuda_ipc ring", "cuda_ipc direct"])
+def test_three_engines_read_one_cuda_ipc_ring_or_the_trainers_tensors(spawn, no_leftovers, direct):
+    """Fan-out over CUDA IPC: three engine processes on the trainer's GPU read one ring (each bucket packed
+    once) or, direct, the trainer's own tensors; every push lands bit-exact in all three."""
+    from workers import digest, ipc_receiver
+
+    from raysync.tools.models import allocate
+
+    torch.cuda.set_device(0)
+    config = SyncConfig(
+        transport="cuda_ipc", direct=direct, bucket_bytes=64 << 20, timeout_s=120, progress=False
+    )
+    src = allocate("qwen2.5-0.5b", device="cuda")
+    secret, out, pushes = SessionSecret.generate(), spawn.ctx.Queue(), 3
+    with WeightSender(secret, config, receivers=3) as sender:
+        for e in sender.endpoints:
+            spawn(ipc_receiver, e, secret, config, 0, None, "qwen2.5-0.5b", pushes, out)
+        for version in range(1, pushes + 1):
+            for i, t in enumerate(src.values()):
+                t.add_(version + i % 3)
+            report = sender.push(src.items(), version)
+            assert sender.packed_buckets == (0 if direct else report.buckets)  # once for all three
+        want = digest((n, t.cpu()) for n, t in src.items())
+        got = [out.get(timeout=300) for _ in range(3 * 3)]
+    last = [m[2] for m in got if m[0] == "digest" and m[1] == pushes - 1]
+    assert len(last) == 3 and all(d == want for d in last)
+    assert sum(m[0] == "done" for m in got) == 3

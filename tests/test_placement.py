@@ -399,3 +399,30 @@ def test_weightsync_default_config_plans_each_pair_and_pushes_bit_exact(ray_loca
         expected = ray.get(trainer.step.remote(1))
         sync.push(1)
         assert ray.get(engine.digest.remote()) == expected
+
+
+def test_fan_outs_group_each_senders_pairs_of_one_kind_on_its_host():
+    """issue 20, item 3: a sender's engines on its host that its plan reaches the same way share one session;
+    pairs planned otherwise, or on other hosts, keep their own."""
+    from raysync.ray.fanout_group import groups, plan_fan_outs
+
+    trainer = gpu()
+    engines = [gpu(), gpu(), gpu("GPU-b"), gpu(ipc=False), gpu(ipc=False), at("n2", "GPU-a", host="h2")]
+    pairs = [(0, j) for j in range(len(engines))]
+    plans = plan_pairs(pairs, [trainer], engines, ALL, SyncConfig(), {0: IN_PLACE})
+    assert [(p.transport, p.direct) for p in plans] == [("cuda_ipc", True)] * 3 + [("shm", False)] * 2 + [
+        ("collective", False)
+    ]
+    fanned = plan_fan_outs(plans, [trainer], engines)
+    assert groups(fanned) == {0: [0, 1, 2]}  # three read the trainer's tensors; the two shm pairs are fewer
+    assert all(
+        p.reason.endswith("fan-out: the trainer's tensors (cuda_ipc direct) read by 3 engines")
+        for p in fanned[:3]
+    )
+    assert fanned[3:] == plans[3:]  # unchanged: their own sessions
+    cast = plan_pairs([(0, j) for j in range(3)], [trainer], engines[:3], ALL, SyncConfig(), {0: CAST})
+    ring = plan_fan_outs(cast, [trainer], engines[:3])
+    assert groups(ring) == {0: [0, 1, 2]} and "fan-out: one cuda_ipc ring read by 3 engines" in ring[0].reason
+    assert len({(p.bucket_bytes, p.num_buffers) for p in ring}) == 1  # one ring: one shape
+    alone = plan_fan_outs(plans[:1] + plans[5:], [trainer], engines)
+    assert groups(alone) == {}  # one pair per kind: nothing to share

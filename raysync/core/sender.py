@@ -2,7 +2,7 @@
 
 A thin wrapper: it binds the control channel, and the push session (raysync.core.session.PushSender) runs the
 stages of every push over the data plane the config names (shm ring, cuda_ipc ring, cuda_ipc direct), to
-one receiver or, over one shm ring, to N.
+one receiver or to N (fan-out: N readers of one shm or cuda_ipc ring, or of the trainer's tensors in direct mode).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from raysync.core.wire import SessionSecret
 class WeightSender(PushSender):
     """Binds the control endpoint at construction; give ``endpoint`` and the secret to the receiver.
 
-    ``receivers=N`` (fan-out, shm): one ring that N receivers read, each bucket packed once for all of them;
+    ``receivers=N`` (fan-out: shm, cuda_ipc ring or direct): one ring that N receivers read, each bucket packed
+    once for all of them (direct: N receivers reading the trainer's tensors, nothing packed);
     receiver i connects to ``endpoints[i]`` (an explicit ``endpoint`` is for one receiver). A push returns when
     all N have applied it, and moves all N together: one that refuses it stops it for all, before any byte."""
 

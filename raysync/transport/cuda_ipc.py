@@ -140,9 +140,12 @@ class CudaIpcRingSender:
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
 
-    def __init__(self, num_buffers: int, buffer_bytes: int, pin: bool = True):
+    def __init__(self, num_buffers: int, buffer_bytes: int, pin: bool = True, readers: int = 1):
+        """``readers``: receivers that read this ring (fan-out): a buffer is packed again only once every one
+        of them has recorded that it read it."""
         self.device = torch.cuda.current_device()
         self.buffer_bytes = buffer_bytes
+        self.readers = readers
         self.buffers = [
             torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)
         ]
@@ -150,23 +153,30 @@ class CudaIpcRingSender:
         for e in self._packed:
             e.record()  # created on this device now (an event gets its device at its first record)
         self._exports = [export(b, e) for b, e in zip(self.buffers, self._packed, strict=True)]
-        self._freed: list[torch.cuda.Event] = []
+        self._freed: list[list[torch.cuda.Event]] = []  # per reader, per buffer: it has read the buffer
         logger.debug(
             "cuda_ipc ring: %d x %d bytes on GPU %s", num_buffers, buffer_bytes, uuid_of(self.device)
         )
 
     def info(self) -> RingInfo:
-        return RingInfo(self.name, len(self.buffers), self.buffer_bytes, (), tuple(self._exports))
+        return RingInfo(
+            self.name, len(self.buffers), self.buffer_bytes, (), tuple(self._exports), readers=self.readers
+        )
 
     def receiver_attached(self, attached: Attached) -> None:
+        """One reader's events (called once per reader, in the session's receiver order)."""
         if len(attached.events) != len(self.buffers):
             raise LayoutError(
                 f"the receiver sent {len(attached.events)} events for {len(self.buffers)} buffers"
             )
-        self._freed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in attached.events]
+        if len(self._freed) == self.readers:
+            raise LayoutError(f"a reader too many: this ring was made for {self.readers}")
+        self._freed.append([torch.cuda.Event.from_ipc_handle(self.device, h) for h in attached.events])
 
     def before_pack(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._freed[slot])
+        stream = torch.cuda.current_stream(self.device)
+        for freed in self._freed:  # every reader has read what the buffer held
+            stream.wait_event(freed[slot])
 
     def after_pack(self, slot: int) -> None:
         self._packed[slot].record(torch.cuda.current_stream(self.device))

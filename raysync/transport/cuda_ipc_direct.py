@@ -8,6 +8,8 @@ Layout); the plan is one bucket per storage (plan.direct_buckets), on both sides
 here (``begin``) and, on the receiver, one wait on that event and one batch of copies (a CopyList) out of the
 mapped storages. Nothing is claimed, packed or published per bucket. For trainers whose parameters stay alive,
 contiguous and in their wire dtype between pushes (one GPU, plain DDP); gathered or cast tensors need the ring.
+N engines may read the same exported tensors (fan-out, ``WeightSender(receivers=N)``): one PushStart for all,
+each copies on its own GPU stream, and the push ends when all N have.
 """
 
 from __future__ import annotations
@@ -33,23 +35,27 @@ class CudaIpcDirectSender:
     is_available = CudaIpcRingSender.is_available
     slots = 0  # nothing to pack ahead: the receiver reads the source in place
     reads_in_place = True
-    all_or_none = False
     buffers: ClassVar[list[torch.Tensor]] = []  # nothing for a Packer to write into
 
-    def __init__(self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True):
-        """The ring's sizes are taken and unused (no ring): the same constructor as every ring sender."""
+    def __init__(self, num_buffers: int = 0, buffer_bytes: int = 0, pin: bool = True, readers: int = 1):
+        """The ring's sizes are taken and unused (no ring): the same constructor as every ring sender.
+        ``readers``: engines that read the exported tensors (fan-out); they move together (``all_or_none``):
+        the trainer's tensors are free again once every one of them has copied them."""
         self.device = torch.cuda.current_device()
         self.transport = self
+        self.readers = readers
+        self.all_or_none = readers > 1
         self._ready = torch.cuda.Event(interprocess=True)
         self._ready.record()  # created on this device now
         self.shared: list[torch.Tensor] = []  # what is exported: byte views of the trainer's storages
 
     @classmethod
     def open(cls, transport: type, config: SyncConfig, channel: Channel) -> CudaIpcDirectSender:
-        return transport(config.num_buffers, config.bucket_bytes)
+        readers = len(getattr(channel, "channels", [channel]))
+        return transport(config.num_buffers, config.bucket_bytes, readers=readers)
 
     def describe(self) -> RingInfo:
-        return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle())
+        return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle(), readers=self.readers)
 
     def attached(self, attached: Attached) -> None:
         """Nothing to drop: what the receiver maps comes with DirectSources, at each new set of tensors."""
@@ -132,7 +138,6 @@ class CudaIpcDirectReceiver:
     them after waiting, on its stream, for the sender's ready event."""
 
     name: ClassVar[str] = "cuda_ipc_direct"
-    all_or_none = False
 
     def __init__(self, info: RingInfo, pin: bool = True):
         if info.transport != self.name or info.num_buffers or info.cuda or not info.ready_event:
@@ -142,6 +147,7 @@ class CudaIpcDirectReceiver:
             )
         self.device = torch.cuda.current_device()
         self.transport = self
+        self.all_or_none = info.readers > 1  # the other readers of the same tensors move with this one
         self.buffers: list[torch.Tensor] = []
         self._ready = torch.cuda.Event.from_ipc_handle(self.device, info.ready_event)
         self._mapped_layout = 0  # the layout whose DirectSources are mapped

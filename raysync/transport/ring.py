@@ -5,7 +5,7 @@
     receiver  read(k): wait for BucketReady(k, k % S), then before_unpack -> unpack -> release(k):
               after_unpack + BucketFreed(k, k % S)
 
-S is the ring's number of buffers. A ring may have N readers (fan-out, shm only so far): bucket k is packed
+S is the ring's number of buffers. A ring may have N readers (fan-out: shm, cuda_ipc): bucket k is packed
 once, BucketReady goes to all N, and its buffer is free again when all N have sent BucketFreed (the session's
 Fanout collects one from each). N readers move together (``all_or_none``): one that has the version already
 reads the push anyway, so no buffer waits for a reader that skipped.
@@ -47,9 +47,9 @@ class RingPlane:
         readers = len(getattr(channel, "channels", [channel]))
         if readers == 1:
             return cls(transport(config.num_buffers, config.bucket_bytes), channel)
-        if transport.name != "shm":
+        if transport.name not in ("shm", "cuda_ipc"):
             raise TransportUnavailable(
-                f"{readers} readers of one {transport.name} ring: fan-out is built for shm only"
+                f"{readers} readers of one {transport.name} ring: fan-out is built for shm and cuda_ipc"
             )
         return cls(transport(config.num_buffers, config.bucket_bytes, readers=readers), channel)
 
