@@ -40,3 +40,28 @@ def test_deltas_over_a_cuda_ipc_ring_and_full_pushes_in_direct_mode(spawn, no_le
     assert got[1][:2] == ("digest", 2) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
     child.join(timeout=60)
     assert child.exitcode == 0
+
+
+def test_under_the_time_rule_a_ring_read_on_the_trainers_gpu_pushes_full_without_a_measuring_delta(
+    spawn, no_leftovers
+):
+    """On one GPU a cuda_ipc ring's full push is two device copies, which a delta's compare costs alone: the
+    session says so at set-up and sends no delta, not even the one that would measure (Note [the delta
+    reference])."""
+    config = SyncConfig(transport="cuda_ipc", delta=True, timeout_s=120, progress=False)
+    torch.cuda.set_device(0)
+    named = allocate(LAYOUT, device="cuda")
+    full = sum(t.nbytes for t in named.values())
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        child = spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, LAYOUT, 4, out)
+        for version in (1, 2, 3, 4):
+            for t in named.values():
+                t.view(-1)[version::997].add_(1.0)
+            report = sender.push(named.items(), version)
+            assert report.base_version is None and report.bytes == full, version
+        assert "two device copies" in sender.delta_off
+        got = [out.get(timeout=120) for _ in range(3)]
+    assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    child.join(timeout=60)
+    assert child.exitcode == 0

@@ -33,6 +33,10 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 #   ``encoded(k, nbytes)``: its table first, then the rest, whose size the table says). A broadcast moves the
 #   group together, so one receiver not at the base makes that round full for the whole group: a full
 #   broadcast serves the others as well as the one, and costs what the one's full push would have.
+# * a cuda_ipc ring read on the trainer's own GPU, under the time rule, never (ONE_GPU_OFF): its full push is
+#   two device copies, which the delta's compare costs alone; the rule measured it so on an H200 (7B: the
+#   measuring delta push 235.5 ms, full pushes 30-34 ms) and sent full ever after, so the measuring push is
+#   skipped. Readers on a peer GPU pull a full push over NVLink, where a delta may win: the rule decides.
 # * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: encoding a
 #   bucket reads its reference and its new bytes at least once each (the compare), already more than the
 #   one copy of its full bytes that direct mode makes, so a delta can never beat it (docs/benchmarks.md,
@@ -77,6 +81,12 @@ logger = logging.getLogger(__name__)
 DIRECT_OFF = (
     "direct mode reads the trainer's tensors in place with one copy each; encoding a delta reads the "
     "reference and the new bytes at least once each, more than that copy, so its pushes go full"
+)
+
+ONE_GPU_OFF = (
+    "a cuda_ipc ring whose readers are on the trainer's GPU moves a push as two device copies; encoding a delta "
+    "reads the reference and the new bytes once each, as much, so the time rule sends full pushes "
+    "(SyncConfig(delta_by_time=False) sends deltas anyway)"
 )
 
 
@@ -186,6 +196,9 @@ class Reference:
             return
         if plane.reads_in_place:
             self.off = DIRECT_OFF
+        elif self.config.delta_by_time and getattr(plane.transport, "one_gpu", False):
+            # its measuring delta push would take ~7x a full one (docs/benchmarks.md, section 12)
+            self.off = ONE_GPU_OFF
         elif not made_here and not hasattr(plane, "encoded"):
             self.off = f"the {plane.name} plane moves whole buffers only, so its pushes go full"
         self.enabled = self.off is None

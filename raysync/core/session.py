@@ -216,9 +216,9 @@ class PushSender(OnPlane):
         if self._plane is None:
             config = ring_config(self.config, specs) if self._delta.enabled else self.config
             self._plane, hellos = open_plane(self._channel, config, self._given_plane)
-            self._delta.on_plane(self._plane, made_here=self._given_plane is None)
             self._stream = SenderStream(self._plane, self._channel, self._agreed, self.config, self._delta)
             attach_receivers(self._plane, self._channel, config, hellos)
+            self._delta.on_plane(self._plane, made_here=self._given_plane is None)  # knows its readers now
 
     def _report(self, version: int, tensors: int, skipped: bool, seconds: float) -> PushReport:
         stats = self._delta.stats if self._delta.active else None

@@ -186,9 +186,11 @@ class RingInfo:
 @dataclass(frozen=True)
 class Attached:
     """receiver -> sender: every buffer is mapped (the sender may now forget the names). ``events``: the IPC
-    handles of the events the receiver records when it has read a buffer (cuda_ipc only)."""
+    handles of the events the receiver records when it has read a buffer, and ``device_uuid`` the GPU it reads
+    them from (cuda_ipc only)."""
 
     events: tuple[bytes, ...] = ()
+    device_uuid: str = ""
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class CudaIpcRingSender:
             e.record()  # created on this device now (an event gets its device at its first record)
         self._exports = [export(b, e) for b, e in zip(self.buffers, self._packed, strict=True)]
         self._freed: list[list[torch.cuda.Event]] = []  # per reader, per buffer: it has read the buffer
+        self._reader_gpus: list[str] = []  # per reader, the GPU (UUID) it reads the ring from
         logger.debug(
             "cuda_ipc ring: %d x %d bytes on GPU %s", num_buffers, buffer_bytes, uuid_of(self.device)
         )
@@ -172,6 +173,12 @@ class CudaIpcRingSender:
         if len(self._freed) == self.readers:
             raise LayoutError(f"a reader too many: this ring was made for {self.readers}")
         self._freed.append([torch.cuda.Event.from_ipc_handle(self.device, h) for h in attached.events])
+        self._reader_gpus.append(attached.device_uuid)
+
+    @property
+    def one_gpu(self) -> bool:
+        """Every reader reads the ring on the GPU it lives on (no peer GPU): a push is two device copies."""
+        return bool(self._reader_gpus) and all(u == uuid_of(self.device) for u in self._reader_gpus)
 
     def before_pack(self, slot: int) -> None:
         stream = torch.cuda.current_stream(self.device)
@@ -184,7 +191,7 @@ class CudaIpcRingSender:
     def close(self) -> None:
         """Teardown is the one place that releases: the allocation goes back once the receiver's reference
         is dropped too (torch's IPC reference count), and ipc_collect frees what is left."""
-        self.buffers, self._exports, self._packed, self._freed = [], [], [], []
+        self.buffers, self._exports, self._packed, self._freed, self._reader_gpus = [], [], [], [], []
         torch.cuda.ipc_collect()
 
 
@@ -218,7 +225,7 @@ class CudaIpcRingReceiver:
         return torch.cuda.current_stream(self.device)
 
     def attached(self) -> Attached:
-        return Attached(tuple(e.ipc_handle() for e in self._freed))
+        return Attached(tuple(e.ipc_handle() for e in self._freed), uuid_of(self.device))
 
     def before_unpack(self, slot: int) -> None:
         self._stream().wait_event(self._packed[slot])
