@@ -6,7 +6,10 @@ A trainer actor and an engine actor (``num_cpus=0``) hold ``--tensors`` float32 
 (20 x 4 KB by default) and push them over shm, through ``WeightSync(push_rounds=...)`` once per way a round
 reaches the actors ("calls", "graph", "loop"), and through the same pair as a raw session (WeightSender here,
 WeightReceiver in a spawned process, no Ray). Each row: the median of ``--pushes`` pushes after ``--warmup``.
-Ray's share is a row's median minus the raw session's.
+Ray's share is a row's median minus the raw session's. Each row also says the CPU time a push costs (user + system,
+``resource.getrusage`` of each process over the timed pushes, every thread of it): the driver, the sender's and
+the receiver's process (raw session: the sending process and the receiving one): on a VM whose cores other work
+shares, a figure that moves less than the wall clock's.
 
 Then a second pass per row, with stamps (time.perf_counter_ns: CLOCK_MONOTONIC, one clock for the host's
 processes) taken by wrappers this script installs around raysync's functions in the driver and in both actors
@@ -34,6 +37,7 @@ import argparse
 import collections
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -63,6 +67,12 @@ class Holder:
 
     def checksum(self) -> float:
         return checksum(self.tensors)
+
+
+def cpu_s(_actor: Any = None) -> float:
+    """User + system CPU seconds of this process so far, every thread of it."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def layout(tensors: int, numel: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -167,7 +177,10 @@ def weightsync_row(actors: tuple[Any, Any], rounds: str, args) -> dict[str, Any]
     t0 = time.perf_counter()
     with WeightSync([trainer], [engine], config, source=source, sink=sink, push_rounds=rounds) as sync:
         setup_s = time.perf_counter() - t0
-        times = timed_pushes(sync, 0, args.warmup, args.pushes)
+        timed_pushes(sync, 0, args.warmup, 0)
+        before = [cpu_s(), *ray.get([a.__ray_call__.remote(cpu_s) for a in actors])]
+        times = timed_pushes(sync, args.warmup, 0, args.pushes)
+        after = [cpu_s(), *ray.get([a.__ray_call__.remote(cpu_s) for a in actors])]
         got = ray.get(engine.checksum.remote())
         assert got == want, f"{rounds}: the engine holds other values than the trainer"
         stages = breakdown(sync, actors, rounds, args.warmup + args.pushes, args.pushes)
@@ -176,8 +189,17 @@ def weightsync_row(actors: tuple[Any, Any], rounds: str, args) -> dict[str, Any]
         "setup_s": setup_s,
         "median_us": statistics.median(times) / 1e3,
         "min_us": min(times) / 1e3,
+        "cpu_us_per_push": cpu_per_push(before, after, args.pushes),
         "stages_us": stages,
     }
+
+
+def cpu_per_push(before: list[float], after: list[float], pushes: int) -> dict[str, float]:
+    """CPU us a push cost in each process: [driver or sending process, sender actor, receiver (process)]."""
+    us = [(b - a) * 1e6 / pushes for a, b in zip(before, after, strict=True)]
+    if len(us) == 2:  # the raw session: no driver
+        us = [0.0, *us]
+    return {"driver": us[0], "sender": us[1], "receiver": us[2], "all": sum(us)}
 
 
 def timed_pushes(sync: WeightSync, first: int, warmup: int, pushes: int) -> list[int]:
@@ -249,11 +271,14 @@ def stages(
 def raw_receiver(q_in, q_out, config: SyncConfig, tensors: int, numel: int, pushes: int) -> None:
     torch.set_num_threads(1)
     dest = layout(tensors, numel, fill=False)
-    endpoint, secret = q_in.get(timeout=120)
+    endpoint, secret, warmup = q_in.get(timeout=120)
     with WeightReceiver(endpoint, secret, config) as receiver:
-        for _ in range(pushes):
+        for i in range(pushes):
+            if i == warmup:
+                start = cpu_s()
             receiver.receive(into=dest)
-    q_out.put(checksum(dest))
+        used = cpu_s() - start
+    q_out.put((checksum(dest), used))
 
 
 def raw_row(args) -> dict[str, Any]:
@@ -267,18 +292,26 @@ def raw_row(args) -> dict[str, Any]:
     try:
         secret = SessionSecret.generate()
         with WeightSender(secret, config) as sender:
-            q_in.put((sender.endpoint, secret))
+            q_in.put((sender.endpoint, secret, args.warmup))
             times = []
             for v in range(total):
+                if v == args.warmup:
+                    start = cpu_s()
                 t0 = time.perf_counter_ns()
                 sender.push(src.items(), v)
                 times.append(time.perf_counter_ns() - t0)
-        got = q_out.get(timeout=120)
+            used = cpu_s() - start
+        got, received_cpu = q_out.get(timeout=120)
     finally:
         proc.join(timeout=60)
     assert got == checksum(src), "the raw session's receiver holds other values than the sender's"
     times = times[args.warmup :]
-    return {"rounds": "raw session", "median_us": statistics.median(times) / 1e3, "min_us": min(times) / 1e3}
+    return {
+        "rounds": "raw session",
+        "median_us": statistics.median(times) / 1e3,
+        "min_us": min(times) / 1e3,
+        "cpu_us_per_push": cpu_per_push([0.0, 0.0], [used, received_cpu], args.pushes),
+    }
 
 
 # --- the run ---------------------------------------------------------------------------------------------------------
@@ -321,6 +354,7 @@ def main() -> None:
     raw = raw_row(args)
     for row in rows:
         row["ray_share_us"] = row["median_us"] - raw["median_us"]
+        row["ray_share_cpu_us"] = row["cpu_us_per_push"]["all"] - raw["cpu_us_per_push"]["all"]
     result = {
         "hardware": f"CPU, {mp.cpu_count()} cores",
         "python": sys.version.split()[0],
@@ -341,11 +375,18 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"\n{r['tensors']} tensors, {r['bytes'] / 1e3:.0f} KB over shm, {r['hardware']}; medians of {r['pushes']}"
     )
-    print(f"{'rounds':<14}{'push us':>10}{'min us':>10}{'Ray us':>10}{'setup ms':>10}")
+    cpu = ("driver", "sender", "receiver")
+    head = "".join(f"{'cpu ' + k:>13}" for k in cpu)
+    print(f"{'rounds':<14}{'push us':>10}{'min us':>10}{'Ray us':>10}{'setup ms':>10}{head}{'Ray cpu':>10}")
     for row in r["rows"]:
         share = f"{row['ray_share_us']:.0f}" if "ray_share_us" in row else "-"
         setup = f"{row['setup_s'] * 1e3:.0f}" if "setup_s" in row else "-"
-        print(f"{row['rounds']:<14}{row['median_us']:>10.0f}{row['min_us']:>10.0f}{share:>10}{setup:>10}")
+        used = "".join(f"{row['cpu_us_per_push'][k]:>13.0f}" for k in cpu)
+        cpu_share = f"{row['ray_share_cpu_us']:.0f}" if "ray_share_cpu_us" in row else "-"
+        print(
+            f"{row['rounds']:<14}{row['median_us']:>10.0f}{row['min_us']:>10.0f}{share:>10}{setup:>10}{used}"
+            f"{cpu_share:>10}"
+        )
     split = [row for row in r["rows"] if "stages_us" in row]
     names = list(dict.fromkeys(k for row in split for k in row["stages_us"]))
     print(f"\n{'stage, median us':<44}" + "".join(f"{row['rounds']:>9}" for row in split))
