@@ -43,7 +43,15 @@ def floor_s(src: dict[str, torch.Tensor], device: str, engines: int, repeats: in
 
 
 def bench(
-    src, layout: str, device: str, engines: int, pushes: int, direct: bool, bucket_mb: int, fan_out: bool
+    src,
+    layout: str,
+    device: str,
+    engines: int,
+    pushes: int,
+    direct: bool,
+    bucket_mb: int,
+    fan_out: bool,
+    cuda_graphs: bool = True,
 ) -> dict:
     ctx = mp.get_context("spawn")
     config = SyncConfig(
@@ -53,6 +61,7 @@ def bench(
         num_buffers=2,
         timeout_s=300,
         progress=False,
+        cuda_graphs=cuda_graphs,
     )
     out = ctx.Queue()
     if fan_out:  # one session, N endpoints
@@ -80,11 +89,12 @@ def bench(
                 f.result(timeout=600)
 
         push_all(0)  # warm-up: the sessions' set-up (export, open, map: once)
-        times = []
+        times, stages = [], []
         for version in range(1, pushes + 1):
             t0 = time.perf_counter()
             push_all(version)
             times.append(time.perf_counter() - t0)
+            stages.append(senders[0].last_stages_s)
         packed = sum(s.packed_buckets for s in senders)
         sums = [out.get(timeout=600) for _ in procs]
         for p in procs:
@@ -97,10 +107,12 @@ def bench(
     return {
         "engines": engines,
         "way": "fan-out" if fan_out else "sessions",
+        "cuda_graphs": cuda_graphs,
         "median_s": statistics.median(times),
         "min_s": min(times),
         "max_s": max(times),
         "packed_buckets_last_push": packed,
+        "sender_stages_ms": {k: 1e3 * statistics.median(st[k] for st in stages) for k in stages[0]},
     }
 
 
@@ -113,6 +125,7 @@ def main() -> None:
     ap.add_argument("--no-direct", action="store_true", help="cuda_ipc ring instead of direct mode")
     ap.add_argument("--bucket-mb", type=int, default=512, help="the ring's bucket (ring and shm only)")
     ap.add_argument("--ways", nargs="+", default=["sessions", "fan-out"], choices=["sessions", "fan-out"])
+    ap.add_argument("--cuda-graphs", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -124,20 +137,33 @@ def main() -> None:
     if not direct:
         path += f" 2 x {args.bucket_mb} MiB"
     print(f"{args.layout}: {len(src)} tensors, {nbytes / 1e9:.2f} GB, {path}, {hardware}")
-    print(f"{'engines':>7} {'way':>9} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6} {'packs':>6}")
+    print(
+        f"{'engines':>7} {'way':>9} {'graphs':>6} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6} {'packs':>6}"
+    )
     rows = []
     for n in args.engines:
         floor = floor_s(src, args.device, n, args.pushes)
         for way in args.ways:
-            r = bench(
-                src, args.layout, args.device, n, args.pushes, direct, args.bucket_mb, way == "fan-out"
-            ) | {"floor_s": floor}
-            rows.append(r)
-            one = next(x for x in rows if x["way"] == way)
-            print(
-                f"{n:>7} {way:>9} {r['median_s']:>9.4f} {floor:>8.4f} {r['median_s'] / floor:>8.2f} "
-                f"{r['median_s'] / one['median_s']:>6.2f} {r['packed_buckets_last_push']:>6}"
-            )
+            for graphs in args.cuda_graphs:
+                r = bench(
+                    src,
+                    args.layout,
+                    args.device,
+                    n,
+                    args.pushes,
+                    direct,
+                    args.bucket_mb,
+                    way == "fan-out",
+                    graphs == "on",
+                ) | {"floor_s": floor}
+                rows.append(r)
+                one = next(x for x in rows if (x["way"], x["cuda_graphs"]) == (way, graphs == "on"))
+                stages = " ".join(f"{k} {v:.2f}" for k, v in r["sender_stages_ms"].items())
+                print(
+                    f"{n:>7} {way:>9} {graphs:>6} {r['median_s']:>9.4f} {floor:>8.4f} "
+                    f"{r['median_s'] / floor:>8.2f} {r['median_s'] / one['median_s']:>6.2f} "
+                    f"{r['packed_buckets_last_push']:>6}   sender ms: {stages}"
+                )
     emit(
         {
             "what": "one trainer -> N engines on its device: one session each, pushed at once, or one fan-out session",
