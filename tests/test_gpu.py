@@ -33,6 +33,13 @@ def test_copies_on_one_gpu_are_replayed_from_a_cuda_graph_that_follows_in_place_
     for _ in range(3):
         mixed.run()
     assert not mixed.graph_captured  # host memory in the list: launched one by one
+    big = [
+        torch.ones(10 << 20, device="cuda") for _ in range(2)
+    ]  # 40 MB each: launching costs the GPU nothing
+    large = CopyList([(torch.zeros_like(t), t) for t in big])
+    for _ in range(3):
+        large.run()
+    assert not large.graph_captured
 
 
 def test_gpu_to_shm_to_gpu_bit_exact_and_pinned(private_tmp, in_thread):

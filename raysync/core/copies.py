@@ -9,8 +9,13 @@ Launching ~340 copies still costs the host 1-2 ms (~6 us each), more than the GP
 model. So a list whose copies all stay on one GPU is captured once into a CUDA graph, at its second run (a
 list used once is not worth it), and from then on replayed with one launch. The capture runs on a side
 stream and executes nothing; the graph replays on the current stream, ordered like the copies it stands for.
-Measured on an H200, the graph's copies of large tensors ran ~4% slower than launched one by one:
-SyncConfig.cuda_graphs=False keeps the launches (docs/benchmarks.md).
+
+But the graph's copies of large tensors run ~4% slower than launched one by one, and where each large copy
+keeps the GPU busy far longer than its launch takes the host, the launches cost nothing the GPU waits for. So
+a list whose large copies average GRAPH_BELOW_MEAN_BYTES or more is launched one by one. Measured on an H200,
+direct mode (one list of every tensor), cuda_graphs on / off: the 7B layout (large copies ~77 MB on average)
+8.64 / 8.27 ms until PushDone, the 1.5B layout (~16 MB) 2.04 / 2.39 ms (docs/benchmarks.md, section 13).
+SyncConfig.cuda_graphs=False never captures.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 FUSE_BELOW_BYTES = 1 << 20  # copies smaller than this share one launch; larger ones run at DMA speed alone
+GRAPH_BELOW_MEAN_BYTES = 32 << 20  # large copies this size on average: launched one by one (docstring)
 
 
 class CopyList:
@@ -38,7 +44,9 @@ class CopyList:
         self._fused = list(by_device.values())
         self.devices = {t.device for pair in pairs for t in pair if t.device.type == "cuda"}
         one_gpu = len(self.devices) == 1 and all(d.is_cuda and s.is_cuda for d, s in pairs)
-        self._gpu = next(iter(self.devices)) if graph and one_gpu and len(pairs) > 1 else None
+        large = sum(d.nbytes for d, _ in self._large) / max(len(self._large), 1)
+        worth = graph and one_gpu and len(pairs) > 1 and large < GRAPH_BELOW_MEAN_BYTES
+        self._gpu = next(iter(self.devices)) if worth else None
         self._runs = 0
         self._graph: torch.cuda.CUDAGraph | None = None
 
