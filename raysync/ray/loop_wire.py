@@ -52,7 +52,7 @@ class Codec:
         return kind, body
 
 
-_SCALARS = (int, float, str, bool, type(None))
+_SCALARS = frozenset((int, float, str, bool, type(None)))  # exactly these types (no subclass)
 
 
 # each class's fields in order, read at once (dataclasses.astuple deep-copies every field: ~20 us a report)
@@ -97,9 +97,7 @@ def from_wire(items: list) -> dict[int, EndpointResult]:
 def _build(cls: type, values: object) -> Any:
     """``cls`` (a dataclass of scalar fields) from its fields' values, in order; None stays None."""
     if values is not None and (
-        type(values) is not list
-        or len(values) != _COUNTS[cls]
-        or not all(type(v) in _SCALARS for v in values)
+        type(values) is not list or len(values) != _COUNTS[cls] or not _SCALARS.issuperset(map(type, values))
     ):
         raise errors.SchemaError(f"push loop answer: {cls.__name__} fields {values!r:.200}")
     return None if values is None else cls(*values)

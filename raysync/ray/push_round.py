@@ -74,15 +74,20 @@ class PushRound:
         return SyncReport(self.version, time.perf_counter() - started, by_receiver)
 
     def _start(self, members: set[Key]) -> dict[Any, Key]:
-        """Every ordinary call of the round (those of endpoints not in the graph), made: ObjectRef -> who answers."""
+        """Every ordinary call of the round (those of endpoints not in the graph), made: ObjectRef -> who answers.
+        A graph's or the loops' members get no call, nor is one built for them (a push through loops that
+        reach every endpoint builds none)."""
         sync_id, receivers_of = self.connections.sync_id, receivers_of_senders(self.connections)
+        senders = {i: js for i, js in receivers_of.items() if ("sender", i) not in members}
         calls = self.actors.on_senders(
-            ep.sender_push, {i: (sync_id, self.version, js, self._full) for i, js in receivers_of.items()}
+            ep.sender_push, {i: (sync_id, self.version, js, self._full) for i, js in senders.items()}
         )
         fn, args = self._receive
-        calls |= self.actors.on_receivers(
-            fn, {j: (sync_id, *args) for js in receivers_of.values() for j in js}
-        )
+        slots = self.actors.slots
+        receivers = [
+            j for js in receivers_of.values() for j in js if ("receiver", slots[j][0]) not in members
+        ]
+        calls |= self.actors.on_receivers(fn, {j: (sync_id, *args) for j in receivers})
         following = self.actors.on_senders(follow, self.connections.followers(receivers_of, self.version))
         self._following = set(following)
         calls |= following
