@@ -9,7 +9,6 @@ import collections
 import json
 import os
 import secrets
-import select
 import signal
 import socket
 import subprocess
@@ -42,20 +41,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_line(process: subprocess.Popen, marker: str, timeout_s: float) -> None:
-    """Read the server's output until a line holds ``marker``; fail at ``timeout_s`` or when it exits."""
-    deadline, tail = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], deadline - time.monotonic())
-        if not ready:
-            break
-        line = process.stdout.readline()
-        if not line:  # it exited
-            break
-        tail = [*tail[-30:], line]
-        if marker in line:
-            return
-    raise AssertionError(f"the vLLM server did not say {marker!r} within {timeout_s}s:\n{''.join(tail)}")
+class ServerOutput:
+    """What the server prints, read line by line on a thread from its start (a full pipe would stall it): the
+    last lines, and ``wait(marker)`` until a line holds ``marker`` (or the server ends, or the time is up)."""
+
+    def __init__(self, process: subprocess.Popen, markers: tuple[str, ...]):
+        self.lines: collections.deque[str] = collections.deque(maxlen=80)
+        self._seen = {m: threading.Event() for m in markers}
+        self._ended = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self.thread.start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self.lines.append(line)
+            for marker, seen in self._seen.items():
+                if marker in line:
+                    seen.set()
+        self._ended.set()
+        for seen in self._seen.values():  # wake whoever waits: the server ended
+            seen.set()
+
+    def wait(self, marker: str, timeout_s: float) -> None:
+        if not self._seen[marker].wait(timeout_s) or self._ended.is_set():
+            said = "".join(self.lines)
+            raise AssertionError(f"the vLLM server did not say {marker!r} within {timeout_s}s:\n{said}")
+
+    def wait_listening(self, port: int, timeout_s: float) -> None:
+        """uvicorn says "Application startup complete" just before it listens on the socket vLLM bound (it then
+        logs nothing more): try to connect until it takes the connection, every 20 ms, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=timeout_s).close()
+                return
+            except ConnectionRefusedError:
+                if self._ended.wait(0.02) or time.monotonic() > deadline:  # wakes at once if the server ended
+                    said = "".join(self.lines)
+                    raise AssertionError(
+                        f"the vLLM server did not listen within {timeout_s}s:\n{said}"
+                    ) from None
 
 
 @pytest.fixture
@@ -99,31 +124,25 @@ def server(tmp_path):
         text=True,
         start_new_session=True,
     )
-    said: collections.deque[str] = collections.deque(maxlen=80)
-    reader, processes = None, EngineProcesses()
+    output, processes = ServerOutput(process, ("Application startup complete",)), EngineProcesses()
     try:
-        wait_for_line(process, "Application startup complete", START_S)
+        output.wait("Application startup complete", START_S)
+        output.wait_listening(port, 60)
         processes.look(process.pid)
-        # read what the server says from here on (a full pipe would stall it); shown if it ends on its own
-        reader = threading.Thread(target=lambda: said.extend(process.stdout), daemon=True)
-        reader.start()
         yield f"http://127.0.0.1:{port}", key, model_dir
     finally:
         processes.look(process.pid)
         ended = process.poll()
         if ended is not None:
             sys.stderr.write(
-                f"the vLLM server ended by itself (code {ended}); it said last:\n{''.join(said)}"
+                f"the vLLM server ended by itself (code {ended}); it said last:\n{''.join(output.lines)}"
             )
         try:
             os.killpg(process.pid, signal.SIGTERM)  # the server and its EngineCore (its own session)
         except ProcessLookupError:  # the whole session had ended already
             pass
-        if reader is None:
-            process.communicate(timeout=120)  # read to its end: it may still be writing
-        else:
-            process.wait(timeout=120)
-            reader.join(timeout=30)
+        process.wait(timeout=120)
+        output.thread.join(timeout=30)
     processes.clean_up_and_check()
 
 
