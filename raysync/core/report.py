@@ -73,11 +73,14 @@ class PushReport:
         seconds: float,
         skipped: bool,
         sink: Sink,
+        layout_bytes: int | None = None,
     ) -> PushReport:
-        """The receiver's report: a delta's bytes are those of the buffers it decoded."""
+        """The receiver's report: a delta's bytes are those of the buffers it decoded. ``layout_bytes``: the
+        specs' bytes, when known (Layout.nbytes)."""
         moved = not skipped
         base = sink.delta_base if moved else None
-        nbytes = sum(s.nbytes for s in specs) * moved if base is None else sink.moved
+        total = sum(s.nbytes for s in specs) if layout_bytes is None else layout_bytes
+        nbytes = total * moved if base is None else sink.moved
         full = nbytes if base is None else sink.moved_full
         return cls(
             version,

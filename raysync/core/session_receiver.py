@@ -238,8 +238,10 @@ class PushReceiver(OnPlane, StagedFlips):
         return go.skip
 
     def _report(self, version: int, skipped: bool, seconds: float, sink: Sink) -> PushReport:
-        layout, buckets = self._agreed.layout.tensors, len(self._agreed.buckets)
-        report = PushReport.received(version, self._plane.name, layout, buckets, seconds, skipped, sink)
+        layout, buckets = self._agreed.layout, len(self._agreed.buckets)
+        report = PushReport.received(
+            version, self._plane.name, layout.tensors, buckets, seconds, skipped, sink, layout.nbytes
+        )
         logger.info("received from %s: %s", self._channel.peer, report)
         return report
 

@@ -119,7 +119,7 @@ class IntoTensors(Sink):
         self.in_place = self.takes_delta = not staged
         self._graphs = graphs  # raysync.core.copies: lists on one GPU replayed from a CUDA graph
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
-        self._copies: dict[tuple, CopyList] = {}
+        self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
 
     def reset(self) -> None:
@@ -130,18 +130,22 @@ class IntoTensors(Sink):
             self._decode_all(parts)
             return
         key = tuple((bucket.index, buffer.data_ptr()) for bucket, buffer in parts)
-        copies = self._copies.get(key)
-        if copies is None:  # made once per buckets and buffers, replayed every push (raysync.core.copies)
+        made = self._copies.get(key)
+        if made is None:  # made once per buckets and buffers, replayed every push (raysync.core.copies)
             pairs = [
                 (self.target(c), buffer[c.bucket_offset : c.bucket_offset + c.nbytes])
                 for bucket, buffer in parts
                 for c in bucket.chunks
             ]
-            copies = self._copies[key] = CopyList([(d, s) for d, s in pairs if d.numel()], self._graphs)
+            copies = CopyList([(d, s) for d, s in pairs if d.numel()], self._graphs)
+            hosts = [buffer for _, buffer in parts if buffer.device.type == "cpu"][-1:]
+            finished = frozenset(c.index for bucket, _ in parts for c in bucket.chunks if c.last)
+            made = self._copies[key] = (copies, hosts, finished)
+        copies, hosts, finished = made
         copies.run()
-        for bucket, buffer in parts:
+        for buffer in hosts:  # host -> device copies: done before the host buffer is reused
             self._sync(buffer)
-            self.landed(bucket)
+        self.done.update(finished)  # what ``landed`` says of each bucket, for all of them at once
 
     def _decode_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
         """A delta push: each bucket decoded in place into the destinations (everything in a bucket is checked

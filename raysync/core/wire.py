@@ -14,6 +14,7 @@ from the session key, so a frame reflected back at its sender fails the HMAC.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import secrets
@@ -215,6 +216,11 @@ class Layout:
             if t.name in seen:
                 raise BadLayout(f"tensor name {t.name!r} appears more than once in the layout")
             seen.add(t.name)
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """Every tensor's bytes (summed once: a push's report says it, and the layout has ~340 tensors)."""
+        return sum(t.nbytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
