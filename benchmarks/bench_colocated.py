@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512, help="the ring's bucket (ring and shm only)")
     ap.add_argument("--ways", nargs="+", default=["sessions", "fan-out"], choices=["sessions", "fan-out"])
     ap.add_argument("--cuda-graphs", nargs="+", default=["on"], choices=["on", "off"])
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every row (and its floor), interleaved")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -141,7 +142,7 @@ def main() -> None:
         f"{'engines':>7} {'way':>9} {'graphs':>6} {'median s':>9} {'floor s':>8} {'x floor':>8} {'vs 1':>6} {'packs':>6}"
     )
     rows = []
-    for n in args.engines:
+    for n, rnd in [(n, rnd) for rnd in range(args.rounds) for n in args.engines]:
         floor = floor_s(src, args.device, n, args.pushes)
         for way in args.ways:
             for graphs in args.cuda_graphs:
@@ -155,7 +156,7 @@ def main() -> None:
                     args.bucket_mb,
                     way == "fan-out",
                     graphs == "on",
-                ) | {"floor_s": floor}
+                ) | {"floor_s": floor, "round": rnd}
                 rows.append(r)
                 one = next(x for x in rows if (x["way"], x["cuda_graphs"]) == (way, graphs == "on"))
                 stages = " ".join(f"{k} {v:.2f}" for k, v in r["sender_stages_ms"].items())
@@ -164,6 +165,27 @@ def main() -> None:
                     f"{r['median_s'] / floor:>8.2f} {r['median_s'] / one['median_s']:>6.2f} "
                     f"{r['packed_buckets_last_push']:>6}   sender ms: {stages}"
                 )
+    summary = []
+    for key in dict.fromkeys((r["engines"], r["way"], r["cuda_graphs"]) for r in rows):
+        mine = [r for r in rows if (r["engines"], r["way"], r["cuda_graphs"]) == key]
+        summary.append(
+            {
+                "engines": key[0],
+                "way": key[1],
+                "cuda_graphs": key[2],
+                "median_s": statistics.median(r["median_s"] for r in mine),
+                "floor_s": statistics.median(r["floor_s"] for r in mine),
+                "x_floor_per_round": [r["median_s"] / r["floor_s"] for r in mine],
+            }
+        )
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} rounds:")
+        for r in summary:
+            per = " ".join(f"{x:.3f}" for x in r["x_floor_per_round"])
+            print(
+                f"{r['engines']:>7} {r['way']:>9} {'on' if r['cuda_graphs'] else 'off':>6} {r['median_s']:>9.4f} "
+                f"{r['floor_s']:>8.4f} {r['median_s'] / r['floor_s']:>8.3f}   per round: {per}"
+            )
     emit(
         {
             "what": "one trainer -> N engines on its device: one session each, pushed at once, or one fan-out session",
@@ -173,7 +195,9 @@ def main() -> None:
             "path": path,
             "bytes": nbytes,
             "floor": "N one-copy reads of every tensor, one after the other",
+            "rounds": args.rounds,
             "rows": rows,
+            "summary": summary,
         },
         args.json,
     )
