@@ -335,6 +335,7 @@ def main() -> None:
     torch.set_num_threads(1)
     instrument_driver()
     started = time.perf_counter()
+    raw = raw_row(args)  # first: after ray.shutdown() Ray's processes are still ending, and take CPU
     path = os.pathsep.join([root, os.path.dirname(os.path.abspath(__file__))])
     ray.init(
         include_dashboard=False,
@@ -351,7 +352,6 @@ def main() -> None:
         rows = [weightsync_row(actors, rounds, args) for rounds in args.rounds]
     finally:
         ray.shutdown()
-    raw = raw_row(args)
     for row in rows:
         row["ray_share_us"] = row["median_us"] - raw["median_us"]
         row["ray_share_cpu_us"] = row["cpu_us_per_push"]["all"] - raw["cpu_us_per_push"]["all"]
