@@ -28,10 +28,12 @@ NCCL is not run here), per step: the Adam step (not timed), then
   step after its own Adam step: what it sent (delta or full), in what time and why (PushReport.why). Its
   first push measures a full push, its second a delta (whose buckets go full from where it falls behind the
   full push), from its third on it chooses (so --steps >= 3);
-* floor: one read of the trainer's tensors (what change detection must read at least: count_nonzero over
-  each fp32 master tensor) plus moving the delta's bytes over the transport: shm, a copy into host memory
-  and one out (from and into --device); cuda_ipc, two device copies; the collective, one broadcast of that
-  many bytes over the same gloo group.
+* floor: one read of the trainer's tensors (what change detection must read at least: a sum of each fp32
+  master tensor, which runs at memory speed; count_nonzero, the floor's read until 8cf1011, is a slower
+  kernel and is reported beside it) plus moving the delta's bytes over the transport: shm from a GPU, a copy
+  into pinned host memory and one out of it at the same time (both directions busy, the bound of a path
+  pipelined by bucket; on the CPU one after the other); cuda_ipc, two device copies; the collective, one
+  broadcast of that many bytes over the same gloo group.
 
 Every session ends with a check that the engine holds the trainer's bf16 bits (raysync.core.digest). Times
 are of ``push`` on the sender, which returns once the engine applied the push. Prints a table, then JSON
@@ -94,7 +96,12 @@ class Trainer:
         return digests(p.detach().to(torch.bfloat16) for _, p in self.params)
 
     def read(self) -> None:
-        """One read of every master tensor (the floor's change detection)."""
+        """One read of every master tensor (the floor's change detection): a sum, which runs at memory speed."""
+        for _, p in self.params:
+            p.detach().sum()
+
+    def count(self) -> None:
+        """The floor's read until 8cf1011: count_nonzero of every master tensor, a slower kernel than a read."""
         for _, p in self.params:
             p.detach().count_nonzero()
 
@@ -243,8 +250,9 @@ def timed_push(sender, trainer: Trainer, version: int, full: bool) -> dict:
 
 
 def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> float:
-    """Moving ``nbytes`` over a ring: shm, into host memory and out (from and into ``device``); cuda_ipc, two
-    device copies."""
+    """Moving ``nbytes`` over a ring: cuda_ipc, two device copies; shm from a GPU, a copy into pinned host memory
+    and one out of it at the same time on two streams (what a path pipelined by bucket is bound by: both
+    directions busy, as the shm floor of docs/benchmarks.md, section 1); shm on the CPU, the two copies."""
     n = max(nbytes, 1)
     src, dst = (
         torch.empty(n, dtype=torch.uint8, device=device),
@@ -254,6 +262,17 @@ def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> fl
         mid = torch.empty(n, dtype=torch.uint8, device=device)
     else:
         mid = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    if kind == "shm" and device.type == "cuda":
+        back = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # what the other direction reads
+        d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both_at_once() -> None:
+            with torch.cuda.stream(d2h):
+                mid.copy_(src, non_blocking=True)
+            with torch.cuda.stream(h2d):
+                dst.copy_(back, non_blocking=True)
+
+        return timed(both_at_once, device, repeats)
     return timed(lambda: (mid.copy_(src), dst.copy_(mid)), device, repeats)
 
 
@@ -263,6 +282,7 @@ def run(args) -> dict:
     trainer = Trainer(named_shapes, device, args.lr)
     nbytes = sum(2 * t.numel() for _, t in trainer.named())
     read_s = timed(trainer.read, device, args.repeats)
+    count_s = timed(trainer.count, device, args.repeats)
     kinds = ["shm", "cuda_ipc"] if device.type == "cuda" else ["shm"]
     kinds += ["collective"] if args.collective and device.type == "cpu" else []
     kinds = [k for k in kinds if not args.transports or k in args.transports]
@@ -290,6 +310,7 @@ def run(args) -> dict:
         "device": str(device),
         "hardware": hardware(device),
         "read_floor_s": read_s,
+        "read_by_count_nonzero_s": count_s,
         "transports": results,
     }
 
@@ -304,8 +325,8 @@ def free(device: torch.device) -> None:
 def report(result: dict) -> None:
     print(
         f"{result['layout']} ({result['model_bytes_bf16'] / 1e6:.0f} MB in bf16), Adam lr {result['lr']}, "
-        f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms) "
-        f"+ moving the delta's bytes"
+        f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms, a sum; "
+        f"{result['read_by_count_nonzero_s'] * 1e3:.1f} ms by count_nonzero) + moving the delta's bytes"
     )
     head = f"{'transport':10}  {'step':>4}  {'density':>8}  {'delta MB':>8}  {'/ full':>7}  {'delta ms':>9}  "
     print(
