@@ -213,6 +213,28 @@ def test_ipc_probe_and_plan(ray_gpu):
             assert ray.get(engine.digest.remote()) == expected
 
 
+def test_weightsync_fans_out_to_three_engines_on_the_trainers_gpu(ray_gpu):
+    """issue 20, item 3, through WeightSync: three engine actors on the trainer's GPU read one session's
+    export of the trainer's tensors (cuda_ipc direct) or one cuda_ipc ring (ring forced), bit-exact."""
+    import ray
+    from actors import Engine, Trainer
+
+    from raysync import WeightSync
+
+    opts = {"num_gpus": 0.25, "num_cpus": 0.25}
+    trainer = ray.remote(**opts)(Trainer).remote(on_gpu=True)
+    engines = [ray.remote(**opts)(Engine).remote(on_gpu=True) for _ in range(3)]
+    for direct, kind in ((None, "the trainer's tensors (cuda_ipc direct)"), (False, "one cuda_ipc ring")):
+        config = SyncConfig(bucket_bytes=64 << 10, progress=False, direct=direct)
+        with WeightSync([trainer], engines, config, fan_out=True) as sync:
+            assert all(f"fan-out: {kind} read by 3 engines" in p.reason for p in sync.plan), str(sync.plan)
+            for version in (1, 2):
+                expected = ray.get(trainer.step.remote(version))
+                sync.push(version)
+                assert [ray.get(e.digest.remote()) for e in engines] == [expected] * 3
+                assert sync.versions() == [version] * 3
+
+
 def test_ipc_1000_pushes_with_memory_flat(spawn, no_leftovers):
     got, digests, reserved = _ipc_push(
         spawn, sender_gpu=0, receiver_gpu=0, visible=None, layout="qwen2.5-0.5b", pushes=1000
