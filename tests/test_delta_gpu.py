@@ -4,6 +4,8 @@ says why (Note [the delta reference] in raysync.core.delta_push)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from workers import digest, ipc_receiver
@@ -15,17 +17,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 LAYOUT = "qwen2.5-0.5b"
 
 
+@contextlib.contextmanager
+def engine_on_gpu0(spawn, config: SyncConfig, pushes: int):
+    """A sender here and an engine process, both on GPU 0, for ``pushes`` pushes of LAYOUT: (the sender, its
+    tensors, their bytes, the engine's queue, the engine's process)."""
+    torch.cuda.set_device(0)
+    named = allocate(LAYOUT, device="cuda")
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        child = spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, LAYOUT, pushes, out)
+        yield sender, named, sum(t.nbytes for t in named.values()), out, child
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
 def test_deltas_over_a_cuda_ipc_ring_and_full_pushes_in_direct_mode(spawn, no_leftovers, direct):
     config = SyncConfig(
         transport="cuda_ipc", direct=direct, delta=True, timeout_s=120, progress=False, delta_by_time=False
     )
-    torch.cuda.set_device(0)
-    named = allocate(LAYOUT, device="cuda")
-    full = sum(t.nbytes for t in named.values())
-    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
-    with WeightSender(secret, config) as sender:
-        child = spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, LAYOUT, 3, out)
+    with engine_on_gpu0(spawn, config, 3) as (sender, named, full, out, child):
         for version in (1, 2, 3):
             for t in named.values():  # a few elements of every tensor change
                 t.view(-1)[version::997].add_(1.0)
@@ -49,12 +58,7 @@ def test_under_the_time_rule_a_ring_read_on_the_trainers_gpu_pushes_full_without
     session says so at set-up and sends no delta, not even the one that would measure (Note [the delta
     reference])."""
     config = SyncConfig(transport="cuda_ipc", delta=True, timeout_s=120, progress=False)
-    torch.cuda.set_device(0)
-    named = allocate(LAYOUT, device="cuda")
-    full = sum(t.nbytes for t in named.values())
-    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
-    with WeightSender(secret, config) as sender:
-        child = spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, LAYOUT, 4, out)
+    with engine_on_gpu0(spawn, config, 4) as (sender, named, full, out, child):
         for version in (1, 2, 3, 4):
             for t in named.values():
                 t.view(-1)[version::997].add_(1.0)
