@@ -257,7 +257,7 @@ def accept_round(
     if in_turns and start.delta and plane.name == "shm" and 0 < len(stale) < len(answers) and not go.skip:
         return Accept(pid, False, False), stale  # a fan-out ring (shm only) serves its readers in turns
     if plane.all_or_none or start.delta:
-        channel.send(go, "accept: the go")
+        getattr(plane, "send_go", channel.send)(go, "accept: the go")  # readers in turns: one after another
     return go, []
 
 

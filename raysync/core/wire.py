@@ -227,12 +227,16 @@ class Layout:
 class DirectSources:
     """sender -> receiver (cuda_ipc_direct), after a Layout and whenever the trainer's tensors move: the
     storages that hold them, each exported once, and where tensor i of the layout lies: ``offset_bytes[i]``
-    into ``storages[storage[i]]`` (a tensor of no bytes names storage 0)."""
+    into ``storages[storage[i]]`` (a tensor of no bytes names storage 0). ``chain``: N readers on one GPU (a
+    fan-out) take turns: every reader's "copies queued" event (its Attached), in reader order; reader k's copies
+    wait on the GPU for reader k-1's, and reader k says Queued when its own are queued (Note [readers in turns]
+    in raysync.transport.cuda_ipc_direct). Empty: every reader copies at once."""
 
     layout_id: int
     storages: tuple[CudaBuffer, ...]
     storage: tuple[int, ...]
     offset_bytes: tuple[int, ...]
+    chain: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,14 @@ class BucketFreed:
 
 
 @dataclass(frozen=True)
+class Queued:
+    """receiver -> sender (a reader of a chained fan-out, DirectSources.chain): its copies of push ``push_id``
+    are queued on its GPU, and its event recorded after them; the next reader may go."""
+
+    push_id: int
+
+
+@dataclass(frozen=True)
 class PushDigest:
     """sender -> receiver, after the last bucket of a verified push: each tensor's digest (raysync.core.digest),
     in layout order, computed from what the sender packed."""
@@ -317,6 +329,7 @@ Message = (
     | Accept
     | BucketReady
     | BucketFreed
+    | Queued
     | PushDigest
     | PushDone
     | Abort

@@ -10,6 +10,16 @@ mapped storages. Nothing is claimed, packed or published per bucket. For trainer
 contiguous and in their wire dtype between pushes (one GPU, plain DDP); gathered or cast tensors need the ring.
 N engines may read the same exported tensors (fan-out, ``WeightSender(receivers=N)``): one PushStart for all,
 each copies on its own GPU stream, and the push ends when all N have.
+
+# Note [readers in turns]
+# N reader processes on one GPU that copy at once make the GPU switch between their contexts: three readers of the
+# 7B layout took 27.0 ms against 25.1 ms when each one's copies waited for the previous one's (one H200, 24.4 ms
+# for the three reads one after the other in one process; an experiment outside raysync, docs/benchmarks.md,
+# section 13). So readers that all read on one GPU take turns: each sends the event it records after its copies
+# in Attached, the DirectSources name them in reader order (``chain``), and reader k's stream waits on reader
+# k-1's event before its copies. A wait on an event waits for its last record, so reader k must not queue its
+# copies before reader k-1 has recorded this push's: the sender sends the go after accept to reader 0 only,
+# and to reader k once reader k-1 said Queued (``wait_released``). The relays overlap the copies queued before.
 """
 
 from __future__ import annotations
@@ -24,8 +34,8 @@ from raysync.core.control import Channel
 from raysync.core.errors import LayoutError, SchemaError
 from raysync.core.plan import Bucket, direct_buckets
 from raysync.core.source import SourceTensor
-from raysync.core.wire import DTYPES, Attached, DirectSources, Layout, RingInfo
-from raysync.transport.cuda_ipc import CudaIpcRingSender, export, peer_index, rebuild, wait_stream
+from raysync.core.wire import DTYPES, Accept, Attached, DirectSources, Layout, Queued, RingInfo
+from raysync.transport.cuda_ipc import CudaIpcRingSender, export, peer_index, rebuild, uuid_of, wait_stream
 
 
 class CudaIpcDirectSender:
@@ -48,17 +58,35 @@ class CudaIpcDirectSender:
         self._ready = torch.cuda.Event(interprocess=True)
         self._ready.record()  # created on this device now
         self.shared: list[torch.Tensor] = []  # what is exported: byte views of the trainer's storages
+        self._attached: list[Attached] = []  # each reader's, in reader order
+        self._channel: Channel | None = None  # the Fanout of the readers (open), for the go in turns
+        self._relay: tuple[int, Accept] | None = None  # (push id, go) still to pass along the chain
 
     @classmethod
     def open(cls, transport: type, config: SyncConfig, channel: Channel) -> CudaIpcDirectSender:
         readers = len(getattr(channel, "channels", [channel]))
-        return transport(config.num_buffers, config.bucket_bytes, readers=readers)
+        plane = transport(config.num_buffers, config.bucket_bytes, readers=readers)
+        plane._channel = channel
+        return plane
 
     def describe(self) -> RingInfo:
         return RingInfo(self.name, 0, 0, (), (), self._ready.ipc_handle(), readers=self.readers)
 
     def attached(self, attached: Attached) -> None:
-        """Nothing to drop: what the receiver maps comes with DirectSources, at each new set of tensors."""
+        """A reader's "copies queued" event and GPU (Note [readers in turns]); what it maps comes with
+        DirectSources, at each new set of tensors."""
+        self._attached.append(attached)
+
+    @property
+    def chain(self) -> tuple[bytes, ...]:
+        """The readers' events in reader order when they take turns: two or more, all on one GPU."""
+        gpus = {a.device_uuid for a in self._attached}
+        turns = self.readers > 1 and len(self._attached) == self.readers and len(gpus) == 1 and "" not in gpus
+        return (
+            tuple(a.events[0] for a in self._attached)
+            if turns and all(a.events for a in self._attached)
+            else ()
+        )
 
     def place(self, layout: Layout, sources: Sequence[SourceTensor]) -> tuple[list[Bucket], DirectSources]:
         """This plane's own plan: one bucket per exported storage (checked and exported before anything is
@@ -91,7 +119,17 @@ class CudaIpcDirectSender:
             storage.append(index[s.data_ptr()])
             offsets.append(t.storage_offset() * t.element_size())
         self.shared = shared
-        return DirectSources(layout_id, tuple(export(b) for b in shared), tuple(storage), tuple(offsets))
+        exported = tuple(export(b) for b in shared)
+        return DirectSources(layout_id, exported, tuple(storage), tuple(offsets), self.chain)
+
+    def send_go(self, go: Accept, stage: str) -> None:
+        """The go after accept (a fan-out): to every reader at once, or, when they take turns, to the first
+        only; ``wait_released`` passes it along (Note [readers in turns])."""
+        if not self.chain or go.skip:
+            self._channel.send(go, stage)
+            return
+        self._channel.channels[0].send(go, stage)
+        self._relay = (go.push_id, go)
 
     def begin(self, push_id: int, buckets: list[Bucket]) -> None:
         """Before PushStart: the trainer's tensors hold this push's values once its stream gets here (the
@@ -113,10 +151,18 @@ class CudaIpcDirectSender:
         pass  # the ready event recorded in begin covers every bucket
 
     def wait_released(self) -> None:
-        pass  # nothing to free: PushDone says the receiver has copied everything
+        """Nothing to free (PushDone says the receivers have copied everything); readers in turns get the go
+        one after another, each once the one before it has queued its copies."""
+        if self._relay is None:
+            return
+        (push_id, go), self._relay = self._relay, None
+        readers = self._channel.channels
+        for k in range(1, len(readers)):
+            readers[k - 1].expect(Queued, push_id, f"reader {k - 1} queues its copies, then reader {k} goes")
+            readers[k].send(go, f"the go to reader {k}")
 
     def fail(self) -> None:
-        pass
+        self._relay = None
 
     def close(self) -> None:
         self.shared = []
@@ -151,13 +197,20 @@ class CudaIpcDirectReceiver:
         self.buffers: list[torch.Tensor] = []
         self._ready = torch.cuda.Event.from_ipc_handle(self.device, info.ready_event)
         self._mapped_layout = 0  # the layout whose DirectSources are mapped
+        self._queued = torch.cuda.Event(interprocess=True)  # recorded after this reader's copies
+        self._queued.record()
+        self._after: torch.cuda.Event | None = None  # the reader before this one, when they take turns
+        self._tells = False  # a reader after this one waits for its Queued
+        self._channel: Channel | None = None
 
     @classmethod
     def open(cls, transport: type, info: RingInfo, channel: Channel) -> CudaIpcDirectReceiver:
-        return transport(info)
+        plane = transport(info)
+        plane._channel = channel
+        return plane
 
     def attached(self) -> Attached:
-        return Attached()
+        return Attached((self._queued.ipc_handle(),), uuid_of(self.device))
 
     def plan(self, layout: Layout) -> list[Bucket]:
         return []  # planned from the DirectSources that follow
@@ -170,8 +223,21 @@ class CudaIpcDirectReceiver:
         sizes = [b.storage_bytes - b.tensor_offset for b in sources.storages]
         buckets = direct_buckets(layout.tensors, sources.storage, sources.offset_bytes, sizes)
         self.map(sources)
+        self._take_turns(sources.chain)
         self._mapped_layout = sources.layout_id
         return buckets
+
+    def _take_turns(self, chain: tuple[bytes, ...]) -> None:
+        """This reader's place among readers in turns (Note [readers in turns]); none when ``chain`` is empty."""
+        self._after, self._tells = None, False
+        if not chain:
+            return
+        own = self._queued.ipc_handle()
+        if chain.count(own) != 1:
+            raise SchemaError(f"the readers' turns ({len(chain)}) do not name this reader's event once")
+        k = chain.index(own)
+        self._after = torch.cuda.Event.from_ipc_handle(self.device, chain[k - 1]) if k else None
+        self._tells = k < len(chain) - 1
 
     def map(self, sources: DirectSources) -> None:
         if len(sources.storages) > len(sources.storage):
@@ -192,11 +258,18 @@ class CudaIpcDirectReceiver:
 
     def read(self, batch: list[int], push_id: int) -> list[torch.Tensor]:
         if batch[0] == 0:  # on this GPU's stream: the sender's tensors are ready
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._ready)
+            if self._after is not None:  # and the reader before this one has copied them
+                stream.wait_event(self._after)
         return self.buffers[batch[0] : batch[-1] + 1]  # batches are runs of consecutive buckets
 
     def release(self, batch: list[int], push_id: int) -> None:
-        pass  # the sender's tensors are not ours to free
+        """The sender's tensors are not ours to free; a reader in turns records that its copies are queued
+        and says so (the next reader's go)."""
+        self._queued.record(torch.cuda.current_stream(self.device))
+        if self._tells:
+            self._channel.send(Queued(push_id), "copies queued: the next reader's turn")
 
     def fail(self) -> None:
         pass
