@@ -237,6 +237,39 @@ def test_a_signed_answer_that_is_not_an_endpoint_result_is_refused(item):
         from_wire(body[1])
 
 
+def test_the_drivers_end_drops_what_is_not_a_members_signed_frame_and_reads_what_follows(ray_local, caplog):
+    """A member's connection sends a message of three parts, then a frame signed with another key, then its
+    hello, then an answer: the driver's end drops the first two whole (their parts do not leak into the next
+    frame) and reads the hello and the answer as they were sent."""
+    import zmq
+
+    from raysync.ray.push_loop import _DriverEnd
+
+    key = ("receiver", 0)
+    end = _DriverEnd([key], {ray.get_runtime_context().get_node_id()})
+    ctx = zmq.Context()
+    member = ctx.socket(zmq.DEALER)
+    try:
+        member.setsockopt(zmq.IDENTITY, b"receiver-0")
+        member.setsockopt(zmq.LINGER, 0)
+        member.connect(end.address)
+        codec = Codec(end.secret, "receiver-0", "actor")
+        member.send_multipart([b"one", b"two", b"three"])
+        member.send(Codec(os.urandom(32), "receiver-0", "actor").encode("hello", [1]))
+        member.send(codec.encode("hello", [os.getpid()]))
+        end.hellos(30, str)  # returns once the signed hello is read
+        assert caplog.text.count("push loops: dropped a frame") == 2, caplog.text
+        member.send(codec.encode("answer", [1, to_wire(ANSWER)]))
+        assert end.sock.poll(30_000)
+        (got,) = end.frames(ready=True)
+        assert got[:2] == (key, "answer") and from_wire(got[2][1]) == ANSWER
+        assert end.frames() == []  # nothing waits
+    finally:
+        member.close()
+        ctx.term()
+        end.close()
+
+
 def test_an_unknown_way_to_run_rounds_is_refused():
     with pytest.raises(ValueError, match="push_rounds='loops': expected one of 'calls', 'graph', 'loop'"):
         keeper_for("loops", None, None)  # type: ignore[arg-type]
