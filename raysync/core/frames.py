@@ -184,6 +184,16 @@ class SignedFrames:
         self._seen_seq = seq
 
 
+@functools.cache
+def _flat_fields(cls: type) -> tuple[str, ...] | None:
+    """The field names of a message none of whose fields holds a dataclass (most of them: PushStart, Accept,
+    BucketReady, ...), whose body needs no recursive ``asdict`` (6-11 us a frame on the VM, against ~1);
+    None for the others."""
+    hints = typing.get_type_hints(cls)
+    nested = any(dataclasses.is_dataclass(a) for h in hints.values() for a in (h, *typing.get_args(h)))
+    return None if nested else tuple(f.name for f in dataclasses.fields(cls))
+
+
 class FrameCodec:
     """Signs what this side sends and checks what its peer sends. One per endpoint per session."""
 
@@ -197,7 +207,8 @@ class FrameCodec:
         )
 
     def encode(self, msg: Message) -> bytes:
-        body = dataclasses.asdict(msg)  # type: ignore[call-overload]
+        names = _flat_fields(type(msg))  # a message of scalars and tuples of them: its fields as they are
+        body = {n: getattr(msg, n) for n in names} if names is not None else dataclasses.asdict(msg)  # type: ignore[call-overload]
         _decode_body(
             type(msg), body, type(msg).__name__
         )  # never send what the peer would refuse (e.g. version -1)

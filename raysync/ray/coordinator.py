@@ -110,9 +110,10 @@ class WeightSync:
         Ray supervising: raysync.ray.push_loop). ``max_version_lag``: an engine that runs
         its steps in ``engine_steps`` (raysync.ray.staged_endpoint) waits at a step boundary, rather than start a
         step on weights more than this many versions older than the newest staged on it (docs/staged.md).
-        ``fan_out``: a sender's shm ring pairs to engines on its host become one session whose ring they all read,
-        each bucket packed once (raysync.ray.fanout_group); its engines then move together: one that fails a push
-        fails it for all of them. Not with SyncConfig.delta (one session per pair). ``staging_memory``: where the
+        ``fan_out``: a sender's pairs to engines on its host that the plan reaches one way (an shm ring, a
+        cuda_ipc ring, or direct mode) become one session that they all read, each bucket packed once
+        (raysync.ray.fanout_group); its engines then move together: one that fails a push fails it for all of
+        them. Not with SyncConfig.delta (one session per pair). ``staging_memory``: where the
         engines stage a staged push: "device" (beside the live weights), "host" (pinned host memory) or "auto"
         (the device when it has room; raysync.core.staging_memory); ``staging()`` and ``plan`` say what each
         chose, and why, once it staged."""
