@@ -108,3 +108,17 @@ def test_three_engines_read_one_cuda_ipc_ring_or_the_trainers_tensors(spawn, no_
     last = [m[2] for m in got if m[0] == "digest" and m[1] == pushes - 1]
     assert len(last) == 3 and all(d == want for d in last)
     assert sum(m[0] == "done" for m in got) == 3
+
+
+def test_readers_of_the_trainers_tensors_take_turns_only_all_on_one_gpu():
+    """Note [readers in turns]: the chain the DirectSources name, from the readers' Attached."""
+    from raysync.core.wire import Attached
+    from raysync.transport.cuda_ipc_direct import turns
+
+    a, b, c = (Attached((bytes([i]) * 64,), "GPU-a") for i in range(3))
+    assert turns([a, b, c], 3) == (a.events[0], b.events[0], c.events[0])  # in reader order
+    assert turns([a], 1) == ()  # one reader: nobody to wait for
+    assert turns([a, b], 3) == ()  # not all attached
+    assert turns([a, Attached(b.events, "GPU-b"), c], 3) == ()  # readers on two GPUs copy at once
+    assert turns([a, Attached(b.events, ""), c], 3) == ()  # a reader that did not say its GPU
+    assert turns([a, Attached((), "GPU-a"), c], 3) == ()  # nor its event

@@ -79,14 +79,7 @@ class CudaIpcDirectSender:
 
     @property
     def chain(self) -> tuple[bytes, ...]:
-        """The readers' events in reader order when they take turns: two or more, all on one GPU."""
-        gpus = {a.device_uuid for a in self._attached}
-        turns = self.readers > 1 and len(self._attached) == self.readers and len(gpus) == 1 and "" not in gpus
-        return (
-            tuple(a.events[0] for a in self._attached)
-            if turns and all(a.events for a in self._attached)
-            else ()
-        )
+        return turns(self._attached, self.readers)
 
     def place(self, layout: Layout, sources: Sequence[SourceTensor]) -> tuple[list[Bucket], DirectSources]:
         """This plane's own plan: one bucket per exported storage (checked and exported before anything is
@@ -167,6 +160,14 @@ class CudaIpcDirectSender:
     def close(self) -> None:
         self.shared = []
         torch.cuda.ipc_collect()
+
+
+def turns(attached: Sequence[Attached], readers: int) -> tuple[bytes, ...]:
+    """The readers' events in reader order when they take turns (Note [readers in turns]): two or more readers,
+    every one attached with its event, all on one GPU; else none (they copy at once)."""
+    gpus = {a.device_uuid for a in attached}
+    every = readers > 1 and len(attached) == readers and all(len(a.events) == 1 for a in attached)
+    return tuple(a.events[0] for a in attached) if every and len(gpus) == 1 and "" not in gpus else ()
 
 
 def _not_in_place(t: torch.Tensor, wire: torch.dtype, device: int) -> str:
