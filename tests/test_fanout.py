@@ -81,17 +81,24 @@ def test_fan_out_is_refused_where_it_is_not_built():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("direct", [False, True], ids=["cuda_ipc ring", "cuda_ipc direct"])
-def test_three_engines_read_one_cuda_ipc_ring_or_the_trainers_tensors(spawn, no_leftovers, direct):
+@pytest.mark.parametrize(
+    "direct, verify", [(False, False), (True, False), (True, True)], ids=["ring", "direct", "direct verified"]
+)
+def test_three_engines_read_one_cuda_ipc_ring_or_the_trainers_tensors(spawn, no_leftovers, direct, verify):
     """Fan-out over CUDA IPC: three engine processes on the trainer's GPU read one ring (each bucket packed
-    once) or, direct, the trainer's own tensors; every push lands bit-exact in all three."""
+    once) or, direct, the trainer's own tensors, in turns; every push lands bit-exact in all three."""
     from workers import digest, ipc_receiver
 
     from raysync.tools.models import allocate
 
     torch.cuda.set_device(0)
     config = SyncConfig(
-        transport="cuda_ipc", direct=direct, bucket_bytes=64 << 20, timeout_s=120, progress=False
+        transport="cuda_ipc",
+        direct=direct,
+        bucket_bytes=64 << 20,
+        timeout_s=120,
+        progress=False,
+        verify=verify,
     )
     src = allocate("qwen2.5-0.5b", device="cuda")
     secret, out, pushes = SessionSecret.generate(), spawn.ctx.Queue(), 3

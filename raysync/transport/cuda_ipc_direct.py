@@ -18,8 +18,8 @@ each copies on its own GPU stream, and the push ends when all N have.
 # section 13). So readers that all read on one GPU take turns: each sends the event it records after its copies
 # in Attached, the DirectSources name them in reader order (``chain``), and reader k's stream waits on reader
 # k-1's event before its copies. A wait on an event waits for its last record, so reader k must not queue its
-# copies before reader k-1 has recorded this push's: the sender sends the go after accept to reader 0 only,
-# and to reader k once reader k-1 said Queued (``wait_released``). The relays overlap the copies queued before.
+# copies before reader k-1 has recorded this push's: the sender sends the go after accept to reader 0 first,
+# and to reader k once reader k-1 said Queued (``send_go``). The relays overlap the copies queued before.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from raysync.core.config import SyncConfig
 from raysync.core.control import Channel
-from raysync.core.errors import LayoutError, SchemaError
+from raysync.core.errors import LayoutError, RaysyncError, SchemaError
 from raysync.core.plan import Bucket, direct_buckets
 from raysync.core.source import SourceTensor
 from raysync.core.wire import DTYPES, Accept, Attached, DirectSources, Layout, Queued, RingInfo
@@ -60,7 +60,6 @@ class CudaIpcDirectSender:
         self.shared: list[torch.Tensor] = []  # what is exported: byte views of the trainer's storages
         self._attached: list[Attached] = []  # each reader's, in reader order
         self._channel: Channel | None = None  # the Fanout of the readers (open), for the go in turns
-        self._relay: tuple[int, Accept] | None = None  # (push id, go) still to pass along the chain
 
     @classmethod
     def open(cls, transport: type, config: SyncConfig, channel: Channel) -> CudaIpcDirectSender:
@@ -116,13 +115,24 @@ class CudaIpcDirectSender:
         return DirectSources(layout_id, exported, tuple(storage), tuple(offsets), self.chain)
 
     def send_go(self, go: Accept, stage: str) -> None:
-        """The go after accept (a fan-out): to every reader at once, or, when they take turns, to the first
-        only; ``wait_released`` passes it along (Note [readers in turns])."""
+        """The go after accept (a fan-out): to every reader at once or, when they take turns, to each once the
+        one before it has queued its copies (Note [readers in turns]); before anything else of the push is sent
+        to them (a verified push's digests follow). A reader that fails its turn fails the push for all."""
         if not self.chain or go.skip:
             self._channel.send(go, stage)
             return
-        self._channel.channels[0].send(go, stage)
-        self._relay = (go.push_id, go)
+        readers = self._channel.channels
+        readers[0].send(go, stage)
+        try:
+            for k in range(1, len(readers)):
+                turn = f"accept: reader {k - 1} queues its copies, then reader {k} goes"
+                readers[k - 1].expect(Queued, go.push_id, turn)
+                readers[k].send(go, turn)
+        except RaysyncError as e:
+            self._channel.abort(
+                go.push_id, "accept: the readers' turns", e
+            )  # those still waiting for their go
+            raise
 
     def begin(self, push_id: int, buckets: list[Bucket]) -> None:
         """Before PushStart: the trainer's tensors hold this push's values once its stream gets here (the
@@ -144,18 +154,10 @@ class CudaIpcDirectSender:
         pass  # the ready event recorded in begin covers every bucket
 
     def wait_released(self) -> None:
-        """Nothing to free (PushDone says the receivers have copied everything); readers in turns get the go
-        one after another, each once the one before it has queued its copies."""
-        if self._relay is None:
-            return
-        (push_id, go), self._relay = self._relay, None
-        readers = self._channel.channels
-        for k in range(1, len(readers)):
-            readers[k - 1].expect(Queued, push_id, f"reader {k - 1} queues its copies, then reader {k} goes")
-            readers[k].send(go, f"the go to reader {k}")
+        pass  # nothing to free: PushDone says the receivers have copied everything
 
     def fail(self) -> None:
-        self._relay = None
+        pass
 
     def close(self) -> None:
         self.shared = []
