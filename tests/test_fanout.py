@@ -129,3 +129,63 @@ def test_readers_of_the_trainers_tensors_take_turns_only_all_on_one_gpu():
     assert turns([a, Attached(b.events, "GPU-b"), c], 3) == ()  # readers on two GPUs copy at once
     assert turns([a, Attached(b.events, ""), c], 3) == ()  # a reader that did not say its GPU
     assert turns([a, Attached((), "GPU-a"), c], 3) == ()  # nor its event
+
+
+def _direct_readers(n: int):
+    """The sender's half of direct mode over ``n`` real control channels, the readers' Attached on one GPU: only
+    what taking turns uses of it (no GPU here, so the CUDA half of the plane is not made)."""
+    import os
+    import socket
+
+    from raysync.core.control import ReceiverChannel, SenderChannel
+    from raysync.core.fanout import Fanout
+    from raysync.core.wire import Attached, Hello
+    from raysync.transport.cuda_ipc_direct import CudaIpcDirectSender
+
+    secret = SessionSecret.generate()
+    ends = [
+        SenderChannel(secret, endpoint=None, allow_any_interface=False, timeout_s=5, max_frame_bytes=1 << 20)
+        for _ in range(n)
+    ]
+    readers = [
+        ReceiverChannel(secret, endpoint=e.endpoint, timeout_s=5, max_frame_bytes=1 << 20) for e in ends
+    ]
+    for r, e in zip(readers, ends, strict=True):
+        r.send(Hello(os.getpid(), socket.gethostname()), "handshake")
+        e.accept()
+    plane = object.__new__(CudaIpcDirectSender)
+    plane.readers, plane._channel = n, Fanout(ends)
+    plane._attached = [Attached((bytes([k]) * 64,), "GPU-a") for k in range(n)]
+    return plane, readers
+
+
+def test_readers_in_turns_hear_the_go_one_after_another_and_a_failed_turn_aborts_the_rest(in_thread):
+    """Note [readers in turns], the sender's half over real channels: reader k hears the go only once reader
+    k - 1 said Queued; a reader that fails instead stops the push for those still waiting."""
+    from raysync.core.wire import Accept, Queued
+
+    plane, readers = _direct_readers(3)
+    try:
+        go = Accept(7, False, False)
+        relay = in_thread(plane.send_go, go, "accept: the go")
+        assert readers[0].expect(Accept, 7, "the go") == go
+        assert not readers[1].sock.poll(0)  # not before reader 0 has queued its copies
+        readers[0].send(Queued(7), "queued")
+        assert readers[1].expect(Accept, 7, "the go") == go
+        assert not readers[2].sock.poll(0)
+        readers[1].send(Queued(7), "queued")
+        assert readers[2].expect(Accept, 7, "the go") == go
+        assert relay.result(timeout=10) is None
+
+        relay = in_thread(plane.send_go, Accept(8, False, False), "accept: the go")
+        assert readers[0].expect(Accept, 8, "the go").push_id == 8
+        readers[0].abort(8, "unpack", RuntimeError("reader 0 broke"))
+        with pytest.raises(RemoteError, match="reader 0 broke"):
+            relay.result(timeout=10)
+        with pytest.raises(RemoteError, match="reader 0 broke"):  # told, not left to wait for its go
+            readers[2].expect(Accept, 8, "the go")
+    finally:
+        for r in readers:
+            r.close()
+        for c in plane._channel.channels:
+            c.close()
