@@ -13,7 +13,7 @@ each copies on its own GPU stream, and the push ends when all N have.
 
 # Note [readers in turns]
 # N reader processes on one GPU that copy at once make the GPU switch between their contexts: three readers of the
-# 7B layout took 27.0 ms against 25.1 ms when each one's copies waited for the previous one's (one H200, 24.4 ms
+# 7B layout took 27.08 ms against 25.18 ms when each one's copies waited for the previous one's (one H200, 24.54 ms
 # for the three reads one after the other in one process; an experiment outside raysync, docs/benchmarks.md,
 # section 13). So readers that all read on one GPU take turns: each sends the event it records after its copies
 # in Attached, the DirectSources name them in reader order (``chain``), and reader k's stream waits on reader
@@ -128,10 +128,8 @@ class CudaIpcDirectSender:
                 turn = f"accept: reader {k - 1} queues its copies, then reader {k} goes"
                 readers[k - 1].expect(Queued, go.push_id, turn)
                 readers[k].send(go, turn)
-        except RaysyncError as e:
-            self._channel.abort(
-                go.push_id, "accept: the readers' turns", e
-            )  # those still waiting for their go
+        except RaysyncError as e:  # told at once: the readers still waiting for their go
+            self._channel.abort(go.push_id, "accept: the readers' turns", e)
             raise
 
     def begin(self, push_id: int, buckets: list[Bucket]) -> None:
