@@ -449,6 +449,29 @@ def test_destinations_are_checked_again_when_they_change(private_tmp, in_thread)
         assert same_bits(dest["layer.0.weight"], model(4)["layer.0.weight"])
 
 
+def test_destinations_refused_then_given_back_as_they_were_take_the_next_push(private_tmp, in_thread):
+    """The destinations of the last good push come back after a refused push (the same tensors, so the same
+    addresses, as new tensors can also get): the receiver makes its views again, it does not reuse the ones
+    dropped with the refusal (it raised AttributeError there, the sender waited timeout_s)."""
+    with session_pair(CFG) as (sender, receiver):
+        dest = zeros_like(model(0))
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(model(1).items(), 1)
+        got.result(timeout=10)
+        good = dest["layer.0.weight"]
+        dest["layer.0.weight"] = torch.zeros(32, 31)
+        got = in_thread(receiver.receive, into=dest)
+        with pytest.raises(RemoteError, match=r"float32\[32, 31\]"):
+            sender.push(model(2).items(), 2)
+        with pytest.raises(PushIncomplete):
+            got.result(timeout=10)
+        dest["layer.0.weight"] = good
+        got = in_thread(receiver.receive, into=dest)
+        sender.push(model(3).items(), 3)
+        assert got.result(timeout=10).version == 3
+        assert same_bits(dest["layer.0.weight"], model(3)["layer.0.weight"])
+
+
 def test_config_checks_and_environment(monkeypatch):
     with pytest.raises(ValueError, match="multiple of align_bytes"):
         SyncConfig(bucket_bytes=1000)

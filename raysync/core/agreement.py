@@ -187,7 +187,7 @@ class ReceiverLayout:
             return None
         try:
             sink = self._sinks.make(self.layout.layout_id, self.layout.tensors, into, load_fn)
-        except RaysyncError:
+        except Exception:  # accept makes it again, and tells the sender what failed
             return None
         return self.layout.layout_id, self._made, sink  # no reference to the Sinks: see drop_sinks
 

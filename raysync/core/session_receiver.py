@@ -261,6 +261,9 @@ class PushReceiver(OnPlane, StagedFlips):
         except RaysyncError as e:
             self._channel.abort(start.push_id, "accept", e)
             raise self._incomplete(start, "accept", str(e), self._agreed.names) from e
+        except Exception as e:  # not a refusal but a failure here: the sender hears it now, not at timeout_s
+            self._channel.abort(start.push_id, "accept", e)
+            raise
 
     def _incomplete(
         self, start: PushStart, stage: str, reason: str, undelivered: list[str]

@@ -333,9 +333,10 @@ class Sinks:
             key = (layout_id, id(into) if make_sink else None, ptrs)  # the sink keeps ``into`` alive
         except KeyError:
             key = None  # IntoTensors names the missing destination
-        if key is None or key != self._key:
-            # the old sink (its views of the staging memory) goes before the new one is made
-            self._into = None
+        if key is None or key != self._key or self._into is None:
+            # the old sink (its views of the staging memory) goes before the new one is made, and so does its
+            # key: destinations refused now free their memory, and new ones may get the same addresses
+            self._into, self._key = None, None
             if make_sink is not None:
                 self._into = make_sink(specs, self._graphs)
             else:
