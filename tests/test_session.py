@@ -427,6 +427,10 @@ def test_close_ends_the_receivers_wait(private_tmp, in_thread):
 
 
 def test_destinations_are_checked_again_when_they_change(private_tmp, in_thread):
+    """Refused destinations, then a new tensor (its bytes must land in it, not the old one), then refused again
+    and the same tensor given back (the same addresses, as a new tensor can also get: the views dropped with
+    the refusal are made again, not reused; they were, the receiver raised AttributeError and the sender waited
+    timeout_s)."""
     with session_pair(CFG) as (sender, receiver):
         dest = zeros_like(model(0))
         for version in (1, 2):  # the second push reuses the checked views
@@ -434,42 +438,19 @@ def test_destinations_are_checked_again_when_they_change(private_tmp, in_thread)
             sender.push(model(version).items(), version)
             got.result(timeout=10)
         assert same_bits(dest["embed.weight"], model(2)["embed.weight"])
-        dest["layer.0.weight"] = torch.zeros(32, 31)
-        got = in_thread(receiver.receive, into=dest)
-        with pytest.raises(RemoteError, match=r"float32\[32, 31\]"):
-            sender.push(model(3).items(), 3)
-        with pytest.raises(PushIncomplete):
-            got.result(timeout=10)
-        dest["layer.0.weight"] = torch.zeros(
-            32, 32
-        )  # a new tensor: its bytes must land in it, not the old one
-        got = in_thread(receiver.receive, into=dest)
-        sender.push(model(4).items(), 4)
-        got.result(timeout=10)
-        assert same_bits(dest["layer.0.weight"], model(4)["layer.0.weight"])
-
-
-def test_destinations_refused_then_given_back_as_they_were_take_the_next_push(private_tmp, in_thread):
-    """The destinations of the last good push come back after a refused push (the same tensors, so the same
-    addresses, as new tensors can also get): the receiver makes its views again, it does not reuse the ones
-    dropped with the refusal (it raised AttributeError there, the sender waited timeout_s)."""
-    with session_pair(CFG) as (sender, receiver):
-        dest = zeros_like(model(0))
-        got = in_thread(receiver.receive, into=dest)
-        sender.push(model(1).items(), 1)
-        got.result(timeout=10)
-        good = dest["layer.0.weight"]
-        dest["layer.0.weight"] = torch.zeros(32, 31)
-        got = in_thread(receiver.receive, into=dest)
-        with pytest.raises(RemoteError, match=r"float32\[32, 31\]"):
-            sender.push(model(2).items(), 2)
-        with pytest.raises(PushIncomplete):
-            got.result(timeout=10)
-        dest["layer.0.weight"] = good
-        got = in_thread(receiver.receive, into=dest)
-        sender.push(model(3).items(), 3)
-        assert got.result(timeout=10).version == 3
-        assert same_bits(dest["layer.0.weight"], model(3)["layer.0.weight"])
+        for version, after in ((4, torch.zeros(32, 32)), (6, None)):
+            kept = dest["layer.0.weight"]
+            dest["layer.0.weight"] = torch.zeros(32, 31)
+            got = in_thread(receiver.receive, into=dest)
+            with pytest.raises(RemoteError, match=r"float32\[32, 31\]"):
+                sender.push(model(version - 1).items(), version - 1)
+            with pytest.raises(PushIncomplete):
+                got.result(timeout=10)
+            dest["layer.0.weight"] = kept if after is None else after
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(model(version).items(), version)
+            assert got.result(timeout=10).version == version
+            assert same_bits(dest["layer.0.weight"], model(version)["layer.0.weight"])
 
 
 def test_config_checks_and_environment(monkeypatch):
