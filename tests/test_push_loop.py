@@ -77,6 +77,53 @@ def test_pushes_through_the_loops_are_bit_exact_and_each_engine_holds_the_versio
             assert thread == f"raysync-push-loop-receiver-{engines.index(engine)}"
 
 
+class Signal:
+    """An async actor a trainer's call can wait on (released by ``send``)."""
+
+    def __init__(self):
+        import asyncio
+
+        self.event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+    def send(self) -> None:
+        self.event.set()
+
+
+def step_when_signalled(actor: Trainer, signal, version: int) -> dict[str, str]:
+    """A train step that starts once ``signal`` is sent (bounded: the test fails rather than hang)."""
+    ray.get(signal.wait.remote(), timeout=60)
+    return actor.step(version)
+
+
+def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_it(ray_local, no_leftovers, made):
+    """Note [a push after the caller's own calls]: while a call of the driver is still pending on a member, the
+    round goes through ordinary calls (a loop would read beside the step); once nothing is pending, the loops."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    signal = ray.remote(num_cpus=0)(Signal).remote()
+    made += [trainer, engine, signal]
+    with WeightSync([trainer], [engine], CFG) as sync:  # loops: the default
+        assert f"{LOOPS} 2 actors" in str(sync.plan)
+        step = trainer.__ray_call__.remote(step_when_signalled, signal, 1)
+        graph, how = sync._graphs.for_push()
+        assert graph is None and how.startswith("calls, queued behind the driver's calls still pending on sender #0")
+        ray.get(signal.send.remote())
+        expected = ray.get(step)
+        graph, how = sync._graphs.for_push()
+        assert graph is not None and how == "loop"
+        # end to end: a step not waited for, then a push: the engine holds the step's weights, whichever way the
+        # round went (the step may have ended before the push looked)
+        step = trainer.step.remote(2)
+        report = sync.push(2)
+        assert ray.get(engine.digest.remote()) == ray.get(step) != expected
+        assert report.rounds == "loop" or report.rounds.startswith("calls, queued behind the driver's calls still")
+        report = sync.push(3)
+        assert report.rounds == "loop" and sync.versions() == [3]
+
+
 def test_an_adapter_keeps_its_ordinary_call_beside_the_loops(ray_local, no_leftovers, made):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]

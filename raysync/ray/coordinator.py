@@ -94,7 +94,7 @@ class WeightSync:
         shard_sources: bool = False,
         compiled_graph: bool = False,
         max_version_lag: int | None = None,
-        push_rounds: str = "calls",
+        push_rounds: str = "loop",
         fan_out: bool = False,
         staging_memory: str = "auto",
     ):
@@ -104,10 +104,13 @@ class WeightSync:
         own collective group (raysync.transport.sharded): the senders must hold the same tensors (trainer ranks).
         ``compiled_graph``: push rounds through one compiled Ray graph, a fraction of the ordinary calls' cost
         per push (raysync.ray.push_graph; what changes for the actors, and why it is not the default, is in its
-        Note); False: one ordinary Ray call per endpoint and round. ``push_rounds``: how push rounds reach the
-        actors: "calls" (one ordinary Ray call per endpoint, the default), "graph" (= ``compiled_graph=True``) or
-        "loop" (a loop in each actor, started at setup and triggered over raysync's own signed control channel,
-        Ray supervising: raysync.ray.push_loop). ``max_version_lag``: an engine that runs
+        Note); False: ``push_rounds`` says. ``push_rounds``: how push rounds reach the actors: "loop" (the
+        default: a loop in each plain actor, started at setup and triggered over raysync's own signed control
+        channel, Ray supervising: raysync.ray.push_loop), "graph" (= ``compiled_graph=True``) or "calls" (one
+        ordinary Ray call per endpoint and round). Engine adapters keep their ordinary calls; and a round whose
+        actors still run or queue a call this process made (``trainer.step.remote()`` not waited for) goes
+        through ordinary calls, queued behind it as Ray queues calls (raysync.ray.call_order; the report's
+        ``rounds`` says how each round went). ``max_version_lag``: an engine that runs
         its steps in ``engine_steps`` (raysync.ray.staged_endpoint) waits at a step boundary, rather than start a
         step on weights more than this many versions older than the newest staged on it (docs/staged.md).
         ``fan_out``: a sender's pairs to engines on its host that the plan reaches one way (an shm ring, a
@@ -179,7 +182,8 @@ class WeightSync:
                 progress=self.config.progress,
                 full=full,
             )
-            report = round_.run(None if full else self._graphs.current())
+            graph, rounds = (None, "calls (a full push)") if full else self._graphs.for_push()
+            report = round_.run(graph, rounds)
         logger.info("%s", report)
         return report
 

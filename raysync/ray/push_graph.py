@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from raysync.core.errors import PeerTimeout
+from raysync.ray import call_order
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors, first_line, typed
 from raysync.ray.connections import PairConnections, Plan
@@ -216,6 +217,7 @@ class GraphKeeper:
     raysync.ray.push_loop.PushKeeper keeps persistent push loops with it."""
 
     runner: Any = PushGraph
+    kind = "graph"  # SyncReport.rounds for a round it ran
     off = "WeightSync(compiled_graph=False)"  # sync.plan's reason for ordinary calls, when disabled
     refusal = "Ray did not compile the push graph"
     transient: tuple[type[BaseException], ...] = ()  # failures to build that are tried again at the next push
@@ -249,6 +251,26 @@ class GraphKeeper:
                 "WeightSync %s pushes through ordinary Ray calls: %s", self._connections.sync_id, e
             )
         return self._graph
+
+    def for_push(self) -> tuple[Any, str]:
+        """What runs the next push's round (``current()``, None: ordinary calls) and how, for its report: ordinary
+        calls while a Ray call of this process is still pending on one of the members, queued behind it (Note [a
+        push after the caller's own calls] in raysync.ray.call_order)."""
+        graph = self.current()
+        if graph is None:
+            return None, "calls"
+        members = [(key, self._handle(key)) for key in graph.keys]
+        waiting = call_order.waiting_on(members)
+        if waiting is None:
+            return None, "calls (Ray cannot say which calls of the driver are pending)"
+        if waiting:
+            names = ", ".join(self._actors.label(key) for key in waiting)
+            return None, f"calls, queued behind the driver's calls still pending on {names}"
+        return graph, self.kind
+
+    def _handle(self, key: Key) -> Any:
+        role, index = key
+        return self._actors.senders[index] if role == "sender" else self._actors.receivers[index].actor
 
     def describe(self) -> str:
         """How push rounds reach the actors, for ``sync.plan``."""

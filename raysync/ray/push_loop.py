@@ -367,6 +367,7 @@ class PushKeeper(GraphKeeper):
     graph; when they cannot start, ordinary calls, and another try at the next push when an actor was why."""
 
     runner = PushLoops
+    kind = "loop"
     off = "WeightSync(push_rounds='calls')"
     refusal = "the push loops did not start"
     transient = (errors.PeerUnavailable,)

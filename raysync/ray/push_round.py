@@ -54,9 +54,10 @@ class PushRound:
         self._waiting_since: float | None = None  # when only followers were left to answer
         self._failures: list[EndpointFailure] = []
 
-    def run(self, graph: PushGraph | None = None) -> SyncReport:
+    def run(self, graph: PushGraph | None = None, rounds: str = "calls") -> SyncReport:
         """Raises SyncError when any endpoint failed, PeerTimeout when the round outlasts push_timeout_s.
-        ``graph``: its members take their part through it, the others through ordinary calls."""
+        ``graph``: its members take their part through it, the others through ordinary calls; ``rounds``: how,
+        for the report."""
         started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         members = set(graph.keys) if graph is not None else set()
@@ -71,7 +72,7 @@ class PushRound:
             mixed = sorted(j for j, r in self._received.items() if r.version == MIXED)
             raise SyncError(self.version, self._failures, mixed)
         by_receiver = tuple(sorted(pairs, key=lambda p: p.receiver))
-        return SyncReport(self.version, time.perf_counter() - started, by_receiver)
+        return SyncReport(self.version, time.perf_counter() - started, by_receiver, rounds=rounds)
 
     def _start(self, members: set[Key]) -> dict[Any, Key]:
         """Every ordinary call of the round (those of endpoints not in the graph), made: ObjectRef -> who answers.

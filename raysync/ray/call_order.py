@@ -1,0 +1,67 @@
+"""Which of a WeightSync's actors still run, or have queued, a Ray call made earlier by the process that pushes:
+a push through loops or a compiled graph, which run beside the actor's own calls, must not start before them.
+
+# Note [a push after the caller's own calls]
+# Ray runs an actor's ordinary calls one at a time, in the order one caller made them: with ordinary calls,
+# ``trainer.step.remote(); sync.push(v)`` reads the weights after the step, whether or not the driver waited for
+# it. Push loops (raysync.ray.push_loop) and a compiled graph (raysync.ray.push_graph) run on threads of their
+# own beside those calls, so the same code would read weights the step is still writing: torn weights, reported
+# as version v. So before a push round through them the driver asks its own Ray core worker (in this process,
+# no message: ~4 us on the VM) which actors its calls are still pending on, made from the thread that pushes or
+# from the driver's main thread; when any is a member of the round, that round goes through ordinary calls,
+# queued behind those calls as Ray queues them, and the report says so (SyncReport.rounds). The next round,
+# with nothing pending, goes through the loops again.
+# What this does not order (nor would a call-by-call push order it differently, except the first): calls made
+# from another thread of this process than the one that pushes and the main thread; calls made by other
+# processes (Ray orders calls per caller only); and calls made while the push runs (with ordinary calls, those
+# of this process would queue behind the push; beside loops, they run at once). Where Ray cannot say (a
+# version without these calls), every round goes through ordinary calls, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+_warned: list[bool] = []
+
+
+def actor_id(handle: Any) -> bytes:
+    return handle._actor_id.binary()
+
+
+def actors_with_pending_calls() -> frozenset[bytes] | None:
+    """The ids of the actors that this thread's or the driver's main thread's Ray calls are still pending on (queued
+    or running, their answer not back); None where this Ray cannot say."""
+    try:
+        import ray
+        from ray._raylet import TaskID
+
+        worker = ray._private.worker.global_worker
+        core = worker.core_worker
+        parents = {core.get_current_task_id()}
+        if worker.mode == ray._private.worker.SCRIPT_MODE:  # the driver: its main thread's calls too
+            parents.add(TaskID.for_driver_task(worker.current_job_id))
+        return frozenset(
+            task.actor_id().binary() for parent in parents for task in core.get_pending_children_task_ids(parent)
+        )
+    except (AttributeError, ImportError, TypeError) as e:
+        if not _warned:
+            _warned.append(True)
+            logger.warning(
+                "this Ray cannot tell which actors the driver's calls are pending on (%s): push rounds go through "
+                "ordinary Ray calls (Note [a push after the caller's own calls])",
+                e,
+            )
+        return None
+
+
+def waiting_on(handles: Iterable[tuple[Any, Any]]) -> list[Any] | None:
+    """The names, among ``(name, actor handle)``, of the actors a call of this caller is still pending on; None
+    where Ray cannot say."""
+    pending = actors_with_pending_calls()
+    if pending is None:
+        return None
+    return [name for name, handle in handles if actor_id(handle) in pending]
