@@ -98,7 +98,9 @@ def step_when_signalled(actor: Trainer, signal, version: int) -> dict[str, str]:
     return actor.step(version)
 
 
-def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_it(ray_local, no_leftovers, made):
+def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_it(
+    ray_local, no_leftovers, made
+):
     """Note [a push after the caller's own calls]: while a call of the driver is still pending on a member, the
     round goes through ordinary calls (a loop would read beside the step); once nothing is pending, the loops."""
     trainer = ray.remote(**ACTOR)(Trainer).remote()
@@ -109,7 +111,9 @@ def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_
         assert f"{LOOPS} 2 actors" in str(sync.plan)
         step = trainer.__ray_call__.remote(step_when_signalled, signal, 1)
         graph, how = sync._graphs.for_push()
-        assert graph is None and how.startswith("calls, queued behind the driver's calls still pending on sender #0")
+        assert graph is None and how.startswith(
+            "calls, queued behind the driver's calls still pending on sender #0"
+        )
         ray.get(signal.send.remote())
         expected = ray.get(step)
         graph, how = sync._graphs.for_push()
@@ -119,7 +123,9 @@ def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_
         step = trainer.step.remote(2)
         report = sync.push(2)
         assert ray.get(engine.digest.remote()) == ray.get(step) != expected
-        assert report.rounds == "loop" or report.rounds.startswith("calls, queued behind the driver's calls still")
+        assert report.rounds == "loop" or report.rounds.startswith(
+            "calls, queued behind the driver's calls still"
+        )
         report = sync.push(3)
         assert report.rounds == "loop" and sync.versions() == [3]
 
@@ -336,3 +342,26 @@ def test_a_sender_pushes_one_session_on_its_own_thread_and_several_sessions_at_o
     out = _each(meet, [0, 1, 2])
     assert [x for x, _ in out] == [0, 1, 2] and out[0][1] is me
     assert len({t for _, t in out}) == 3
+
+
+def test_a_round_is_over_once_every_receiver_holds_the_version_and_the_senders_answers_are_then_owed():
+    """Note [the senders' answers, late]: the rule on answers made here (sender 0 -> receivers 0 and 1 of endpoint
+    0's two slots; sender 1 -> receiver 2, an adapter's, outside the loops)."""
+    from raysync.ray.push_loop import PushLoops
+
+    loops = object.__new__(PushLoops)
+    loops._sender_keys = [("sender", 0), ("sender", 1)]
+    loops._receiver_keys = [("receiver", 0)]
+    loops._receivers_of = {("sender", 0): [(0, (0, 0)), (1, (0, 1))], ("sender", 1): [(2, (1, 0))]}
+    ok = EndpointResult(report=PushReport(7, "shm", bytes=10, buckets=1, tensors=1, seconds=0.5), version=7)
+    stale = dataclasses.replace(ok, version=6)
+    failed = EndpointResult(failure=RemoteFailure("receive", "ValueError: no", ""), version=MIXED)
+    receivers = {("receiver", 0): {0: ok, 1: ok}}
+    assert not loops._early({}, 7)  # no receiver answered
+    assert not loops._early(receivers, 7)  # sender 1's receiver is not in the loops: sender 1 is waited for
+    answered_1 = receivers | {("sender", 1): {2: ok}}
+    assert loops._early(answered_1, 7)  # sender 0 is owed: both of its receivers hold version 7
+    assert loops._theirs(("sender", 0), answered_1) == {0: ok, 1: ok}
+    assert not loops._early({("receiver", 0): {0: ok, 1: stale}, ("sender", 1): {2: ok}}, 7)
+    assert not loops._early({("receiver", 0): {0: ok, 1: failed}, ("sender", 1): {2: ok}}, 7)
+    assert not loops._early({("receiver", 0): ValueError("lost"), ("sender", 1): {2: ok}}, 7)

@@ -45,7 +45,9 @@ def actors_with_pending_calls() -> frozenset[bytes] | None:
         if worker.mode == ray._private.worker.SCRIPT_MODE:  # the driver: its main thread's calls too
             parents.add(TaskID.for_driver_task(worker.current_job_id))
         return frozenset(
-            task.actor_id().binary() for parent in parents for task in core.get_pending_children_task_ids(parent)
+            task.actor_id().binary()
+            for parent in parents
+            for task in core.get_pending_children_task_ids(parent)
         )
     except (AttributeError, ImportError, TypeError) as e:
         if not _warned:

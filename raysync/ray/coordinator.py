@@ -167,6 +167,7 @@ class WeightSync:
         which every receiver has dropped it. A push while a version is staged replaces it (staged) or drops
         it (applied live). Staged and full pushes run through ordinary Ray calls, also with compiled_graph."""
         self._check_open("push")
+        self._graphs.settle()  # the last round's late answers first: nothing else runs in those sessions meanwhile
         self._connections.repair()
         if staged:
             report = self._staged.push(

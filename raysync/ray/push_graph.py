@@ -252,6 +252,22 @@ class GraphKeeper:
             )
         return self._graph
 
+    def settle(self) -> None:
+        """Take what the last round left owed (push loops: Note [the senders' answers, late] in
+        raysync.ray.push_loop): a sender that failed after its receivers applied the push has its pairs reconnected
+        before the next push."""
+        settle = getattr(self._graph, "settle", None)
+        if settle is None:
+            return
+        for key, answer in settle().items():
+            logger.warning(
+                "WeightSync %s: %s failed after its receivers applied the last push; its pairs reconnect: %s",
+                self._connections.sync_id,
+                self._actors.label(key),
+                answer,
+            )
+            self._connections.mark_broken(self._connections.pairs_of(key))
+
     def for_push(self) -> tuple[Any, str]:
         """What runs the next push's round (``current()``, None: ordinary calls) and how, for its report: ordinary
         calls while a Ray call of this process is still pending on one of the members, queued behind it (Note [a

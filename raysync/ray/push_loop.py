@@ -20,6 +20,19 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 # - A loop runs beside the actor's ordinary calls, as a graph's tasks do (Note [a push round in a compiled graph]):
 #   wait for the train step before pushing. Idle, it sleeps in zmq's poll, waking each second to see whether
 #   close() stopped it; it ends when told to, or when the driver's end closes. Engine adapters keep their calls.
+#   The driver sends a round through the loops only when none of its own calls is pending on their actors (Note
+#   [a push after the caller's own calls] in raysync.ray.call_order).
+#
+# Note [the senders' answers, late]
+# A receiver answers the driver as it sends its sender PushDone; the sender answers once PushDone reached it, one
+# hop of the control channel later (130-210 us on the H200, docs/benchmarks.md section 10). When every receiver
+# of a sender answered that it holds the pushed version, the round is over for the driver: push() returns
+# without waiting for that sender, whose pair reports are made of its receivers' (the bytes and the seconds of
+# the same session). The sender's own answer is owed: the next push, of any kind, first takes it (``settle``,
+# bounded by timeout_s), so that nothing else runs in that sender's sessions while its loop finishes the round;
+# a sender that failed after its receivers applied the push (e.g. closing its round) has its pairs
+# reconnected, with a warning, before that push. The sender's tensors are free when push() returns: a receiver
+# answers after its reads ended (direct mode) and the sender packs every bucket before PushDone (a ring).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
 from raysync.ray.loop_wire import Codec, from_wire, to_wire
 from raysync.ray.push_graph import GraphKeeper, GraphTimedOut, PushGraph
+from raysync.ray.results import EndpointResult
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +271,12 @@ class PushLoops:
         }
         self._end: _DriverEnd | None = _DriverEnd(self.keys, nodes)
         self._round, self.alive = 0, False
+        self._version, self._owed, self._check_now = 0, set(), False  # Note [the senders' answers, late]
+        self._sender_keys = [k for k in self.keys if k[0] == "sender"]
+        self._receiver_keys = [k for k in self.keys if k[0] == "receiver"]
+        self._receivers_of = {
+            ("sender", i): [(j, actors.slots[j]) for j in js] for i, js in shape[0]
+        }  # a sender with a receiver outside the loops (an adapter's) is waited for: _theirs finds no answer
         try:
             end = self._end
             calls = {k: self._call(k, start_loop, job, end.address, end.secret) for k, job in jobs.items()}
@@ -278,16 +298,53 @@ class PushLoops:
 
     def run(self, version: int, deadline: float, timeout_s: float) -> dict[Key, Any]:
         """Every member's answer to the round of ``version``, or a typed error in its place (an actor Ray lost,
-        a loop gone); raises GraphTimedOut past ``deadline``. Any error ends the loops (Note [push loops])."""
+        a loop gone); raises GraphTimedOut past ``deadline``. Any error ends the loops (Note [push loops]).
+        A sender whose receivers all answered that they hold ``version`` is not waited for (Note [the senders'
+        answers, late]): its answer here is made of theirs, and ``settle`` takes its own."""
+        if self._owed:
+            raise RuntimeError("PushLoops.run before settle(): a sender's answer to the last round is owed")
         self._round += 1
         end, answers = self._end, {}
-        next_check = time.monotonic() + self._timeout_s
         for key in self._go_order:
             try:
                 end.send(key, "go", [self._round, version])
             except zmq.ZMQError:  # no connection to that loop: ask Ray why, now
-                next_check = 0.0
-        while len(answers) < len(self.keys):
+                self._check_now = True
+        self._await(answers, version, deadline, lambda: self._early(answers, version))
+        self._owed = {k for k in self.keys if k not in answers}
+        for key in self._owed:
+            answers[key] = {j: EndpointResult(report=r.report) for j, r in self._theirs(key, answers).items()}
+        if any(isinstance(a, Exception) for a in answers.values()):
+            self.teardown()
+        return answers
+
+    def settle(self) -> dict[Key, Any]:
+        """The owed answers of the last round (Note [the senders' answers, late]), waited for up to timeout_s: those
+        that are not a success, by key (a typed error for one that did not come: the loops are then ended)."""
+        if not self._owed:
+            return {}
+        answers: dict[Key, Any] = {}
+        owed, self._owed = self._owed, set()
+        try:
+            self._await(
+                answers, self._version, time.monotonic() + self._timeout_s, lambda: owed <= set(answers)
+            )
+        except GraphTimedOut as e:
+            answers |= {
+                k: errors.PeerTimeout(self.actors.label(k), "the answer to the last push", self._timeout_s)
+                for k in e.keys
+            }
+        bad = {k: a for k, a in answers.items() if k in owed and not _all_ok(a)}
+        if bad and self.alive:
+            self.teardown()
+        return bad
+
+    def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough) -> None:
+        """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place."""
+        self._version, end = version, self._end
+        next_check = 0.0 if self._check_now else time.monotonic() + self._timeout_s
+        self._check_now = False
+        while len(answers) < len(self.keys) and not enough():
             now = time.monotonic()
             if now >= deadline:
                 self.teardown()
@@ -302,11 +359,30 @@ class PushLoops:
             if time.monotonic() >= next_check:
                 verdicts = self._check([k for k in self.keys if k not in answers], version)
                 self._take(answers, version)  # an answer that came meanwhile wins over a verdict
-                answers = verdicts | answers
+                answers.update({k: v for k, v in verdicts.items() if k not in answers})
                 next_check = time.monotonic() + self._timeout_s
-        if any(isinstance(a, Exception) for a in answers.values()):
-            self.teardown()
-        return answers
+
+    def _early(self, answers: dict[Key, Any], version: int) -> bool:
+        """Every receiver answered, and every sender did or need not (its receivers all hold ``version``)."""
+        for key in self._receiver_keys:
+            if key not in answers:
+                return False
+        for key in self._sender_keys:
+            if key not in answers:
+                theirs = self._theirs(key, answers)
+                if theirs is None or not all(r.ok and r.version == version for r in theirs.values()):
+                    return False
+        return True
+
+    def _theirs(self, key: Key, answers: dict[Key, Any]) -> dict[int, EndpointResult] | None:
+        """Sender ``key``'s receivers' answers, by receiver j; None where one is missing or not an answer."""
+        out = {}
+        for j, (e, slot) in self._receivers_of[key]:
+            answer = answers.get(("receiver", e))
+            if not isinstance(answer, dict) or not isinstance(answer.get(slot), EndpointResult):
+                return None
+            out[j] = answer[slot]
+        return out
 
     def _take(self, answers: dict[Key, Any], version: int, ready: bool = False) -> None:
         for key, kind, body in self._end.frames(ready):
@@ -345,6 +421,7 @@ class PushLoops:
 
     def teardown(self) -> None:
         """End every loop (idempotent), each once its part of a push has ended; bounded by timeout_s."""
+        self._owed = set()
         if self._end is None:
             return
         self.alive = False
@@ -355,6 +432,10 @@ class PushLoops:
         running = {k: a for k, a in said.items() if a is not False and not isinstance(a, errors.ActorGone)}
         if running:  # busy past timeout_s, or not answering: their next push fails
             logger.warning("push loops of WeightSync %s not stopped: %s", self.sync_id, running)
+
+
+def _all_ok(answer: Any) -> bool:
+    return isinstance(answer, dict) and all(isinstance(r, EndpointResult) and r.ok for r in answer.values())
 
 
 def _member(key: Key) -> str:

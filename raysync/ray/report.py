@@ -24,7 +24,9 @@ class SyncReport:
     seconds: float
     pairs: tuple[PairReport, ...]
     staged: bool = False  # push(staged=True): in every receiver's staging memory, not applied until flip()
-    rounds: str = "calls"  # how the round reached the actors: "loop", "graph", or "calls" and why (GraphKeeper)
+    rounds: str = (
+        "calls"  # how the round reached the actors: "loop", "graph", or "calls" and why (GraphKeeper)
+    )
 
     @property
     def bytes(self) -> int:
