@@ -5,8 +5,8 @@
 
 A trainer actor and an engine actor share one GPU (``num_gpus=0.5`` each) or the CPU; the trainer holds a
 layout's tensors (raysync.tools.models, allocated, not downloaded), the engine preallocated destinations. Rows:
-``SyncConfig()`` once per way its push rounds reach the actors (``--driver``: ordinary Ray calls, a compiled Ray
-graph, persistent push loops: raysync.ray.push_loop), then every forced mode through ordinary calls (a row that
+``SyncConfig()`` once per way its push rounds reach the actors (``--driver``: persistent push loops, the default:
+raysync.ray.push_loop; a compiled Ray graph; ordinary Ray calls), then every forced mode through the loops (a row that
 says why where the plan refuses it; none with ``--default-only``); on a GPU, without ``--all-rows``, no row that
 stages 15 GB through host memory (shm) or needs two NCCL ranks on one GPU (collective), so that the 7B and 1.5B
 run fits in 4 minutes (the JSON's ``wall_s`` says what it took). Each row, after one warm-up push:
@@ -21,7 +21,9 @@ run fits in 4 minutes (the JSON's ``wall_s`` says what it took). Each row, after
 and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
 ``--breakdown`` (on by default) splits the default config's push (each driver) into where the driver and the
 actors spend it (Ray's calls timed in this process; the actors stamp when their source and sink are called).
-The engine's destinations are checked against the trainer's tensors after every row. Prints a table and JSON.
+The engine's destinations are checked against the trainer's tensors after every row. Between two timed pushes the
+trainer runs a train step's stand-in (``Holder.step``: new first elements, the GPU synchronized), waited for as an
+RL loop waits for its step; the raw session does the same in its sender. Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class Holder:
 
     def checksum(self) -> float:
         return checksum(self.tensors)
+
+    def step(self, value: int) -> None:
+        """A train step's stand-in between two timed pushes, as in an RL loop: new first elements, then the GPU
+        synchronized (a real step ends reading its loss)."""
+        self.bump(value)
+        sync(self.tensors)
 
     def bump(self, value: int) -> None:
         """New first elements, so that a row whose push moved nothing cannot pass the check after it."""
@@ -132,6 +140,9 @@ def raw_session(config: SyncConfig, layout: str, device: str, pushes: int, threa
             sender.push(src.items(), 0)  # warm-up: the session's set-up
             times = []
             for version in range(1, pushes + 1):
+                for t in src.values():  # the train step's stand-in, as in WeightSync's rows (Holder.step)
+                    t.view(-1)[:1].fill_(version % 50 + 60)
+                sync(src)
                 t0 = time.perf_counter()
                 sender.push(src.items(), version)
                 times.append(time.perf_counter() - t0)
@@ -198,7 +209,7 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
                       both actors at once, both answers got: Ray's least for a round of ordinary calls"""
     rows: list[dict[str, float]] = []
     for v in range(version0, version0 + pushes):
-        ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
+        ray.get([trainer.take_stamps.remote(), trainer.step.remote(v % 50 + 60), engine.take_stamps.remote()])
         with Stopwatch() as watch:
             t0 = time.monotonic()
             report = sync.push(v)
@@ -226,7 +237,7 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
 
 # --- one layout, every config ---------------------------------------------------------------------------------------
 # --driver: how the default config's push rounds reach the actors, and the end of that row's name
-DRIVERS = {"calls": "", "graph": ", compiled graph", "loop": ", push loops"}
+DRIVERS = {"loop": "", "graph": ", compiled graph", "calls": ", ordinary calls"}  # "": WeightSync's default
 
 
 def weight_sync(actors: tuple[Any, Any], config: SyncConfig, rounds: str) -> WeightSync:
@@ -234,7 +245,7 @@ def weight_sync(actors: tuple[Any, Any], config: SyncConfig, rounds: str) -> Wei
 
 
 def configs(args) -> dict[str, tuple[SyncConfig, str]]:
-    """Each row's config and how its push rounds reach the actors (forced modes: through ordinary calls)."""
+    """Each row's config and how its push rounds reach the actors (forced modes: the default, push loops)."""
     base = SyncConfig(timeout_s=120, progress=False)
     rows = {f"default: SyncConfig(){DRIVERS[d]}": (base, d) for d in args.driver}
     forced: dict[str, dict[str, Any]] = {}
@@ -268,7 +279,7 @@ def configs(args) -> dict[str, tuple[SyncConfig, str]]:
             forced["shm, shape by the plan"] = {"transport": "shm"}
     else:
         forced |= {"cuda_ipc direct": {"transport": "cuda_ipc", "direct": True}}
-    forced_rows = {name: (dataclasses.replace(base, **values), "calls") for name, values in forced.items()}
+    forced_rows = {name: (dataclasses.replace(base, **values), "loop") for name, values in forced.items()}
     return rows if args.default_only else rows | forced_rows
 
 
@@ -295,14 +306,17 @@ def run_config(
             "rounds": sync.plan.rounds,
         }
         sync.push(0)  # warm-up: sessions, rings, exports
-        times = []
+        times, rounds = [], set()
         for v in range(1, args.pushes + 1):
+            ray.get(trainer.step.remote(v % 50 + 60))  # waited for, as an RL loop waits for its train step
             t0 = time.perf_counter()
-            sync.push(v)
+            report = sync.push(v)
             times.append(time.perf_counter() - t0)
+            rounds.add(report.rounds)
         want, got = ray.get([trainer.checksum.remote(), engine.checksum.remote()])
         assert want == got, f"{name}: the engine holds other bytes than the trainer"
         row |= {"weightsync_median_s": statistics.median(times), "weightsync_min_s": min(times)}
+        row["rounds_went"] = sorted(rounds)  # SyncReport.rounds of the timed pushes
         if args.breakdown and name.startswith("default"):  # each driver
             row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
         pair_config = pair.config(config)
