@@ -82,7 +82,7 @@ def test_trainer_to_two_engines_bit_exact(ray_local, no_leftovers, made, compile
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]
     made += [trainer, *engines]
-    with WeightSync([trainer], engines, CFG, compiled_graph=compiled_graph) as sync:
+    with WeightSync([trainer], engines, CFG, push_rounds="graph" if compiled_graph else "calls") as sync:
         assert [p.transport for p in sync.plan] == ["shm", "shm"] and "same node" in str(sync.plan)
         rounds = (
             "one compiled Ray graph (3 actors)" if compiled_graph else "one ordinary Ray call per endpoint"
@@ -154,7 +154,9 @@ def test_a_remote_error_surfaces_once_and_the_engine_says_its_weights_are_mixed(
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engine = ray.remote(**ACTOR)(Engine).remote()
     made += [trainer, engine]
-    with WeightSync([trainer], [engine], CFG, sink=engine_load, compiled_graph=compiled_graph) as sync:
+    with WeightSync(
+        [trainer], [engine], CFG, sink=engine_load, push_rounds="graph" if compiled_graph else "calls"
+    ) as sync:
         ray.get(trainer.step.remote(1))
         sync.push(1)
         good = ray.get(engine.digest.remote())
@@ -184,7 +186,9 @@ def test_an_engine_killed_mid_push_is_detected_and_restarted(ray_local, no_lefto
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engine = ray.remote(max_restarts=1, **ACTOR)(Engine).remote()
     made += [trainer, engine]
-    with WeightSync([trainer], [engine], CFG, sink=engine_load, compiled_graph=compiled_graph) as sync:
+    with WeightSync(
+        [trainer], [engine], CFG, sink=engine_load, push_rounds="graph" if compiled_graph else "calls"
+    ) as sync:
         ray.get(trainer.step.remote(1))
         sync.push(1)
         first_pid = ray.get(engine.pid.remote())

@@ -1,12 +1,12 @@
 """Which of a WeightSync's actors still run, or have queued, a Ray call made earlier by the process that pushes:
-a push through loops or a compiled graph, which run beside the actor's own calls, must not start before them.
+a push through push loops, which run beside the actor's own calls, must not start before them.
 
 # Note [a push after the caller's own calls]
 # Ray runs an actor's ordinary calls one at a time, in the order one caller made them: with ordinary calls,
 # ``trainer.step.remote(); sync.push(v)`` reads the weights after the step, whether or not the driver waited for
-# it. Push loops (raysync.ray.push_loop) and a compiled graph (raysync.ray.push_graph) run on threads of their
-# own beside those calls, so the same code would read weights the step is still writing: torn weights, reported
-# as version v. So before a push round through them the driver asks its own Ray core worker (in this process,
+# it. Push loops (raysync.ray.push_loop) run on threads of their own beside those calls, so the same code would
+# read weights the step is still writing: torn weights, reported as version v. So before a push round through
+# them the driver asks its own Ray core worker (in this process,
 # no message: ~4 us on the VM) which actors its calls are still pending on, made from the thread that pushes or
 # from the driver's main thread; when any is a member of the round, that round goes through ordinary calls,
 # queued behind those calls as Ray queues them, and the report says so (SyncReport.rounds). The next round,
@@ -16,6 +16,8 @@ a push through loops or a compiled graph, which run beside the actor's own calls
 # processes (Ray orders calls per caller only); and calls made while the push runs (with ordinary calls, those
 # of this process would queue behind the push; beside loops, they run at once). Where Ray cannot say (a
 # version without these calls), every round goes through ordinary calls, with a warning.
+# A compiled graph (raysync.ray.push_graph, opt-in) is not checked: its actors always run a call of the
+# driver's, Ray's loop that runs the graph's tasks; its Note says to wait for the train step before pushing.
 """
 
 from __future__ import annotations

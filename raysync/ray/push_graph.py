@@ -218,6 +218,9 @@ class GraphKeeper:
 
     runner: Any = PushGraph
     kind = "graph"  # SyncReport.rounds for a round it ran
+    # a round waits for the driver's calls pending on its members (Note [a push after the caller's own calls]):
+    # not a graph's, whose actors always run a call of the driver's (Ray's loop that runs the graph's tasks)
+    ordered = False
     off = "WeightSync(compiled_graph=False)"  # sync.plan's reason for ordinary calls, when disabled
     refusal = "Ray did not compile the push graph"
     transient: tuple[type[BaseException], ...] = ()  # failures to build that are tried again at the next push
@@ -269,12 +272,14 @@ class GraphKeeper:
             self._connections.mark_broken(self._connections.pairs_of(key))
 
     def for_push(self) -> tuple[Any, str]:
-        """What runs the next push's round (``current()``, None: ordinary calls) and how, for its report: ordinary
-        calls while a Ray call of this process is still pending on one of the members, queued behind it (Note [a
-        push after the caller's own calls] in raysync.ray.call_order)."""
+        """What runs the next push's round (``current()``, None: ordinary calls) and how, for its report. Push loops
+        (``ordered``): ordinary calls while a Ray call of this process is still pending on one of the members,
+        queued behind it (Note [a push after the caller's own calls] in raysync.ray.call_order)."""
         graph = self.current()
         if graph is None:
             return None, "calls"
+        if not self.ordered:
+            return graph, self.kind
         members = [(key, self._handle(key)) for key in graph.keys]
         waiting = call_order.waiting_on(members)
         if waiting is None:

@@ -449,6 +449,7 @@ class PushKeeper(GraphKeeper):
 
     runner = PushLoops
     kind = "loop"
+    ordered = True
     off = "WeightSync(push_rounds='calls')"
     refusal = "the push loops did not start"
     transient = (errors.PeerUnavailable,)
