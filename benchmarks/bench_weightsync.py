@@ -44,6 +44,7 @@ from common import emit
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import PlanError
+from raysync.ray import push_loop
 from raysync.ray.endpoint import applied_version
 from raysync.tools.models import allocate
 
@@ -58,6 +59,16 @@ class Holder:
         torch.set_num_threads(threads)
         self.tensors = allocate(layout, device=device, fill=fill)
         self.stamps: dict[str, float] = {}
+        run = push_loop._run  # a loop's round, stamped: its go decoded, its answer made (to be sent)
+
+        def stamped(codec, actor, *args):
+            actor.stamps["go"] = time.monotonic()
+            try:
+                return run(codec, actor, *args)
+            finally:
+                actor.stamps["answer"] = time.monotonic()
+
+        push_loop._run = stamped
 
     def checksum(self) -> float:
         return checksum(self.tensors)
@@ -159,7 +170,7 @@ class Stopwatch:
     (a call submitted), ``ray.wait`` and ``ray.get``, each as (start, end) on time.monotonic()."""
 
     def __init__(self):
-        self.calls: dict[str, list[tuple[float, float]]] = {"remote": [], "wait": [], "get": []}
+        self.calls: dict[str, list[tuple[float, float]]] = {"remote": [], "wait": [], "get": [], "frame": []}
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, owner: Any, attr: str, key: str) -> None:
@@ -180,6 +191,7 @@ class Stopwatch:
     def __enter__(self) -> Stopwatch:
         for owner, attr in ((ray.actor.ActorMethod, "remote"), (ray, "wait"), (ray, "get")):
             self._wrap(owner, attr, attr)
+        self._wrap(push_loop._DriverEnd, "send", "frame")  # the loops' go frames
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -216,6 +228,7 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
             t_end = time.monotonic()
         s_stamp, r_stamp = ray.get([trainer.take_stamps.remote(), engine.take_stamps.remote()])
         remote, waits, gets = watch.calls["remote"], watch.calls["wait"], watch.calls["get"]
+        frames = watch.calls["frame"]  # the loops' go frames, this push's
         session_end = s_stamp["source"] + report.slowest.seconds
         rows.append(
             {
@@ -232,7 +245,18 @@ def breakdown(sync: WeightSync, trainer: Any, engine: Any, pushes: int, version0
                 "bare round trip": bare_round_trip(trainer, engine),
             }
         )
-    return {k: statistics.median(r[k] for r in rows) * (1 if k.endswith("count") else 1e3) for k in rows[0]}
+        if frames and "go" in s_stamp:  # the loops: where the dispatch and the answer go
+            rows[-1] |= {
+                "loop: driver until the first go sent": frames[0][1] - t0,
+                "loop: last go sent -> the sender's loop has it": s_stamp["go"] - frames[-1][1],
+                "loop: the receiver's loop has go": r_stamp["go"] - frames[0][1],
+                "loop: sender's go -> its source called": s_stamp["source"] - s_stamp["go"],
+                "loop: receiver's answer made -> push() returns": t_end - r_stamp["answer"],
+                "loop: sender's answer made - receiver's": s_stamp.get("answer", float("nan"))
+                - r_stamp["answer"],
+            }
+    keys = [k for k in rows[-1] if all(k in r for r in rows)]
+    return {k: statistics.median(r[k] for r in rows) * (1 if k.endswith("count") else 1e3) for k in keys}
 
 
 # --- one layout, every config ---------------------------------------------------------------------------------------
@@ -374,10 +398,13 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
             f"{'where the default config`s WeightSync push goes, median ms':<60}"
             + "".join(f"{row['rounds_by']:>8}" for row in split)
         )
-        for k in split[0]["breakdown_ms"]:
+        for k in dict.fromkeys(k for row in split for k in row["breakdown_ms"]):
             print(
                 f"    {k:<56}"
-                + "".join(f"{row['breakdown_ms'][k]:>8.{0 if k.endswith('count') else 3}f}" for row in split)
+                + "".join(
+                    f"{row['breakdown_ms'].get(k, float('nan')):>8.{0 if k.endswith('count') else 3}f}"
+                    for row in split
+                )
             )
 
 
