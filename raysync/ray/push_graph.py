@@ -113,7 +113,7 @@ class PushGraph:
                     slots.setdefault(e, []).append(slot)
         return (
             tuple((i, tuple(js)) for i, js in sorted(receivers_of.items())),
-            tuple((e, tuple(sorted(s))) for e, s in sorted(slots.items())),
+            tuple((e, tuple(sorted(set(s)))) for e, s in sorted(slots.items())),
         )
 
     def run(self, version: int, deadline: float, timeout_s: float) -> dict[Key, Any]:
