@@ -291,35 +291,46 @@ def test_a_signed_answer_that_is_not_an_endpoint_result_is_refused(item):
 
 
 def test_the_drivers_end_drops_what_is_not_a_members_signed_frame_and_reads_what_follows(ray_local, caplog):
-    """A member's connection sends a message of three parts, then a frame signed with another key, then its
-    hello, then an answer: the driver's end drops the first two whole (their parts do not leak into the next
-    frame) and reads the hello and the answer as they were sent."""
-    import zmq
+    """A member's connection sends its name, then a frame that is no signed frame, then a frame signed with another
+    key, then its hello, then an answer: the driver's end drops the first two and reads the hello and the answer as
+    they were sent; a connection under a name that is no member's is closed; one that sends a frame over the
+    bound is closed and the driver's end says a connection dropped."""
+    import socket
+    import struct
 
-    from raysync.ray.push_loop import _DriverEnd
+    from raysync.ray.push_loop import _driver_end
+
+    def frame(data: bytes) -> bytes:
+        return struct.pack("!I", len(data)) + data
 
     key = ("receiver", 0)
-    end = _DriverEnd([key], {ray.get_runtime_context().get_node_id()})
-    ctx = zmq.Context()
-    member = ctx.socket(zmq.DEALER)
+    end, secret = _driver_end([key], {ray.get_runtime_context().get_node_id()})
+    path = end.address.removeprefix("ipc://")
+    stranger, member = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2))
     try:
-        member.setsockopt(zmq.IDENTITY, b"receiver-0")
-        member.setsockopt(zmq.LINGER, 0)
-        member.connect(end.address)
-        codec = Codec(end.secret, "receiver-0", "actor")
-        member.send_multipart([b"one", b"two", b"three"])
-        member.send(Codec(os.urandom(32), "receiver-0", "actor").encode("hello", [1]))
-        member.send(codec.encode("hello", [os.getpid()]))
+        stranger.connect(path)
+        stranger.sendall(frame(b"receiver-7") + frame(b"anything"))
+        member.connect(path)
+        codec = Codec(secret, "receiver-0", "actor")
+        member.sendall(frame(b"receiver-0") + frame(b"one two three"))
+        member.sendall(frame(Codec(os.urandom(32), "receiver-0", "actor").encode("hello", [1])))
+        member.sendall(frame(codec.encode("hello", [os.getpid()])))
         end.hellos(30, str)  # returns once the signed hello is read
         assert caplog.text.count("push loops: dropped a frame") == 2, caplog.text
-        member.send(codec.encode("answer", [1, to_wire(ANSWER)]))
-        assert end.sock.poll(30_000)
-        (got,) = end.frames(ready=True)
+        member.sendall(frame(codec.encode("answer", [1, to_wire(ANSWER)])))
+        assert end.wait(30)
+        (got,) = end.frames()
         assert got[:2] == (key, "answer") and from_wire(got[2][1]) == ANSWER
-        assert end.frames() == []  # nothing waits
+        assert end.frames() == [] and not end.dropped  # nothing waits
+        member.sendall(struct.pack("!I", 1 << 30))  # a frame over the bound
+        while not end.dropped:
+            assert end.wait(30)
+            assert end.frames() == []
+        with pytest.raises(ConnectionError):
+            end.send(key, "go", [1, 1])
     finally:
+        stranger.close()
         member.close()
-        ctx.term()
         end.close()
 
 

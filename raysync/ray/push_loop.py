@@ -2,30 +2,31 @@
 thread) that waits on raysync's own control channel for the driver's "push version v": a round costs the driver a
 signed frame out and one back per actor, not a Ray call's submission, scheduling and answer.
 
-    driver (PushLoops, _DriverEnd)             each member actor (_serve, on a thread of its own)
-    ROUTER ─── go [round, version] ─────────>  DEALER   endpoint.sender_round / endpoint.receiver_round, as a
-           <── answer [round, results] ──────           compiled graph's tasks run them: EndpointResults
+    driver (PushLoops, loop_channel.DriverEnd)      each member actor (_serve, on a thread of its own)
+    listens ─── go [round, version] ─────────>  MemberEnd  endpoint.sender_round / endpoint.receiver_round, as
+            <── answer [round, results] ──────             a compiled graph's tasks run them: EndpointResults
 
 # Note [push loops]
-# - The channel: the driver binds one ROUTER, ipc:// in a private directory (removed once every loop has said
-#   hello) when every member runs on the driver's node, else tcp:// on the driver's node IP; each loop connects a
-#   DEALER whose routing id names its member. Frames are msgpack signed with HMAC-SHA256 under a key per member and
-#   direction (from a secret Ray hands each actor at start), numbered (a replay is refused), and decode to scalars
-#   only: a result is rebuilt as EndpointResult, PushReport, RemoteFailure from checked values. Nothing pickled.
+# - The channel (raysync.ray.loop_channel, Note [the loops' channel]): the driver listens on a Unix socket in a
+#   private directory (removed once every loop has said hello) when every member runs on the driver's node, else
+#   on TCP on the driver's node IP; each loop connects, names its member and says hello. Frames are msgpack
+#   signed with HMAC-SHA256 under a key per member and direction (from a secret Ray hands each actor at start),
+#   numbered (a replay is refused), and decode to scalars only: a result is rebuilt as EndpointResult, PushReport,
+#   RemoteFailure from checked values. Nothing pickled.
 # - Ray keeps supervising: it starts the loops, and the driver asks it about the members that have not answered
-#   as soon as a member's connection drops (zmq says so at once) or a send finds no one, and every timeout_s
+#   as soon as a member's connection closes (a read finds its end) or a send finds no one, and every timeout_s
 #   otherwise: an actor that died is ActorGone, one Ray restarted (no loop in it) ActorUnavailable; a busy loop is
 #   waited for, up to push_timeout_s. A member lost, or a round past its deadline, ends every loop (each once its
 #   part of the push has ended, bounded by timeout_s); the next push starts new ones.
-# - A loop runs beside the actor's ordinary calls, as a graph's tasks do (Note [a push round in a compiled graph]):
-#   wait for the train step before pushing. Idle, it sleeps in zmq's poll, waking each second to see whether
+# - A loop runs beside the actor's ordinary calls, as a graph's tasks do (Note [a push round in a compiled graph]),
+#   so the driver waits for its own calls (below). Idle, it sleeps in recv, waking each second to see whether
 #   close() stopped it; it ends when told to, or when the driver's end closes. Engine adapters keep their calls.
 #   The driver sends a round through the loops only when none of its own calls is pending on their actors (Note
 #   [a push after the caller's own calls] in raysync.ray.call_order).
 #
 # Note [the senders' answers, late]
 # A receiver answers the driver as it sends its sender PushDone; the sender answers once PushDone reached it, one
-# hop of the control channel later (130-210 us on the H200, docs/benchmarks.md section 10). When every receiver
+# hop of the session's control channel later (130-210 us on the H200, docs/benchmarks.md section 10). When every receiver
 # of a sender answered that it holds the pushed version, the round is over for the driver: push() returns
 # without waiting for that sender, whose pair reports are made of its receivers' (the bytes and the seconds of
 # the same session). The sender's own answer is owed: the next push, of any kind, first takes it (``settle``,
@@ -37,26 +38,19 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import traceback
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from raysync.core import errors, leftovers
-from raysync.core.control import private_dir_base
+from raysync.core import errors
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
+from raysync.ray.loop_channel import DriverEnd, MemberEnd
 from raysync.ray.loop_wire import Codec, from_wire, to_wire
 from raysync.ray.push_graph import GraphKeeper, GraphTimedOut, PushGraph
 from raysync.ray.results import EndpointResult
@@ -65,10 +59,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
 _MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
-_IDLE_POLL_MS = 1000  # an idle loop looks whether close() stopped it this often
+_IDLE_POLL_S = 1.0  # an idle loop looks whether close() stopped it this often
 _LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
-# zmq's flags and options as plain ints: pyzmq's enums cost an enum made per operation on them (~2 us each here)
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 # --- inside the actor -------------------------------------------------------------------------------------------------
@@ -78,57 +70,42 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     import torch
 
     stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
-    options = {
-        zmq.IDENTITY: member.encode(),
-        zmq.RECONNECT_IVL: -1,
-        zmq.MAXMSGSIZE: _MAX_DRIVER_FRAME,
-        zmq.SNDTIMEO: _IDLE_POLL_MS,
-    }
-    sockets = _open(zmq.DEALER, options)  # made here, then used by the loop's thread only
     codec = Codec(secret, member, "actor")
-    try:
-        sockets[1].connect(address)
-        sockets[1].send(codec.encode("hello", [os.getpid()]))
-    except BaseException:
-        _close(*sockets)
-        raise
+    hello = codec.encode("hello", [os.getpid()])
+    end = MemberEnd.connect(
+        address, member, hello, _MAX_DRIVER_FRAME, timeout_s=30.0
+    )  # then the thread's only
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the thread works there
     stop = threading.Event()
-    args = (actor, sync_id, job, sockets, codec, device, stop)
+    args = (actor, sync_id, job, end, codec, device, stop)
     thread = threading.Thread(target=_serve, args=args, name=f"raysync-push-loop-{member}", daemon=True)
     actor.__dict__.setdefault(_LOOPS, {})[(sync_id, member)] = (thread, stop)
     thread.start()
 
 
-def _serve(actor: Any, sync_id: str, job: tuple, sockets: tuple, codec: Codec, device, stop) -> None:
-    ctx, sock, monitor = sockets
-    poller = zmq.Poller()
-    for s in (sock, monitor):
-        poller.register(s, zmq.POLLIN)
+def _serve(actor: Any, sync_id: str, job: tuple, end: MemberEnd, codec: Codec, device, stop) -> None:
     try:
         if device is not None:
             import torch
 
             torch.cuda.set_device(device)
         while not stop.is_set():
-            events = dict(poller.poll(_IDLE_POLL_MS))
-            if monitor in events:
-                break  # the driver closed its end, or died
-            if sock not in events:
+            frame = end.recv(_IDLE_POLL_S)
+            if frame is None:
                 continue
             try:
-                kind, body = codec.decode(sock.recv())
+                kind, body = codec.decode(frame)
             except errors.WireError as e:
                 logger.warning("a push loop dropped a frame: %s", e)
                 continue
             if kind == "stop":
                 break
             if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
-                sock.send(_run(codec, actor, sync_id, job, *body))  # zmq.Again: the driver is gone
-    except zmq.ZMQError as e:
-        logger.warning("a push loop of WeightSync %s ended: %s", sync_id, e)
+                end.send(_run(codec, actor, sync_id, job, *body), _IDLE_POLL_S)
+    except (OSError, errors.WireError) as e:  # the driver's end closed (or died), or sent too much
+        logger.info("a push loop of WeightSync %s ended: %s", sync_id, e)
     finally:
-        _close(ctx, sock, monitor)
+        end.close()
 
 
 def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
@@ -140,22 +117,6 @@ def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, versio
     except Exception as e:  # the endpoint functions answer failures themselves: this is anything else
         text = "".join(traceback.format_exception(e))
         return codec.encode("failed", [round_, f"{type(e).__name__}: {e}", text])
-
-
-def _open(kind: int, options: dict[int, Any]) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
-    """A context, its socket of ``kind``, and the monitor that hears the socket's connections drop."""
-    ctx = zmq.Context()
-    sock = ctx.socket(kind)
-    for option, value in {zmq.LINGER: 0, **options}.items():
-        sock.setsockopt(option, value)
-    return ctx, sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-
-
-def _close(ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int = 0) -> None:
-    sock.disable_monitor()
-    monitor.close(linger=0)
-    sock.close(linger=linger_ms)
-    ctx.term()
 
 
 def stop_loops(actor: Any, sync_id: str, member: str, timeout_s: float) -> bool:
@@ -175,81 +136,16 @@ def loop_alive(actor: Any, sync_id: str, member: str) -> bool:
 
 
 # --- on the driver ----------------------------------------------------------------------------------------------------
-class _DriverEnd:
-    """The driver's socket: every member's codec, the frames in and out, the disconnects zmq reports."""
+def _driver_end(keys: list[Key], nodes: set[str]) -> tuple[DriverEnd, bytes]:
+    """The driver's end of the loops' channel (raysync.ray.loop_channel): a Unix socket when every member runs
+    on the driver's node, else TCP on its node IP; a secret of its own, each member's codec under it."""
+    import ray
 
-    def __init__(self, keys: list[Key], nodes: set[str]):
-        """``nodes``: where the members run (ipc when it is only the driver's node, else tcp)."""
-        import ray
-
-        self.secret, self._dir, self.keys = secrets.token_bytes(32), None, keys
-        self._ids = {key: _member(key).encode() for key in keys}
-        self._by_id = {i: key for key, i in self._ids.items()}
-        self._codecs = {key: Codec(self.secret, _member(key), "driver") for key in keys}
-        options = {zmq.ROUTER_MANDATORY: 1, zmq.MAXMSGSIZE: _MAX_ANSWER_FRAME}
-        self._ctx, self.sock, self.monitor = _open(zmq.ROUTER, options)
-        self.poller = zmq.Poller()
-        for sock in (self.sock, self.monitor):
-            self.poller.register(sock, zmq.POLLIN)
-        try:
-            if nodes <= {ray.get_runtime_context().get_node_id()}:  # Note [names that outlive a crash]
-                self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())
-                self.sock.bind(f"ipc://{self._dir}/loop")
-            else:
-                self.sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
-        except BaseException:
-            self.close()
-            raise
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def hellos(self, timeout_s: float, label) -> None:
-        """Wait until every member has said hello; then nobody else needs to find the socket."""
-        deadline, waiting = time.monotonic() + timeout_s, set(self.keys)
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, math.ceil(left * 1000))):
-                raise errors.PeerTimeout(", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s)
-            waiting -= {key for key, kind, _ in self.frames(ready=True) if kind == "hello"}
-        self._forget()
-
-    def frames(self, ready: bool = False) -> list[tuple[Key, str, list]]:
-        """The frames waiting on the socket, checked; those of strangers, or that fail their check, dropped.
-        ``ready``: a poll has just said one waits."""
-        sock, out = self.sock, []
-        while ready or sock.poll(0):  # no zmq.Again raised (and made) per round
-            ready = False
-            part = sock.recv(_NOBLOCK, copy=False)  # a Frame says whether more parts follow (no getsockopt)
-            parts = [part.bytes]
-            while part.more:
-                part = sock.recv(_NOBLOCK, copy=False)
-                parts.append(part.bytes)
-            key = self._by_id.get(parts[0]) if len(parts) == 2 else None
-            try:
-                if key is None:
-                    raise errors.WireError("a frame from a connection that is no member's")
-                out.append((key, *self._codecs[key].decode(parts[1])))
-            except errors.WireError as e:
-                logger.warning("push loops: dropped a frame: %s", e)
-        return out
-
-    def send(self, key: Key, kind: str, body: list) -> None:
-        """Raises zmq.ZMQError when that member is not connected (ROUTER_MANDATORY: at the first part, before
-        anything is queued)."""
-        frame = self._codecs[key].encode(kind, body)
-        self.sock.send(self._ids[key], _SNDMORE | _NOBLOCK)
-        self.sock.send(frame, _NOBLOCK)
-
-    def close(self) -> None:
-        for key in self.keys:
-            with contextlib.suppress(zmq.ZMQError):  # not connected: its loop ends by its stop call
-                self.send(key, "stop", [])
-        _close(self._ctx, self.sock, self.monitor, linger_ms=200)  # the stops go out
-        self._forget()
-
-    def _forget(self) -> None:
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+    secret = secrets.token_bytes(32)
+    codecs = {key: Codec(secret, _member(key), "driver") for key in keys}
+    local = nodes <= {ray.get_runtime_context().get_node_id()}
+    host = "" if local else ray.util.get_node_ip_address()
+    return DriverEnd(codecs, {key: _member(key) for key in keys}, local, host, _MAX_ANSWER_FRAME), secret
 
 
 class PushLoops:
@@ -269,7 +165,8 @@ class PushLoops:
         nodes |= {
             actors.receiver_at[j].node_id for j, (e, _) in enumerate(actors.slots) if ("receiver", e) in jobs
         }
-        self._end: _DriverEnd | None = _DriverEnd(self.keys, nodes)
+        self._end: DriverEnd | None
+        self._end, secret = _driver_end(self.keys, nodes)
         self._round, self.alive = 0, False
         self._version, self._owed, self._check_now = 0, set(), False  # Note [the senders' answers, late]
         self._sender_keys = [k for k in self.keys if k[0] == "sender"]
@@ -279,7 +176,7 @@ class PushLoops:
         }  # a sender with a receiver outside the loops (an adapter's) is waited for: _theirs finds no answer
         try:
             end = self._end
-            calls = {k: self._call(k, start_loop, job, end.address, end.secret) for k, job in jobs.items()}
+            calls = {k: self._call(k, start_loop, job, end.address, secret) for k, job in jobs.items()}
             for answer in actors.ask(calls, "push loop start", timeout_s).values():
                 if isinstance(answer, BaseException):
                     raise answer
@@ -308,7 +205,7 @@ class PushLoops:
         for key in self._go_order:
             try:
                 end.send(key, "go", [self._round, version])
-            except zmq.ZMQError:  # no connection to that loop: ask Ray why, now
+            except ConnectionError:  # no connection to that loop: ask Ray why, now
                 self._check_now = True
         self._await(answers, version, deadline, lambda: self._early(answers, version))
         self._owed = {k for k in self.keys if k not in answers}
@@ -349,13 +246,11 @@ class PushLoops:
             if now >= deadline:
                 self.teardown()
                 raise GraphTimedOut([k for k in self.keys if k not in answers])
-            for sock, _ in end.poller.poll(max(1, math.ceil((min(deadline, next_check) - now) * 1000))):
-                if sock is end.sock:
-                    self._take(answers, version, ready=True)
-                    continue
-                while end.monitor.poll(0):  # a member's connection dropped: ask Ray at once
-                    recv_monitor_message(end.monitor)
-                    next_check = 0.0
+            if end.wait(min(deadline, next_check) - now):
+                self._take(answers, version)
+            if end.dropped:  # a member's connection closed: ask Ray at once
+                end.dropped = False
+                next_check = 0.0
             if time.monotonic() >= next_check:
                 verdicts = self._check([k for k in self.keys if k not in answers], version)
                 self._take(answers, version)  # an answer that came meanwhile wins over a verdict
@@ -384,8 +279,8 @@ class PushLoops:
             out[j] = answer[slot]
         return out
 
-    def _take(self, answers: dict[Key, Any], version: int, ready: bool = False) -> None:
-        for key, kind, body in self._end.frames(ready):
+    def _take(self, answers: dict[Key, Any], version: int) -> None:
+        for key, kind, body in self._end.frames():
             if kind not in ("answer", "failed") or not body or body[0] != self._round:
                 continue  # a hello, or the answer of an earlier round that timed out
             try:

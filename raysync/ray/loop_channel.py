@@ -1,0 +1,261 @@
+"""The push loops' channel (raysync.ray.push_loop): one stream socket per member between the driver and the
+member's loop, a Unix socket in a private directory when every member runs on the driver's node, else TCP on the
+driver's node IP. Frames are length-prefixed bytes, signed and checked by raysync.ray.loop_wire.Codec; a member's
+connection starts with its name, then its signed hello, which proves the name (a stranger's is closed).
+
+    driver: DriverEnd(keys, nodes) -> .address -> hellos() -> send(key, ...) / wait() + frames() -> close()
+    member: MemberEnd.connect(address, name, hello) -> recv() / send() on the loop's thread -> close()
+
+# Note [the loops' channel]
+# A push through the loops has two of the channel's hops on its critical path (the go, the receiver's answer),
+# each after the member idled (through a train step). Measured on the H200's host (benchmarks/channel_hops.py,
+# a 100-byte frame, the receiver asleep between frames): zmq over ipc:// (DEALER -> ROUTER, asleep in zmq's
+# poll) 174-202 us a hop after 1-10 ms idle, 45 us back to back; a Unix stream socket (asleep in recv) 38-44 us,
+# 11 us back to back. zmq hands each frame to an I/O thread on either side, three threads to wake instead of one.
+# So the loops use plain sockets; the sessions' control channels keep zmq (core.control).
+# The driver learns at once that a member's connection closed (a read finds its end): it then asks Ray about
+# the member (PushLoops). A frame over the side's bound closes the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import selectors
+import shutil
+import socket
+import struct
+import tempfile
+import time
+from typing import Any
+
+from raysync.core import errors, leftovers
+from raysync.core.control import private_dir_base
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+_READ = 1 << 16
+
+
+def _frame(data: bytes) -> bytes:
+    return _LENGTH.pack(len(data)) + data
+
+
+class _Frames:
+    """A connection's bytes as whole frames; one over ``max_bytes`` raises WireError."""
+
+    def __init__(self, max_bytes: int):
+        self._buf, self._max = bytearray(), max_bytes
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._buf)
+            if n > self._max:
+                raise errors.WireError(f"a push loop frame of {n} bytes, over its bound of {self._max}")
+            if len(self._buf) < _LENGTH.size + n:
+                break
+            out.append(bytes(self._buf[_LENGTH.size : _LENGTH.size + n]))
+            del self._buf[: _LENGTH.size + n]
+        return out
+
+
+def _parse(address: str) -> tuple[int, Any]:
+    kind, _, where = address.partition("://")
+    if kind == "ipc":
+        return socket.AF_UNIX, where
+    host, _, port = where.rpartition(":")
+    return socket.AF_INET, (host, int(port))
+
+
+# --- the member's end -------------------------------------------------------------------------------------------------
+class MemberEnd:
+    """A loop's connection, used by the loop's thread only (made on the actor's thread, then handed over)."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int):
+        self.sock, self._frames, self._ready = sock, _Frames(max_bytes), []
+
+    @classmethod
+    def connect(cls, address: str, name: str, hello: bytes, max_bytes: int, timeout_s: float) -> MemberEnd:
+        family, where = _parse(address)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(where)
+            if family == socket.AF_INET:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_frame(name.encode()) + _frame(hello))
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, max_bytes)
+
+    def recv(self, timeout_s: float) -> bytes | None:
+        """The next frame; None after ``timeout_s`` with none. Raises ConnectionError when the driver's end closed,
+        WireError on a frame over the bound."""
+        while not self._ready:
+            self.sock.settimeout(timeout_s)
+            try:
+                data = self.sock.recv(_READ)
+            except TimeoutError:
+                return None
+            if not data:
+                raise ConnectionError("the driver's end of the push loop channel closed")
+            self._ready = self._frames.feed(data)
+        return self._ready.pop(0)
+
+    def send(self, frame: bytes, timeout_s: float) -> None:
+        self.sock.settimeout(timeout_s)
+        self.sock.sendall(_frame(frame))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --- the driver's end -------------------------------------------------------------------------------------------------
+class DriverEnd:
+    """The driver's side: a listening socket until every member said hello, then one connection per member.
+    ``codecs``: each member's Codec, by key; ``names``: each member's name, by key."""
+
+    def __init__(self, codecs: dict[Any, Any], names: dict[Any, str], local: bool, host: str, max_bytes: int):
+        self._codecs, self._max = codecs, max_bytes
+        self._by_name = {name: key for key, name in names.items()}
+        self._dir: str | None = None
+        self._conns: dict[Any, socket.socket] = {}  # key -> its connection, once its hello was read
+        self._readers: dict[
+            socket.socket, tuple[Any, _Frames]
+        ] = {}  # a connection -> (its key or None, frames)
+        self._selector = selectors.DefaultSelector()
+        self.dropped = False  # a member's connection closed since this was last reset
+        try:
+            if local:  # Note [names that outlive a crash]
+                self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())
+                self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listener.bind(f"{self._dir}/loop")
+                self.address = f"ipc://{self._dir}/loop"
+            else:
+                self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._listener.bind((host, 0))
+                self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+            self._listener.listen(len(names) + 8)
+            self._listener.setblocking(False)
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        except BaseException:
+            self.close()
+            raise
+
+    def hellos(self, timeout_s: float, label) -> list[tuple[Any, str, list]]:
+        """Wait until every member has said hello; then nobody else needs to find the socket. Returns the frames
+        read meanwhile after the hellos."""
+        deadline, out = time.monotonic() + timeout_s, []
+        while len(self._conns) < len(self._codecs):
+            left = deadline - time.monotonic()
+            waiting = [k for k in self._codecs if k not in self._conns]
+            if left <= 0 or not self.wait(left):
+                raise errors.PeerTimeout(", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s)
+            out += [f for f in self.frames() if f[1] != "hello"]
+        self._forget()
+        return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether something came (a frame, a connection, one closed) within ``timeout_s``: read it with frames()."""
+        return bool(self._selector.select(max(timeout_s, 0.0)))
+
+    def frames(self) -> list[tuple[Any, str, list]]:
+        """The frames waiting, checked: (key, kind, body); those that fail their check are dropped, connections
+        that closed or sent too much are closed (``dropped`` set)."""
+        out = []
+        for selected, _ in self._selector.select(0):
+            sock = selected.fileobj
+            if sock is self._listener:
+                self._accept()
+                continue
+            key, frames = self._readers[sock]
+            try:
+                data = sock.recv(_READ)
+                if not data:
+                    raise ConnectionError("closed")
+                whole = frames.feed(data)
+            except (OSError, errors.WireError) as e:
+                if key is not None:
+                    logger.debug("push loops: the connection of %s ended: %s", key, e)
+                self._drop(sock)
+                continue
+            for frame in whole:
+                if key is None:  # its first frame: the member's name
+                    key = self._by_name.get(frame.decode(errors="replace"))
+                    if key is None:
+                        logger.warning("push loops: dropped a connection that is no member's")
+                        self._drop(sock)
+                        break
+                    self._readers[sock] = (key, frames)
+                    continue
+                try:
+                    kind, body = self._codecs[key].decode(frame)
+                except errors.WireError as e:
+                    logger.warning("push loops: dropped a frame: %s", e)
+                    continue
+                if kind == "hello" and self._conns.get(key) not in (None, sock):
+                    continue  # a second connection under a name already proved: not taken
+                if kind == "hello":
+                    self._conns[key] = sock
+                out.append((key, kind, body))
+        return out
+
+    def send(self, key: Any, kind: str, body: list) -> None:
+        """Raises ConnectionError when that member is not connected."""
+        sock = self._conns.get(key)
+        if sock is None:
+            raise ConnectionError(f"push loop member {key} is not connected")
+        try:
+            sock.sendall(_frame(self._codecs[key].encode(kind, body)))
+        except OSError as e:
+            self._drop(sock)
+            raise ConnectionError(f"push loop member {key}: {e}") from e
+
+    def close(self) -> None:
+        for key in list(self._conns):
+            with contextlib.suppress(ConnectionError):  # not connected: its loop ends by its stop call
+                self.send(key, "stop", [])
+        for sock in list(self._readers):
+            self._drop(sock)
+        with contextlib.suppress(Exception):
+            self._selector.close()
+        self._forget()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                logger.warning("push loops: a connection failed: %s", e)
+            return
+        sock.setblocking(True)
+        sock.settimeout(5.0)  # a send to a member that stopped reading ends, rather than hang the driver
+        if sock.family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._readers[sock] = (None, _Frames(self._max))
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _drop(self, sock: socket.socket) -> None:
+        key, _ = self._readers.pop(sock, (None, None))
+        if key is not None and self._conns.get(key) is sock:
+            del self._conns[key]
+            self.dropped = True
+        with contextlib.suppress(Exception):
+            self._selector.unregister(sock)
+        sock.close()
+
+    def _forget(self) -> None:
+        """Stop listening (every member is connected, or the end closes)."""
+        listener = getattr(self, "_listener", None)
+        if listener is not None and listener.fileno() >= 0:
+            with contextlib.suppress(Exception):
+                self._selector.unregister(listener)
+            listener.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
