@@ -44,7 +44,7 @@ from common import emit
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import PlanError
-from raysync.ray import push_loop
+from raysync.ray import loop_channel, push_loop
 from raysync.ray.endpoint import applied_version
 from raysync.tools.models import allocate
 
@@ -191,7 +191,7 @@ class Stopwatch:
     def __enter__(self) -> Stopwatch:
         for owner, attr in ((ray.actor.ActorMethod, "remote"), (ray, "wait"), (ray, "get")):
             self._wrap(owner, attr, attr)
-        self._wrap(push_loop._DriverEnd, "send", "frame")  # the loops' go frames
+        self._wrap(loop_channel.DriverEnd, "send", "frame")  # the loops' go frames
         return self
 
     def __exit__(self, *exc: object) -> None:
