@@ -165,6 +165,25 @@ def test_an_engine_killed_mid_push_is_a_typed_error_then_the_loops_start_again(r
         assert f"{LOOPS} 2 actors" in str(sync.plan)
 
 
+def test_a_repair_after_a_round_of_ordinary_calls_starts_new_loops(ray_local, no_leftovers, made):
+    """The engine is killed and restarted between pushes; a full push (ordinary calls) fails on it and marks its
+    pair broken: the next push repairs the pair and starts new loops (the restarted actor has none), rather than
+    send its go to the loop of the process that died."""
+    trainer = ray.remote(**ACTOR)(Trainer).remote()
+    engine = ray.remote(max_restarts=1, **ACTOR)(Engine).remote()
+    made += [trainer, engine]
+    with WeightSync([trainer], [engine], CFG) as sync:
+        assert sync.push(1).rounds == "loop"
+        first = sync._graphs._graph
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(engine.die.remote())
+        with pytest.raises(SyncError):
+            sync.push(2, full=True)  # through ordinary calls: the loops are not the ones that failed
+        expected = ray.get(trainer.step.remote(3))
+        assert sync.push(3).rounds == "loop" and sync._graphs._graph is not first
+        assert ray.get(engine.digest.remote()) == expected and sync.versions() == [3]
+
+
 def test_an_engine_gone_between_pushes_fails_the_next_push_naming_it(ray_local, no_leftovers, made):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engine = ray.remote(**ACTOR)(Engine).remote()

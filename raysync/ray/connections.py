@@ -197,11 +197,11 @@ class PairConnections:
         """The pairs of receiver j."""
         return {(p.sender, p.receiver) for p in self.plan if p.receiver == j}
 
-    def repair(self) -> None:
+    def repair(self) -> bool:
         """Re-probe, re-plan and reconnect the broken pairs (their actors may have been restarted, maybe
-        elsewhere: ``SyncActors.relocate`` waits for Ray to bring them back)."""
+        elsewhere: ``SyncActors.relocate`` waits for Ray to bring them back); returns whether any was."""
         if not self.broken:
-            return
+            return False
         broken = fanout_group.mates(self.plan, self.broken)  # kept until repaired: tried again next push
         self.actors.relocate(broken, self._timeout_s)
         self._report_sources({i for i, _ in broken})
@@ -215,6 +215,7 @@ class PairConnections:
         check_groups(self.plan, self.actors.sender_at, self.actors.receiver_at)
         self._connect(broken)
         self.broken -= broken
+        return True
 
     def _report_sources(self, senders: set[int]) -> None:
         """Each of ``senders`` reports what its source gives under this config (placement.report_source)."""

@@ -168,7 +168,10 @@ class WeightSync:
         it (applied live). Staged and full pushes run through ordinary Ray calls, also with compiled_graph."""
         self._check_open("push")
         self._graphs.settle()  # the last round's late answers first: nothing else runs in those sessions meanwhile
-        self._connections.repair()
+        if (
+            self._connections.repair()
+        ):  # an actor may have been restarted (no loop in it): new loops, or graph
+            self._graphs.close()
         if staged:
             report = self._staged.push(
                 version, full=full, timeout_s=self._push_timeout_s, progress=self.config.progress
