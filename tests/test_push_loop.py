@@ -215,6 +215,7 @@ def test_members_on_another_node_are_reached_over_tcp_on_the_drivers_node_ip(ray
                 answers = loops.run(version, time.monotonic() + 60, 60)
                 assert answers[("receiver", 0)][0].version == version, answers
                 assert ray.get(engine.digest.remote()) == expected
+                assert loops.settle() == {}  # the sender's own answer, when run() did not wait for it
         finally:
             loops.teardown()
 

@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 _MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
 _MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
 _IDLE_POLL_S = 1.0  # an idle loop looks whether close() stopped it this often
+_ANSWER_SEND_S = 60.0  # how long an answer may wait for the driver to read it (a late one: the next push's)
 _LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
 
 
@@ -101,7 +102,7 @@ def _serve(actor: Any, sync_id: str, job: tuple, end: MemberEnd, codec: Codec, d
             if kind == "stop":
                 break
             if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
-                end.send(_run(codec, actor, sync_id, job, *body), _IDLE_POLL_S)
+                end.send(_run(codec, actor, sync_id, job, *body), _ANSWER_SEND_S)
     except (OSError, errors.WireError) as e:  # the driver's end closed (or died), or sent too much
         logger.info("a push loop of WeightSync %s ended: %s", sync_id, e)
     finally:
