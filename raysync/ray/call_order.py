@@ -6,10 +6,10 @@ a push through push loops, which run beside the actor's own calls, must not star
 # ``trainer.step.remote(); sync.push(v)`` reads the weights after the step, whether or not the driver waited for
 # it. Push loops (raysync.ray.push_loop) run on threads of their own beside those calls, so the same code would
 # read weights the step is still writing: torn weights, reported as version v. So before a push round through
-# them the driver asks its own Ray core worker (in this process, no message: ~4 us on the VM) which actors its calls are still pending on, made from the thread that pushes or
-# from the driver's main thread; when any is a member of the round, that round goes through ordinary calls,
-# queued behind those calls as Ray queues them, and the report says so (SyncReport.rounds). The next round,
-# with nothing pending, goes through the loops again.
+# them the driver asks its own Ray core worker (in this process, no message: ~4 us on the VM) which actors its
+# calls are still pending on, made from the thread that pushes or from the driver's main thread; when any is a
+# member of the round, that round goes through ordinary calls, queued behind those calls as Ray queues them, and
+# the report says so (SyncReport.rounds). The next round, with nothing pending, goes through the loops again.
 # Ray marks a call finished a little after its answer has reached ``ray.get``: a push right after
 # ``ray.get(trainer.step.remote())`` saw the step pending every time on the 2-core VM, for 26 us (median of 300;
 # up to 6.6 ms with a test run loading the VM). So a call seen pending is looked at again for up to
@@ -17,8 +17,8 @@ a push through push loops, which run beside the actor's own calls, must not star
 # What this does not order: calls made from a thread of this process other than the one that pushes and the
 # main thread; calls made by other processes (Ray orders calls per caller only: ordinary calls would not wait
 # for them either); and calls made while the push runs (behind ordinary calls they would queue; beside the
-# loops they run at once). Where Ray cannot say (a
-# version without these calls), every round goes through ordinary calls, with a warning.
+# loops they run at once). Where Ray cannot say (a version without these calls), every round goes through
+# ordinary calls, with a warning.
 # A compiled graph (raysync.ray.push_graph, opt-in) is not checked: its actors always run a call of the
 # driver's, Ray's loop that runs the graph's tasks; its Note says to wait for the train step before pushing.
 """

@@ -169,9 +169,8 @@ class WeightSync:
         it (applied live). Staged and full pushes run through ordinary Ray calls, also with compiled_graph."""
         self._check_open("push")
         self._graphs.settle()  # the last round's late answers first: nothing else runs in those sessions meanwhile
-        if (
-            self._connections.repair()
-        ):  # an actor may have been restarted (no loop in it): new loops, or graph
+        # pairs repaired: an actor may have been restarted (no loop in it), so new loops (or graph)
+        if self._connections.repair():
             self._graphs.close()
         if staged:
             report = self._staged.push(

@@ -125,9 +125,8 @@ class DriverEnd:
         self._by_name = {name: key for key, name in names.items()}
         self._dir: str | None = None
         self._conns: dict[Any, socket.socket] = {}  # key -> its connection, once its hello was read
-        self._readers: dict[
-            socket.socket, tuple[Any, _Frames]
-        ] = {}  # a connection -> (its key or None, frames)
+        # a connection -> (its member's key, None until its name was read; its frames)
+        self._readers: dict[socket.socket, tuple[Any, _Frames]] = {}
         self._selector = selectors.DefaultSelector()
         self.dropped = False  # a member's connection closed since this was last reset
         try:
@@ -147,18 +146,17 @@ class DriverEnd:
             self.close()
             raise
 
-    def hellos(self, timeout_s: float, label) -> list[tuple[Any, str, list]]:
-        """Wait until every member has said hello; then nobody else needs to find the socket. Returns the frames
-        read meanwhile after the hellos."""
-        deadline, out = time.monotonic() + timeout_s, []
+    def hellos(self, timeout_s: float, label) -> None:
+        """Wait until every member has said hello (nothing else is sent before); then nobody else needs to find
+        the socket."""
+        deadline = time.monotonic() + timeout_s
         while len(self._conns) < len(self._codecs):
             left = deadline - time.monotonic()
             waiting = [k for k in self._codecs if k not in self._conns]
             if left <= 0 or not self.wait(left):
                 raise errors.PeerTimeout(", ".join(map(label, sorted(waiting))), "push loop hello", timeout_s)
-            out += [f for f in self.frames() if f[1] != "hello"]
+            self.frames()
         self._forget()
-        return out
 
     def wait(self, timeout_s: float) -> bool:
         """Whether something came (a frame, a connection, one closed) within ``timeout_s``: read it with frames()."""
@@ -199,7 +197,9 @@ class DriverEnd:
                     logger.warning("push loops: dropped a frame: %s", e)
                     continue
                 if kind == "hello" and self._conns.get(key) not in (None, sock):
-                    continue  # a second connection under a name already proved: not taken
+                    logger.warning("push loops: dropped a second connection of %s", key)
+                    self._drop(sock)  # the name is proved on another one already
+                    break
                 if kind == "hello":
                     self._conns[key] = sock
                 out.append((key, kind, body))

@@ -73,9 +73,8 @@ def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, 
     stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
     codec = Codec(secret, member, "actor")
     hello = codec.encode("hello", [os.getpid()])
-    end = MemberEnd.connect(
-        address, member, hello, _MAX_DRIVER_FRAME, timeout_s=30.0
-    )  # then the thread's only
+    # made here, then used by the loop's thread only
+    end = MemberEnd.connect(address, member, hello, _MAX_DRIVER_FRAME, timeout_s=30.0)
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the thread works there
     stop = threading.Event()
     args = (actor, sync_id, job, end, codec, device, stop)
