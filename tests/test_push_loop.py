@@ -130,6 +130,33 @@ def test_a_push_behind_a_pending_step_goes_through_ordinary_calls_queued_behind_
         assert report.rounds == "loop" and sync.versions() == [3]
 
 
+def wait_for_signal(actor, signal) -> None:
+    ray.get(signal.wait.remote(), timeout=60)
+
+
+def test_a_pending_call_of_raysync_that_touches_no_weights_does_not_divert_the_round(
+    ray_local, no_leftovers, made
+):
+    """A liveness probe of raysync's (call_order.weightless) still pending on a member (in the CI, one sent to an
+    actor Ray was restarting stayed pending for the rest of the test) leaves the rounds to the loops; an ordinary
+    call of the driver's, pending on the same member, does not."""
+    from raysync.ray import call_order
+
+    trainer = ray.remote(max_concurrency=2, **ACTOR)(Trainer).remote()
+    engine = ray.remote(**ACTOR)(Engine).remote()
+    signal = ray.remote(num_cpus=0)(Signal).remote()
+    made += [trainer, engine, signal]
+    with WeightSync([trainer], [engine], CFG) as sync:
+        probe = call_order.weightless(trainer.__ray_call__.remote(wait_for_signal, signal))
+        assert sync.push(1).rounds == "loop" and ray.wait([probe], timeout=0)[0] == []
+        blocked = trainer.__ray_call__.remote(wait_for_signal, signal)
+        graph, how = sync._graphs.for_push()
+        assert graph is None and how.startswith("calls, queued behind the driver's calls still pending on sender #0")
+        ray.get(signal.send.remote())
+        ray.get([probe, blocked], timeout=60)
+        assert sync.push(2).rounds == "loop" and sync.versions() == [2]
+
+
 def test_an_adapter_keeps_its_ordinary_call_beside_the_loops(ray_local, no_leftovers, made):
     trainer = ray.remote(**ACTOR)(Trainer).remote()
     engines = [ray.remote(**ACTOR)(Engine).remote() for _ in range(2)]

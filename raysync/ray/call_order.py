@@ -19,6 +19,9 @@ a push through push loops, which run beside the actor's own calls, must not star
 # for them either); and calls made while the push runs (behind ordinary calls they would queue; beside the
 # loops they run at once). Where Ray cannot say (a version without these calls), every round goes through
 # ordinary calls, with a warning.
+# raysync's own calls that read no weights and write none (a loop's liveness probe) do not count: one that
+# outlived its wait stays pending in Ray, and in the CI it stayed so, with the restarted actor answering later
+# calls, for as long as the test ran; each push after it would have gone through ordinary calls.
 # A compiled graph (raysync.ray.push_graph, opt-in) is not checked: its actors always run a call of the
 # driver's, Ray's loop that runs the graph's tasks; its Note says to wait for the train step before pushing.
 """
@@ -32,11 +35,19 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 _warned: list[bool] = []
+_weightless: set[bytes] = set()  # ids of raysync's calls that touch no weights (Note [a push after ...])
 ANSWERED_GRACE_S = 0.005  # how long a call seen pending is looked at again (the answer may be in already)
 
 
 def actor_id(handle: Any) -> bytes:
     return handle._actor_id.binary()
+
+
+def weightless(ref: Any) -> Any:
+    """``ref``, the answer of a call of raysync's that reads and writes no weights: its call never orders a
+    push, also while it is pending."""
+    _weightless.add(ref.task_id().binary())
+    return ref
 
 
 def actors_with_pending_calls() -> frozenset[bytes] | None:
@@ -51,11 +62,10 @@ def actors_with_pending_calls() -> frozenset[bytes] | None:
         parents = {core.get_current_task_id()}
         if worker.mode == ray._private.worker.SCRIPT_MODE:  # the driver: its main thread's calls too
             parents.add(TaskID.for_driver_task(worker.current_job_id))
-        return frozenset(
-            task.actor_id().binary()
-            for parent in parents
-            for task in core.get_pending_children_task_ids(parent)
-        )
+        tasks = [task for parent in parents for task in core.get_pending_children_task_ids(parent)]
+        ids = {task.binary() for task in tasks}
+        _weightless.intersection_update(ids)  # those no longer pending are forgotten
+        return frozenset(task.actor_id().binary() for task in tasks if task.binary() not in _weightless)
     except (AttributeError, ImportError, TypeError) as e:
         if not _warned:
             _warned.append(True)

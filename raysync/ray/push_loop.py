@@ -47,6 +47,7 @@ import traceback
 from typing import Any
 
 from raysync.core import errors
+from raysync.ray import call_order
 from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
@@ -297,7 +298,8 @@ class PushLoops:
         """Ask Ray about ``keys`` (Note [push loops]): a typed error for each one lost; none for those whose loop
         runs, or that did not answer within timeout_s (Ray's ``ask`` waits for an actor it is restarting)."""
         stage = f"push v{version}"
-        said = self.actors.ask({k: self._call(k, loop_alive) for k in keys}, stage, self._timeout_s)
+        probes = {k: self._call(k, loop_alive, weightless=True) for k in keys}
+        said = self.actors.ask(probes, stage, self._timeout_s)
         out: dict[Key, Exception] = {}
         for key, alive in said.items():
             name = self.actors.label(key)
@@ -308,11 +310,13 @@ class PushLoops:
                 out[key] = alive
         return out
 
-    def _call(self, key: Key, fn: Any, *args: Any) -> Any:
-        """The Ray call of ``fn(actor, sync_id, member, *args)`` in ``key``'s actor (call it to make it)."""
+    def _call(self, key: Key, fn: Any, *args: Any, weightless: bool = False) -> Any:
+        """The Ray call of ``fn(actor, sync_id, member, *args)`` in ``key``'s actor (call it to make it);
+        ``weightless``: ``fn`` touches no weights (call_order.weightless)."""
         role, index = key
         actor = self.actors.senders[index] if role == "sender" else self.actors.receivers[index].actor
-        return lambda: actor.__ray_call__.remote(fn, self.sync_id, _member(key), *args)
+        mark = call_order.weightless if weightless else (lambda ref: ref)
+        return lambda: mark(actor.__ray_call__.remote(fn, self.sync_id, _member(key), *args))
 
     def teardown(self) -> None:
         """End every loop (idempotent), each once its part of a push has ended; bounded by timeout_s."""
