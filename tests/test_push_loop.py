@@ -151,7 +151,9 @@ def test_a_pending_call_of_raysync_that_touches_no_weights_does_not_divert_the_r
         assert sync.push(1).rounds == "loop" and ray.wait([probe], timeout=0)[0] == []
         blocked = trainer.__ray_call__.remote(wait_for_signal, signal)
         graph, how = sync._graphs.for_push()
-        assert graph is None and how.startswith("calls, queued behind the driver's calls still pending on sender #0")
+        assert graph is None and how.startswith(
+            "calls, queued behind the driver's calls still pending on sender #0"
+        )
         ray.get(signal.send.remote())
         ray.get([probe, blocked], timeout=60)
         assert sync.push(2).rounds == "loop" and sync.versions() == [2]
