@@ -93,15 +93,16 @@ class AsyncStagedHost(AsyncHost):
         from raysync.engines.vllm_async import gate_of
 
         landing = gate_of(self.llm).landing
-        await asyncio.wait_for(landing.wait(), timeout_s)
-        n = len(self.done)
-        async with self.changed:
-            served = lambda: len(self.done) >= n + requests or self.errors  # noqa: E731
-            await asyncio.wait_for(self.changed.wait_for(served), timeout_s)
-        assert landing.is_set() and not self.errors, self.errors
-        versions = [v for _, _, v, _ in self.done[n : n + requests]]
-        await trainer.release.remote()
-        return versions
+        try:
+            await asyncio.wait_for(landing.wait(), timeout_s)
+            n = len(self.done)
+            async with self.changed:
+                served = lambda: len(self.done) >= n + requests or self.errors  # noqa: E731
+                await asyncio.wait_for(self.changed.wait_for(served), timeout_s)
+            assert landing.is_set() and not self.errors, self.errors
+            return [v for _, _, v, _ in self.done[n : n + requests]]
+        finally:  # also when this failed: the push goes on, and the test fails on this call's error
+            await trainer.release.remote()
 
 
 class HeldPolicy(Policy):
