@@ -74,39 +74,39 @@ def test_a_push_that_fails_part_way_leaves_no_mix_when_staged(private_tmp, in_th
 # --- hostile layouts: refused before any byte moves -----------------------------------------------------------------
 class HostileSender:
     """The sender's end of a control channel, held by a peer that has the session key but sends what it likes:
-    a raw zmq ROUTER socket signing frames as the wire is specified (docs/design.md, "The wire"), not through
-    raysync's encoder, so a Layout that raysync's own Layout class refuses to build still reaches the receiver.
-    Its ring is a real shm ring (raysync's ShmRingSender), so the receiver under test sets up as it would."""
+    a raw stream socket (raysync.core.stream's frames) signing frames as the wire is specified (docs/design.md,
+    "The wire"), not through raysync's encoder, so a Layout that raysync's own Layout class refuses to build still
+    reaches the receiver. Its ring is a real shm ring (raysync's ShmRingSender), so the receiver under test sets
+    up as it would."""
 
     def __init__(self, secret, endpoint: str):
-        import zmq
-
+        from raysync.core import stream
         from raysync.core.frames import FrameCodec
         from raysync.transport.shm import ShmRingSender
 
-        self.secret, self.seq, self.receiver_id = secret, 0, None
+        self.secret, self.seq, self.conn = secret, 0, None
         self.key = hmac.new(secret.key, b"raysync/rs1/sender", hashlib.sha256).digest()
         self.codec = FrameCodec(secret, "sender", "receiver", 1 << 20)  # reads the receiver's frames
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
+        self.listener = stream.listen(endpoint)
         self.ring = ShmRingSender(1, 4096)
 
     def send(self, kind: str, body: dict) -> None:
         self.seq += 1
         payload = msgpack.packb(["rs1", self.secret.session_id, self.seq, kind, body])
-        self.sock.send_multipart(
-            [self.receiver_id, payload + hmac.new(self.key, payload, hashlib.sha256).digest()]
-        )
+        self.conn.send(payload + hmac.new(self.key, payload, hashlib.sha256).digest(), 30)
 
     def send_message(self, msg) -> None:
         self.send(type(msg).__name__, dataclasses.asdict(msg))
 
     def recv(self, timeout_s: float = 30):
-        if not self.sock.poll(int(timeout_s * 1000)):
+        from raysync.core import stream
+
+        if self.conn is None:
+            self.listener.settimeout(timeout_s)
+            self.conn = stream.Connection(self.listener.accept()[0], 1 << 20)
+        frame = self.conn.recv(timeout_s)
+        if frame is None:
             raise TimeoutError(f"the receiver sent nothing within {timeout_s} s")
-        self.receiver_id, frame = self.sock.recv_multipart()
         return self.codec.decode(frame)
 
     def set_up(self) -> None:
@@ -120,8 +120,9 @@ class HostileSender:
 
     def close(self) -> None:
         self.ring.close()
-        self.sock.close()
-        self.ctx.term()
+        self.listener.close()
+        if self.conn is not None:
+            self.conn.close()
 
 
 def _layout(layout_id: int, specs: list[tuple[str, str, list[int]]], bucket_bytes: int = 4096) -> dict:

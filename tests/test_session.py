@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 import stat
+import struct
 import tempfile
 
 import pytest
 import torch
-import zmq
 from conftest import same_bits, session_pair
 from workers import StagingLoader
 
@@ -25,7 +25,7 @@ from raysync import (
     WeightReceiver,
     WeightSender,
 )
-from raysync.core import leftovers
+from raysync.core import leftovers, stream
 from raysync.core.errors import EndpointError, SchemaError
 from raysync.core.frames import FrameCodec
 from raysync.core.version import MIXED
@@ -356,25 +356,26 @@ def test_endpoint_rules(private_tmp, in_thread):
             assert same_bits(dest["embed.weight"], model(4)["embed.weight"])
 
 
-def test_intruder_without_the_key_is_ignored(private_tmp, in_thread):
+def test_intruders_without_the_key_are_closed_unanswered(private_tmp, in_thread):
+    """Connections to the sender's endpoint that send a Hello signed with another key, a frame that is no
+    frame of the wire, or a length over the bound are closed, never answered; the receiver's push goes on."""
     secret = SessionSecret.generate()
     with WeightSender(secret, CFG) as sender:
-        ctx = zmq.Context()
-        intruder = ctx.socket(zmq.DEALER)
-        intruder.setsockopt(zmq.LINGER, 0)
-        intruder.connect(sender.endpoint)
         forged = FrameCodec(SessionSecret(secret.session_id, b"k" * 32), "receiver", "sender", 1 << 16)
-        intruder.send(forged.encode(Hello(1, "evil")))  # right session id, wrong key
-        intruder.send(b"\x80\x04garbage")
+        intruders = [stream.connect(sender.endpoint, 1 << 16, 10) for _ in range(3)]
+        intruders[0].send(forged.encode(Hello(1, "evil")), 10)  # right session id, wrong key
+        intruders[1].send(b"\x80\x04garbage", 10)
+        intruders[2].sock.sendall(struct.pack("!I", 1 << 30))  # a frame of 1 GiB announced
         with WeightReceiver(sender.endpoint, secret, CFG) as receiver:
             dest = zeros_like(model(0))
             got = in_thread(receiver.receive, into=dest)
             sender.push(model(6).items(), 1)
             got.result(timeout=10)
             assert same_bits(dest["embed.weight"], model(6)["embed.weight"])
-        assert not intruder.poll(100)  # the intruder was never answered
-        intruder.close()
-        ctx.term()
+        for intruder in intruders:  # closed by the sender, nothing sent
+            with pytest.raises(ConnectionError):  # the end (or a reset: its frame was left unread)
+                intruder.recv(10)
+            intruder.close()
 
 
 def test_long_temp_dir_falls_back_to_tmp(private_tmp, monkeypatch, in_thread):

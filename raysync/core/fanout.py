@@ -7,10 +7,9 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-import zmq
-
+from raysync.core import stream
 from raysync.core.control import SenderChannel
-from raysync.core.errors import PeerTimeout, RaysyncError, RemoteError
+from raysync.core.errors import PeerLost, PeerTimeout, RaysyncError, RemoteError
 from raysync.core.wire import Abort, Hello, Message
 
 
@@ -64,21 +63,20 @@ class Fanout:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         got: dict[int, Message] = {}
-        poller = zmq.Poller()
-        for c in self.channels:
-            poller.register(c.sock, zmq.POLLIN)
         while len(got) < len(self.channels):
             remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            waiting = [c.conn for i, c in enumerate(self.channels) if i not in got]
+            ready = stream.ready(waiting, remaining) if remaining > 0 else []
             if not ready:
                 late = [c.peer for i, c in enumerate(self.channels) if i not in got]
                 raise PeerTimeout(", ".join(late), stage, timeout)
             for i, c in enumerate(self.channels):
-                if c.sock in ready:  # a frame is there: read it (a stranger's is dropped unread)
+                if (
+                    i not in got and c.conn in ready
+                ):  # a frame is there (what it sends next waits for the next expect)
                     msg = c.expected(c.recv(stage, max(1e-3, remaining)), kind, push_id, stage)
                     if msg is not None:
                         got[i] = msg
-                        poller.unregister(c.sock)  # what it sends next waits for the next expect
         return [got[i] for i in range(len(self.channels))]
 
     def reason(self, push_id: int, wait_s: float) -> RemoteError | None:
@@ -87,25 +85,24 @@ class Fanout:
         others only say that their broadcasts failed too (PeerTimeout, PeerLost)."""
         deadline = time.monotonic() + wait_s
         found: list[RemoteError] = []
-        poller = zmq.Poller()
-        waiting = {c.sock: c for c in self.channels}
-        for sock in waiting:
-            poller.register(sock, zmq.POLLIN)
+        waiting = {id(c.conn): c for c in self.channels}
         while waiting and not any(not _symptom(e) for e in found):
             remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
+            ready = stream.ready([c.conn for c in waiting.values()], remaining) if remaining > 0 else []
             if not ready:
                 break
-            for sock in [s for s in ready if s in waiting]:
-                c = waiting[sock]
+            for conn in ready:
+                c = waiting[id(conn)]
                 try:
                     msg = c.recv("reason", 1e-3)
+                except PeerLost:
+                    del waiting[id(conn)]  # its connection ended: it says no more
+                    continue
                 except RaysyncError:
                     continue
                 if isinstance(msg, Abort) and msg.push_id == push_id:
                     found.append(RemoteError(c.peer, msg.stage, msg.message, msg.traceback))
-                    poller.unregister(sock)
-                    del waiting[sock]
+                    del waiting[id(conn)]
         return next((e for e in found if not _symptom(e)), found[0] if found else None)
 
     def close(self) -> None:

@@ -8,13 +8,10 @@ connection starts with its name, then its signed hello, which proves the name (a
 
 # Note [the loops' channel]
 # A push through the loops has two of the channel's hops on its critical path (the go, the receiver's answer),
-# each after the member idled (through a train step). Measured on the H200's host (benchmarks/channel_hops.py,
-# a 100-byte frame, the receiver asleep between frames): zmq over ipc:// (DEALER -> ROUTER, asleep in zmq's
-# poll) 174-202 us a hop after 1-10 ms idle, 45 us back to back; a Unix stream socket (asleep in recv) 38-44 us,
-# 11 us back to back. zmq hands each frame to an I/O thread on either side, three threads to wake instead of one.
-# So the loops use plain sockets; the sessions' control channels keep zmq (core.control).
-# The driver learns at once that a member's connection closed (a read finds its end): it then asks Ray about
-# the member (PushLoops). A frame over the side's bound closes the connection.
+# each after the member idled (through a train step): frames on plain stream sockets, as the sessions' control
+# channels (Note [frames on stream sockets] in raysync.core.stream, with the measurements). The driver learns
+# at once that a member's connection closed (a read finds its end): it then asks Ray about the member
+# (PushLoops). A frame over the side's bound closes the connection.
 """
 
 from __future__ import annotations
@@ -25,94 +22,31 @@ import logging
 import selectors
 import shutil
 import socket
-import struct
 import tempfile
 import time
 from typing import Any
 
-from raysync.core import errors, leftovers
+from raysync.core import errors, leftovers, stream
 from raysync.core.control import private_dir_base
 
 logger = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("!I")
-_READ = 1 << 16
-
-
-def _frame(data: bytes) -> bytes:
-    return _LENGTH.pack(len(data)) + data
-
-
-class _Frames:
-    """A connection's bytes as whole frames; one over ``max_bytes`` raises WireError."""
-
-    def __init__(self, max_bytes: int):
-        self._buf, self._max = bytearray(), max_bytes
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= _LENGTH.size:
-            (n,) = _LENGTH.unpack_from(self._buf)
-            if n > self._max:
-                raise errors.WireError(f"a push loop frame of {n} bytes, over its bound of {self._max}")
-            if len(self._buf) < _LENGTH.size + n:
-                break
-            out.append(bytes(self._buf[_LENGTH.size : _LENGTH.size + n]))
-            del self._buf[: _LENGTH.size + n]
-        return out
-
-
-def _parse(address: str) -> tuple[int, Any]:
-    kind, _, where = address.partition("://")
-    if kind == "ipc":
-        return socket.AF_UNIX, where
-    host, _, port = where.rpartition(":")
-    return socket.AF_INET, (host, int(port))
-
 
 # --- the member's end -------------------------------------------------------------------------------------------------
-class MemberEnd:
+class MemberEnd(stream.Connection):
     """A loop's connection, used by the loop's thread only (made on the actor's thread, then handed over)."""
-
-    def __init__(self, sock: socket.socket, max_bytes: int):
-        self.sock, self._frames, self._ready = sock, _Frames(max_bytes), []
 
     @classmethod
     def connect(cls, address: str, name: str, hello: bytes, max_bytes: int, timeout_s: float) -> MemberEnd:
-        family, where = _parse(address)
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        conn = stream.connect(address, max_bytes, timeout_s)
+        end = cls(conn.sock, max_bytes)
         try:
-            sock.settimeout(timeout_s)
-            sock.connect(where)
-            if family == socket.AF_INET:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_frame(name.encode()) + _frame(hello))
+            end.send(name.encode(), timeout_s)
+            end.send(hello, timeout_s)
         except BaseException:
-            sock.close()
+            end.close()
             raise
-        return cls(sock, max_bytes)
-
-    def recv(self, timeout_s: float) -> bytes | None:
-        """The next frame; None after ``timeout_s`` with none. Raises ConnectionError when the driver's end closed,
-        WireError on a frame over the bound."""
-        while not self._ready:
-            self.sock.settimeout(timeout_s)
-            try:
-                data = self.sock.recv(_READ)
-            except TimeoutError:
-                return None
-            if not data:
-                raise ConnectionError("the driver's end of the push loop channel closed")
-            self._ready = self._frames.feed(data)
-        return self._ready.pop(0)
-
-    def send(self, frame: bytes, timeout_s: float) -> None:
-        self.sock.settimeout(timeout_s)
-        self.sock.sendall(_frame(frame))
-
-    def close(self) -> None:
-        self.sock.close()
+        return end
 
 
 # --- the driver's end -------------------------------------------------------------------------------------------------
@@ -126,20 +60,16 @@ class DriverEnd:
         self._dir: str | None = None
         self._conns: dict[Any, socket.socket] = {}  # key -> its connection, once its hello was read
         # a connection -> (its member's key, None until its name was read; its frames)
-        self._readers: dict[socket.socket, tuple[Any, _Frames]] = {}
+        self._readers: dict[socket.socket, tuple[Any, stream.Frames]] = {}
         self._selector = selectors.DefaultSelector()
         self.dropped = False  # a member's connection closed since this was last reset
         try:
             if local:  # Note [names that outlive a crash]
                 self._dir = tempfile.mkdtemp(prefix=f"{leftovers.owner_tag()}-", dir=private_dir_base())
-                self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._listener.bind(f"{self._dir}/loop")
-                self.address = f"ipc://{self._dir}/loop"
+                self._listener = stream.listen(f"ipc://{self._dir}/loop", len(names) + 8)
             else:
-                self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                self._listener.bind((host, 0))
-                self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
-            self._listener.listen(len(names) + 8)
+                self._listener = stream.listen(f"tcp://{host}:0", len(names) + 8)
+            self.address = stream.address_of(self._listener)
             self._listener.setblocking(False)
             self._selector.register(self._listener, selectors.EVENT_READ)
         except BaseException:
@@ -173,7 +103,7 @@ class DriverEnd:
                 continue
             key, frames = self._readers[sock]
             try:
-                data = sock.recv(_READ)
+                data = sock.recv(1 << 16)
                 if not data:
                     raise ConnectionError("closed")
                 whole = frames.feed(data)
@@ -211,7 +141,7 @@ class DriverEnd:
         if sock is None:
             raise ConnectionError(f"push loop member {key} is not connected")
         try:
-            sock.sendall(_frame(self._codecs[key].encode(kind, body)))
+            sock.sendall(stream.frame(self._codecs[key].encode(kind, body)))
         except OSError as e:
             self._drop(sock)
             raise ConnectionError(f"push loop member {key}: {e}") from e
@@ -237,7 +167,7 @@ class DriverEnd:
         sock.settimeout(5.0)  # a send to a member that stopped reading ends, rather than hang the driver
         if sock.family == socket.AF_INET:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._readers[sock] = (None, _Frames(self._max))
+        self._readers[sock] = (None, stream.Frames(self._max))
         self._selector.register(sock, selectors.EVENT_READ)
 
     def _drop(self, sock: socket.socket) -> None:
