@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raysync import PushIncomplete, RemoteError, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core import stream
 
 CFG = SyncConfig(bucket_bytes=4096, num_buffers=2, timeout_s=30, progress=False, transport="shm")
 NAMES = [f"w{i}" for i in range(7)]  # 7 tensors of 4 KB and one of 10 KB: sliced over buckets
@@ -169,10 +170,10 @@ def test_readers_in_turns_hear_the_go_one_after_another_and_a_failed_turn_aborts
         go = Accept(7, False, False)
         relay = in_thread(plane.send_go, go, "accept: the go")
         assert readers[0].expect(Accept, 7, "the go") == go
-        assert not readers[1].sock.poll(0)  # not before reader 0 has queued its copies
+        assert not stream.ready([readers[1].conn], 0)  # not before reader 0 has queued its copies
         readers[0].send(Queued(7), "queued")
         assert readers[1].expect(Accept, 7, "the go") == go
-        assert not readers[2].sock.poll(0)
+        assert not stream.ready([readers[2].conn], 0)
         readers[1].send(Queued(7), "queued")
         assert readers[2].expect(Accept, 7, "the go") == go
         assert relay.result(timeout=10) is None

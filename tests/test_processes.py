@@ -11,7 +11,14 @@ import torch
 from conftest import session_pair
 from workers import StagingLoader, digest, model_receiver, pausing_receiver, perturb, plain_sender
 
-from raysync import PeerTimeout, PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import (
+    PeerLost,
+    PushIncomplete,
+    SessionSecret,
+    SyncConfig,
+    WeightReceiver,
+    WeightSender,
+)
 from raysync.core.version import MIXED
 
 pytest.importorskip("transformers")
@@ -55,11 +62,10 @@ def test_sigkill_receiver_mid_push(private_tmp, spawn, in_thread, capfd):
             os.kill(child.pid, signal.SIGKILL)
 
         killer = in_thread(kill_when_paused)
-        with pytest.raises(PeerTimeout, match="receiver.*wait for buffer|receiver.*finish") as e:
-            sender.push(src.items(), 2)
+        with pytest.raises(PeerLost, match="receiver.*wait for buffer|receiver.*finish") as e:
+            sender.push(src.items(), 2)  # its connection ended: told at once, not after timeout_s
         killer.result(timeout=30)
         assert e.value.peer == f"receiver(pid {child.pid} on {socket.gethostname()})"  # the one that died
-        assert e.value.timeout_s == config.timeout_s
     child.join(timeout=10)
     assert child.exitcode == -signal.SIGKILL
     _next_session_works(in_thread)
@@ -99,17 +105,17 @@ def loader_that_kills(dest: dict[str, torch.Tensor], kill: Killer, staged: bool)
 
 
 def _receive_while_the_sender_dies(
-    receiver: WeightReceiver, dest: dict[str, torch.Tensor], victim: int, staged: bool, timeout_s: float
+    receiver: WeightReceiver, dest: dict[str, torch.Tensor], victim: int, staged: bool
 ) -> None:
     """The second push of a session, the sender SIGKILLed in its second bucket: the receiver's wait for the
-    next bucket ends at timeout_s with a PushIncomplete caused by a PeerTimeout naming the sender, and its
-    version says what the destinations hold (Note [versions never lie])."""
+    next bucket ends at once (its connection ended) with a PushIncomplete caused by a PeerLost naming the
+    sender, and its version says what the destinations hold (Note [versions never lie])."""
     kill = Killer(victim)
     with pytest.raises(PushIncomplete, match="not delivered") as e:
         receiver.receive(load_fn=loader_that_kills(dest, kill, staged))
     assert kill.calls >= kill.at  # the sender died inside this push, not before it
     cause = e.value.__cause__
-    assert isinstance(cause, PeerTimeout) and cause.peer.startswith("sender") and cause.timeout_s == timeout_s
+    assert isinstance(cause, PeerLost) and cause.peer.startswith("sender")
     assert e.value.undelivered and e.value.mixed is (not staged)
     assert receiver.version == (1 if staged else MIXED)
     assert ("mix of old and new weights" in str(e.value)) is (not staged)
@@ -126,7 +132,7 @@ def test_sigkill_sender_mid_push(private_tmp, spawn, in_thread, capfd, staged):
     with WeightReceiver(endpoint, secret, config) as receiver:
         receiver.receive(into=dest)
         assert out.get(timeout=30) == 1
-        _receive_while_the_sender_dies(receiver, dest, child.pid, staged, config.timeout_s)
+        _receive_while_the_sender_dies(receiver, dest, child.pid, staged)
     child.join(timeout=10)
     assert child.exitcode == -signal.SIGKILL
     _next_session_works(in_thread)
@@ -148,7 +154,7 @@ def test_cuda_ipc_sender_sigkilled_mid_push_leaves_mixed_unless_staged(spawn, no
     with WeightReceiver(out.get(timeout=120), secret, config) as receiver:
         receiver.receive(into=dest)
         assert receiver.version == 1
-        _receive_while_the_sender_dies(receiver, dest, child.pid, staged, config.timeout_s)
+        _receive_while_the_sender_dies(receiver, dest, child.pid, staged)
     child.join(timeout=30)
 
 

@@ -62,7 +62,8 @@ class PeerTimeout(PeerUnavailable, TimeoutError):
 
 
 class PeerLost(PeerUnavailable, ConnectionError):
-    """The connection to the peer is gone (a send found no one to deliver to)."""
+    """The connection to the peer is gone: it ended (the peer closed it, or its process died), or a send found
+    no one to deliver to."""
 
     def __init__(self, peer: str, stage: str, reason: str):
         super().__init__(peer, stage, f"lost the connection to {peer} at stage '{stage}': {reason}")
