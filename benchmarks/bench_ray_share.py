@@ -18,11 +18,11 @@ microseconds:
 
     push() -> go sent            the driver's work before the round reaches the actors (loop: the go frames sent;
                                  calls, graph: taken as push() itself)
-    go -> woke                   a loop's poll returns (loop only)
+    go -> woke                   a loop's read returns the go (loop only)
     go -> work starts            the endpoint function begins (sender_push, _receive) in each actor
     work                         the endpoint function, session included
     work done -> encoded         the answer made into a frame (loop only)
-    encoded -> sent              the frame handed to zmq (loop only)
+    encoded -> sent              the frame handed to the socket (loop only)
     sent -> received             the driver reads it (loop only)
     received -> decoded          checked and rebuilt (loop only)
     last work done -> push() returns
@@ -135,36 +135,38 @@ def _wrap(owner: Any, attr: str, before: str | None, after: str | None) -> None:
 
 def instrument_actor(actor: Any) -> None:
     """In an actor (through __ray_call__): its endpoint functions, and its push loop's wake-up, answer, send."""
-    import zmq
-
-    from raysync.ray import endpoint, push_loop
+    from raysync.ray import endpoint, loop_channel, push_loop
 
     _wrap(endpoint, "sender_push", "work starts", "work done")
     _wrap(endpoint, "_receive", "work starts", "work done")
     _wrap(push_loop, "_run", None, "encoded")
-    poll, send = zmq.Poller.poll, zmq.Socket.send
+    member = loop_channel.MemberEnd
+    if getattr(member.recv, "_stamped", False):
+        return
+    recv, send = member.recv, member.send
 
-    def timed_poll(self, *args, **kwargs):
-        events = poll(self, *args, **kwargs)
-        if events and threading.current_thread().name.startswith("raysync-push-loop"):
+    def timed_recv(self, *args, **kwargs):
+        frame = recv(self, *args, **kwargs)
+        if frame is not None and threading.current_thread().name.startswith("raysync-push-loop"):
             _stamp("woke")
-        return events
+        return frame
 
     def timed_send(self, *args, **kwargs):
         if threading.current_thread().name.startswith("raysync-push-loop"):
-            _stamp("sent")  # as it is handed to zmq: the driver may read it before this thread runs again
+            _stamp(
+                "sent"
+            )  # as it is handed to the socket: the driver may read it before this thread runs again
         return send(self, *args, **kwargs)
 
-    if not getattr(poll, "_stamped", False):
-        timed_poll._stamped = timed_send._stamped = True  # type: ignore[attr-defined]
-        zmq.Poller.poll, zmq.Socket.send = timed_poll, timed_send
+    timed_recv._stamped = timed_send._stamped = True  # type: ignore[attr-defined]
+    member.recv, member.send = timed_recv, timed_send
 
 
 def instrument_driver() -> None:
     """On the driver: the go frames sent, each answer read (Codec.decode) and rebuilt (from_wire)."""
-    from raysync.ray import loop_wire, push_loop
+    from raysync.ray import loop_channel, loop_wire, push_loop
 
-    _wrap(push_loop._DriverEnd, "send", None, "go sent")
+    _wrap(loop_channel.DriverEnd, "send", None, "go sent")
     _wrap(loop_wire.Codec, "decode", "received", None)
     _wrap(push_loop, "from_wire", None, "decoded")
 
