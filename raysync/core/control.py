@@ -225,9 +225,8 @@ class SenderChannel(Channel):
         """Wait for the first connection whose first frame is a valid, signed Hello; from then on talk only to
         it (a later accept waits for its next Hello). A connection whose frame fails the check is closed."""
         deadline = time.monotonic() + self.timeout_s
-        if (
-            self.conn is not None
-        ):  # the receiver says Hello again (it starts over after an Abort before a push)
+        # connected: the receiver says Hello again (it starts over after an Abort before a push)
+        if self.conn is not None:
             return self._hello_again(stage, deadline)
         candidates: list[stream.Connection] = []
         try:

@@ -70,10 +70,8 @@ class Fanout:
             if not ready:
                 late = [c.peer for i, c in enumerate(self.channels) if i not in got]
                 raise PeerTimeout(", ".join(late), stage, timeout)
-            for i, c in enumerate(self.channels):
-                if (
-                    i not in got and c.conn in ready
-                ):  # a frame is there (what it sends next waits for the next expect)
+            for i, c in enumerate(self.channels):  # what one sends after its answer waits for the next expect
+                if i not in got and c.conn in ready:
                     msg = c.expected(c.recv(stage, max(1e-3, remaining)), kind, push_id, stage)
                     if msg is not None:
                         got[i] = msg
@@ -85,7 +83,7 @@ class Fanout:
         others only say that their broadcasts failed too (PeerTimeout, PeerLost)."""
         deadline = time.monotonic() + wait_s
         found: list[RemoteError] = []
-        waiting = {id(c.conn): c for c in self.channels}
+        waiting = {id(c.conn): c for c in self.channels if c.conn is not None}  # None: it never connected
         while waiting and not any(not _symptom(e) for e in found):
             remaining = deadline - time.monotonic()
             ready = stream.ready([c.conn for c in waiting.values()], remaining) if remaining > 0 else []

@@ -31,7 +31,7 @@ from typing import Any
 from raysync.core.errors import WireError
 
 _LENGTH = struct.Struct("!I")
-_READ = 1 << 16
+READ_BYTES = 1 << 16  # the most one read of a socket takes
 _RETRY_S = (
     0.001,
     0.05,
@@ -124,7 +124,7 @@ class Connection:
         while not self._ready:
             self.sock.settimeout(max(deadline - time.monotonic(), 0.0))  # 0: one read of what is there
             try:
-                data = self.sock.recv(_READ)
+                data = self.sock.recv(READ_BYTES)
             except (TimeoutError, BlockingIOError):
                 return None
             if not data:
@@ -150,9 +150,11 @@ class Connection:
         self.sock.close()
 
 
-def connect(address: str, max_bytes: int, timeout_s: float) -> Connection:
-    """A connection to the listener at ``address``, tried again while nothing listens there yet (its side may
-    bind a moment later), up to ``timeout_s``: then TimeoutError."""
+def connect(
+    address: str, max_bytes: int, timeout_s: float, kind: type[Connection] = Connection
+) -> Connection:
+    """A connection (a ``kind``) to the listener at ``address``, tried again while nothing listens there yet (its
+    side may bind a moment later), up to ``timeout_s``: then TimeoutError."""
     family, where = parse(address)
     deadline = time.monotonic() + timeout_s
     pause = _RETRY_S[0]
@@ -161,7 +163,7 @@ def connect(address: str, max_bytes: int, timeout_s: float) -> Connection:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             sock.connect(where)
-            return Connection(sock, max_bytes)
+            return kind(sock, max_bytes)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             sock.close()
             if time.monotonic() + pause > deadline:
@@ -176,7 +178,9 @@ def connect(address: str, max_bytes: int, timeout_s: float) -> Connection:
 def ready(conns: Sequence[Any], timeout_s: float) -> list[Any]:
     """Those of ``conns`` (Connections, or listening sockets) that have a frame, a connection or an end to
     read, waiting up to ``timeout_s`` for one; [] when none came."""
-    now = [c for c in conns if isinstance(c, Connection) and c.pending()]
+    now = [
+        c for c in conns if isinstance(c, Connection) and (c.pending() or c.fileno() < 0)
+    ]  # closed: at once
     if now or not conns:
         return now
     poller, by_fd = select.poll(), {}  # poll, not select: a process with Ray and vLLM in it has fds over 1024

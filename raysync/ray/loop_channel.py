@@ -38,8 +38,7 @@ class MemberEnd(stream.Connection):
 
     @classmethod
     def connect(cls, address: str, name: str, hello: bytes, max_bytes: int, timeout_s: float) -> MemberEnd:
-        conn = stream.connect(address, max_bytes, timeout_s)
-        end = cls(conn.sock, max_bytes)
+        end = stream.connect(address, max_bytes, timeout_s, kind=cls)
         try:
             end.send(name.encode(), timeout_s)
             end.send(hello, timeout_s)
@@ -103,7 +102,7 @@ class DriverEnd:
                 continue
             key, frames = self._readers[sock]
             try:
-                data = sock.recv(1 << 16)
+                data = sock.recv(stream.READ_BYTES)
                 if not data:
                     raise ConnectionError("closed")
                 whole = frames.feed(data)
