@@ -252,6 +252,7 @@ def stages(
     t0, t1 = window
     go = driver["go sent"][-1] if rounds == "loop" else t0
     row = {"total": t1 - t0, "push() -> go sent": go - t0}
+
     def gap(key: str, ev: dict, end: tuple[str, int], start: tuple[str, int] | None) -> None:
         """row[key] = the stamp ``end`` (name, index) minus ``start`` (None: the go); left out where one is
         missing (a stamp this version of raysync does not take)."""
