@@ -9,7 +9,10 @@ The trainer (this process) holds fp32 master weights of --layout's shapes (nothi
 checkpoint's magnitudes: matrices and biases ~N(0, 0.02), norm weights ~N(1, 0.02) (not unit-variance noise,
 which would flatter the density). Each step is torch.optim.Adam at --lr (3e-6, an RL rate) on random N(0, 1)
 gradients, one tensor at a time (no gradient for the whole model is ever held); pushes cast the master to
-bf16 on the way (cast_dtype), so the deltas are those of the bf16 bits an engine holds. The engine is a
+bf16 on the way (cast_dtype), so the deltas are those of the bf16 bits an engine holds. With --bf16-params the
+trainer also holds bf16 model weights, which the master is cast into after each step (as Megatron's mixed
+precision keeps them), and pushes send those: no cast on the way, so the buckets are read in place (Note [a
+delta read in place] in raysync.core.delta_reference) and the floor's read is of them. The engine is a
 spawned process holding bf16 tensors on --device (torch, pyzmq and msgpack only: no Ray, no vLLM).
 
 Rows, per transport (shm; cuda_ipc ring with --device cuda, on one GPU; collective: gloo over TCP on the CPU,
@@ -73,7 +76,7 @@ def shapes(layout: str, layers: int | None) -> list[tuple[str, tuple[int, ...]]]
 class Trainer:
     """fp32 master weights with a checkpoint's magnitudes, and Adam on random gradients, tensor by tensor."""
 
-    def __init__(self, named_shapes, device: torch.device, lr: float, seed: int = 0):
+    def __init__(self, named_shapes, device: torch.device, lr: float, seed: int = 0, bf16: bool = False):
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.params: list[tuple[str, torch.Tensor]] = []
         for name, shape in named_shapes:
@@ -81,29 +84,34 @@ class Trainer:
             t.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=self.gen)
             self.params.append((name, t.requires_grad_()))
         self.optimizers = [torch.optim.Adam([p], lr=lr) for _, p in self.params]
+        # --bf16-params: the model's bf16 weights, cast from the master after each step; what pushes send
+        self.model = [(n, p.detach().to(torch.bfloat16)) for n, p in self.params] if bf16 else None
 
     def step(self) -> None:
         for (_, p), opt in zip(self.params, self.optimizers, strict=True):
             p.grad = torch.randn(p.shape, generator=self.gen, device=p.device)
             opt.step()
             p.grad = None
+        for (_, w), (_, p) in zip(self.model or [], self.params, strict=False):
+            w.copy_(p.detach())
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p.detach()) for n, p in self.params]
+        """What a push sends: the fp32 master (cast on the way), or with --bf16-params the bf16 weights."""
+        return self.model if self.model is not None else [(n, p.detach()) for n, p in self.params]
 
     def digests(self) -> list[int]:
         """What the engine must hold: each tensor's digest of its bf16 bits (one cast at a time)."""
         return digests(p.detach().to(torch.bfloat16) for _, p in self.params)
 
     def read(self) -> None:
-        """One read of every master tensor (the floor's change detection): a sum, which runs at memory speed."""
-        for _, p in self.params:
-            p.detach().sum()
+        """One read of every tensor pushed (the floor's change detection): a sum, which runs at memory speed."""
+        for _, p in self.named():
+            p.sum()
 
     def count(self) -> None:
-        """The floor's read until 8cf1011: count_nonzero of every master tensor, a slower kernel than a read."""
-        for _, p in self.params:
-            p.detach().count_nonzero()
+        """The floor's read until 8cf1011: count_nonzero of every tensor pushed, a slower kernel than a read."""
+        for _, p in self.named():
+            p.count_nonzero()
 
 
 def engine(
@@ -279,7 +287,7 @@ def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> fl
 def run(args) -> dict:
     device = torch.device(args.device)
     named_shapes = shapes(args.layout, args.layers)
-    trainer = Trainer(named_shapes, device, args.lr)
+    trainer = Trainer(named_shapes, device, args.lr, bf16=args.bf16_params)
     nbytes = sum(2 * t.numel() for _, t in trainer.named())
     read_s = timed(trainer.read, device, args.repeats)
     count_s = timed(trainer.count, device, args.repeats)
@@ -307,6 +315,7 @@ def run(args) -> dict:
         "layers": args.layers,
         "model_bytes_bf16": nbytes,
         "lr": args.lr,
+        "pushed": "bf16 weights (read in place)" if args.bf16_params else "fp32 master, cast to bf16",
         "device": str(device),
         "hardware": hardware(device),
         "read_floor_s": read_s,
@@ -325,7 +334,8 @@ def free(device: torch.device) -> None:
 def report(result: dict) -> None:
     print(
         f"{result['layout']} ({result['model_bytes_bf16'] / 1e6:.0f} MB in bf16), Adam lr {result['lr']}, "
-        f"on {result['hardware']}; floor = one read of the master ({result['read_floor_s'] * 1e3:.1f} ms, a sum; "
+        f"pushing the {result.get('pushed', 'fp32 master, cast to bf16')}, on {result['hardware']}; "
+        f"floor = one read of what is pushed ({result['read_floor_s'] * 1e3:.1f} ms, a sum; "
         f"{result['read_by_count_nonzero_s'] * 1e3:.1f} ms by count_nonzero) + moving the delta's bytes"
     )
     head = f"{'transport':10}  {'step':>4}  {'density':>8}  {'delta MB':>8}  {'/ full':>7}  {'delta ms':>9}  "
@@ -380,6 +390,9 @@ def main() -> None:
     p.add_argument("--shm-mib", type=int, default=None, help="shm bucket_bytes (default: 8 CPU, 512 GPU)")
     p.add_argument("--ipc-mib", type=int, default=2048, help="cuda_ipc ring bucket_bytes (one GPU)")
     p.add_argument("--gloo-mib", type=int, default=64, help="collective bucket_bytes")
+    p.add_argument(
+        "--bf16-params", action="store_true", help="push bf16 weights cast from the master (in place)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.threads:

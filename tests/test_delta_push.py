@@ -82,6 +82,35 @@ def test_rl_steps_over_shm_arrive_bit_exact_as_a_fraction_of_the_bytes(private_t
         assert engine.exitcode == 0
 
 
+def test_buckets_of_tensors_in_the_wire_dtype_are_encoded_in_place_the_others_through_the_scratch(
+    private_tmp, in_thread
+):
+    """Note [a delta read in place]: a bucket of contiguous bf16 tensors is compared and gathered straight from
+    the trainer's tensors, a bucket holding a cast (fp32 -> bf16) or a non-contiguous tensor is packed into the
+    scratch first; both arrive bit-exact as deltas, push after push, with the tensors changed in place."""
+    g = torch.Generator().manual_seed(11)
+    model = {
+        "a.weight": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16),  # 4 buckets, in place
+        "b.master": torch.randn(64, 256, generator=g) * 0.02,  # fp32, cast on the way
+        "c.weight": (torch.randn(256, 128, generator=g) * 0.02).to(torch.bfloat16).t(),  # not contiguous
+    }
+    dest = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in model.items()}
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16")
+    with session_pair(config) as (sender, receiver):
+        for version in range(1, 5):
+            for t in model.values():
+                t.view(-1)[version::61].add_(0.01) if t.is_contiguous() else t.t().reshape(-1)[::59].add_(
+                    0.01
+                )
+            got = in_thread(receiver.receive, into=dest)
+            report = sender.push(model.items(), version)
+            assert got.result(timeout=30).version == version
+            assert report.base_version == (None if version == 1 else version - 1)
+            assert all(same_bits(dest[n], t.to(torch.bfloat16)) for n, t in model.items()), version
+        in_place = [pairs is not None for pairs in sender._delta._in_place]
+    assert in_place[:4] == [True] * 4 and not any(in_place[4:]), in_place
+
+
 def test_anchors_every_n_pushes(private_tmp, in_thread):
     master = small_model(seed=1)
     dest = bf16(small_model(seed=2))

@@ -37,7 +37,16 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # counted after all (its listing then cost one pass for nothing), never listed whole.
 # The listing is one per bucket, not per chunk: listed chunk by chunk (a host sync each), the compare stage of a
 # 7B push (339 tensors in 30 buckets) took 98-110 ms on the H200, where counting took 60.
-# On the CPU count_nonzero is the fastest count (29 ms for 64 Mi elements on the VM, where a byte sum takes 174 ms).
+# On the CPU nothing is listed ahead: counting is cheap there, and nonzero_static fills (and first faults in) a
+# listing of the cap's size each bucket.
+#
+# Note [numpy on the CPU]
+# On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
+# (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these three passes: on an
+# 8 MB bf16 bucket at 5% changed, on one thread of the 2-core VM (benchmarks/bench_delta_ops.py --device cpu),
+# ne 1.0 against 2.4 ms, count 0.3 against 0.7 ms, nonzero 3.2 against 6.2 ms. numpy runs them on one thread,
+# which also leaves the other core to the receiver, where torch's two threads per process contended with it.
+# On the GPU they stay torch's.
 #
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
@@ -48,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raysync.core.delta import (
@@ -129,7 +139,9 @@ def encode(
         )
     mark = mark or _no_mark
     masks, span = _compare(views, base_version is not None, space, device)
-    if sparse:
+    if (
+        sparse and device is not None and device.type != "cpu"
+    ):  # Note [listing instead of counting]: not on the CPU
         counts, listed = _list_changes(masks, span)
     else:
         counts, listed = _host_counts(masks), [None] * len(masks)
@@ -249,7 +261,10 @@ def _compare(
             masks.append(None)
             continue
         mask = slab[start : start + n.numel()]
-        torch.ne(o, n, out=mask)
+        if mask.device.type == "cpu":  # Note [numpy on the CPU]
+            np.not_equal(o.detach().numpy(), n.detach().numpy(), out=mask.numpy())
+        else:
+            torch.ne(o, n, out=mask)
         masks.append(mask)
         start += n.numel()
     return masks, slab[:start]
@@ -273,11 +288,19 @@ def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_densi
 
 def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
     """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
+    if all(m is None or m.device.type == "cpu" for m in masks):  # Note [numpy on the CPU]
+        return [None if m is None else _cpu_counts(m.numpy()) for m in masks]
     stats = [
         None if m is None else torch.stack([_count(m).long(), _count(~m[GAP_SPAN - 1 :: GAP_SPAN]).long()])
         for m in masks
     ]
     return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
+
+
+def _cpu_counts(mask: np.ndarray) -> tuple[int, int]:
+    changed = int(np.count_nonzero(mask))
+    strided = mask[GAP_SPAN - 1 :: GAP_SPAN]
+    return changed, strided.size - int(np.count_nonzero(strided))
 
 
 def _count(mask: torch.Tensor) -> torch.Tensor:
@@ -359,27 +382,19 @@ def _write_payload(
 
 
 def _indices(mask: torch.Tensor, entries: int) -> torch.Tensor:
-    """The increasing int64 indices of ``mask``'s ``entries`` True elements. On CUDA ``nonzero_static`` (the
-    count is known: no host sync); on the CPU ``nonzero``, or two passes when few are True."""
-    if mask.device.type != "cpu" and hasattr(torch, "nonzero_static"):
+    """The increasing int64 indices of ``mask``'s ``entries`` True elements. On the CPU numpy's nonzero (Note
+    [numpy on the CPU]); elsewhere ``nonzero_static`` (the count is known: no host sync), or ``nonzero``."""
+    if mask.device.type == "cpu":
+        index = torch.from_numpy(mask.numpy().nonzero()[0].astype(np.int64, copy=False))
+    elif hasattr(torch, "nonzero_static"):
         try:
             return torch.nonzero_static(mask, size=entries).view(-1)
         except NotImplementedError:  # a torch without it for this device
-            pass
-    index = _nonzero_sparse(mask) if 32 * entries < mask.numel() else mask.nonzero().view(-1)
+            index = mask.nonzero().view(-1)
+    else:
+        index = mask.nonzero().view(-1)
     assert index.numel() == entries, "the mask changed between count and encode"
     return index
-
-
-def _nonzero_sparse(mask: torch.Tensor) -> torch.Tensor:
-    """``mask.nonzero()`` of a 1-d bool mask with few True (a GAPS chunk's), as increasing int64 indices: first
-    the 8-element words holding any (one pass over numel / 8 words), then the elements of those words only."""
-    pad = -mask.numel() % 8
-    padded = torch.cat([mask, mask.new_zeros(pad)]) if pad or mask.storage_offset() % 8 else mask
-    rows = padded.view(torch.uint8).view(-1, 8)
-    words = rows.view(torch.int64).view(-1).nonzero().view(-1)
-    hits = rows[words].nonzero()  # row-major: increasing
-    return words[hits[:, 0]].mul_(8).add_(hits[:, 1])
 
 
 def _write_words(out: torch.Tensor, words: list[int]) -> None:

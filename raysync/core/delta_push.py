@@ -188,6 +188,7 @@ class Reference:
         self._ref: ReferenceBytes | None = None
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
+        self._in_place: list[list | None] = []  # per bucket: chunks encoded from the trainer's tensors
 
     def on_plane(self, plane: object, made_here: bool) -> None:
         """The session's plane is known: a ring it made, or a given plane that moves encoded buckets (the
@@ -246,6 +247,7 @@ class Reference:
         sources = agreed.sources
         self._new_layout(agreed, buffers, sources[0].tensor.device if sources else torch.device("cpu"))
         self._packer = Packer(agreed.buckets, sources, [self._ref.scratch], self.config.cuda_graphs)
+        self._in_place = self._ref.in_place(agreed.buckets, sources)  # Note [a delta read in place]
         self._source = None
 
     def prepare_source(self, agreed: SenderLayout, source: Source, buffers: Sequence[torch.Tensor]) -> None:
@@ -257,6 +259,7 @@ class Reference:
         self.demote("a new source or layout: full", refused=False)
         self._new_layout(agreed, buffers, buffers[0].device)
         self._packer = source.packer(self.config, agreed.buckets, [self._ref.scratch])
+        self._in_place = [None] * len(agreed.buckets)
         self._source = source
 
     def _new_layout(
@@ -286,18 +289,21 @@ class Reference:
         return self.lazy or (self._ref is not None and self._ref.ring_device != self._ref.device)
 
     def encode(self, k: int, buffer: torch.Tensor) -> int:
-        """A delta push's bucket k: pack it into the scratch bucket, encode it into ``buffer`` against the
-        reference (on the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded]
-        in raysync.core.delta_encode), and the reference takes the new bytes (Note [delta pushes]). Returns
-        the bytes of ``buffer`` the encoding uses."""
+        """A delta push's bucket k: pack it into the scratch bucket (unless it is read in place: Note [a delta
+        read in place] in raysync.core.delta_reference), encode it into ``buffer`` against the reference (on
+        the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded] in
+        raysync.core.delta_encode), and the reference takes the new bytes (Note [delta pushes]). Returns the
+        bytes of ``buffer`` the encoding uses."""
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
-        self._packer.pack(k)
-        mark("pack")
+        in_place = self._in_place[k] if not self.lazy else None
+        if in_place is None:
+            self._packer.pack(k)
+            mark("pack")
         cap = self.config.delta_max_density
         sparse, ref.sparse[k] = ref.sparse[k], False  # a failed encode leaves no hint behind
         code = encode(
-            ref.pairs[k],
+            ref.pairs[k] if in_place is None else in_place,
             buffer,
             base_version=self.base if self._on_time(k) else None,
             max_density=cap,
@@ -307,7 +313,10 @@ class Reference:
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
         ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
-        ref.take_scratch(k)
+        if in_place is None:
+            ref.take_scratch(k)
+        else:
+            ref.take(in_place)
         mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes

@@ -1,6 +1,7 @@
 """The sender's reference in delta mode, as memory (Note [the delta reference] in raysync.core.delta_push): the
 wire-dtype bytes of the last version pushed, laid out as the buckets are, with one bucket of scratch that a
-push packs into and encode's workspace, all on the trainer's device."""
+push packs into and encode's workspace, all on the trainer's device; and, per bucket, the trainer's tensors
+where encode can read them in place (Note [a delta read in place])."""
 
 from __future__ import annotations
 
@@ -12,10 +13,21 @@ import torch
 from raysync.core import delta
 from raysync.core.delta_encode import Workspace
 from raysync.core.plan import Bucket, align_up
-from raysync.core.wire import TensorSpec
+from raysync.core.wire import DTYPES, TensorSpec
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
+    from raysync.core.source import SourceTensor
+
+# Note [a delta read in place]
+# A bucket whose every chunk lies in a trainer's tensor that is contiguous, already in the wire dtype and on the
+# reference's device is encoded straight from those tensors: encode compares them with the reference and
+# gathers the changed values from them, and the reference then copies the chunks from them. Packing it into the
+# scratch first (as a cast, a non-contiguous tensor or a lazy source needs) is one more read and write of the
+# bucket's bytes per push; the CPU benchmark measured it at 75 ms of a 715 ms delta push of a 392 MB model
+# (docs/benchmarks.md, section 12). The tensors are read twice (encode, then the copy) where the scratch was
+# one snapshot: a tensor changed during the push leaves a reference the receivers do not hold, as it leaves a
+# torn full push; verify compares the receivers with the reference, and the next full push repairs both.
 
 
 def chunk_sizes(bucket: Bucket, specs: Sequence[TensorSpec]) -> list[tuple[int, int]]:
@@ -71,6 +83,34 @@ class ReferenceBytes:
     def take_scratch(self, k: int) -> None:
         """Bucket k's reference takes the scratch's bytes (a delta push: what every receiver now holds)."""
         self.bucket(k)[: self.sizes[k]].copy_(self.scratch[: self.sizes[k]])
+
+    def in_place(self, buckets: Sequence[Bucket], sources: Sequence[SourceTensor]) -> list[list | None]:
+        """Per bucket, (reference chunk, the trainer's chunk) word views where every chunk can be read in place
+        (Note [a delta read in place]), else None: that bucket is packed into the scratch."""
+        out = []
+        for k, b in enumerate(buckets):
+            views = [_in_place(sources[c.index], c, self.device) for c in b.chunks]
+            ok = all(v is not None for v in views)
+            out.append(
+                [(old, new) for (old, _), new in zip(self.pairs[k], views, strict=True)] if ok else None
+            )
+        return out
+
+    def take(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A bucket's reference chunks take the new chunks of ``pairs`` (read in place: Note [a delta read in place])."""
+        for old, new in pairs:
+            old.copy_(new)
+
+
+def _in_place(src: SourceTensor, chunk: object, device: torch.device) -> torch.Tensor | None:
+    """The chunk's words in the trainer's tensor, when it can be read there: contiguous, in the wire dtype, on
+    ``device``."""
+    t = src.tensor
+    if t.device != device or t.dtype != DTYPES[src.spec.dtype] or not t.is_contiguous():
+        return None
+    width = min(src.spec.itemsize, 8)
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat[chunk.src_offset : chunk.src_offset + chunk.nbytes].view(delta.WORDS[width])
 
 
 def _words(buffer: torch.Tensor, chunk: object, specs: Sequence[TensorSpec]) -> torch.Tensor:
