@@ -42,11 +42,13 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #
 # Note [numpy on the CPU]
 # On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
-# (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these three passes: on an
-# 8 MB bf16 bucket at 5% changed, on one thread of the 2-core VM (benchmarks/bench_delta_ops.py --device cpu),
-# ne 1.0 against 2.4 ms, count 0.3 against 0.7 ms, nonzero 3.2 against 6.2 ms. numpy runs them on one thread,
-# which also leaves the other core to the receiver, where torch's two threads per process contended with it.
-# On the GPU they stay torch's.
+# (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these passes. On an 8 MB
+# bf16 bucket at 5% changed on the 2-core VM (benchmarks/bench_delta_ops.py --device cpu --mb 8, docs/results/
+# delta_ops_cpu_vm*.json), numpy against torch on one thread: ne 0.53 / 2.50 ms, count 0.17 / 1.05 ms,
+# nonzero 3.11 / 6.17 ms; against torch on two threads: 1.18, 0.53 and 3.12 ms. numpy takes one core, which
+# leaves the other to the receiver (a delta push of a 392 MB model on that VM, sender and receiver on one
+# thread each: 803 ms with torch's kernels, 408 ms with numpy's, docs/benchmarks.md section 12). On the GPU
+# they stay torch's.
 #
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
