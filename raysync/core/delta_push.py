@@ -16,8 +16,9 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # The reference is one uint8 tensor on the trainer's device (the device of the first tensor pushed: the GPU
 # for a GPU trainer; a lazy source's: the ring's device), laid out as the buckets are: bucket k at
 # ``offsets[k]``, each chunk at its ``bucket_offset``, in the wire dtype. It costs one more copy of the model
-# in the wire dtype there, plus one bucket of scratch (a delta is packed there first, so a cast -- fp32
-# master -> bf16 -- is compared in the bits receivers hold). Its version is None from ``start`` until
+# in the wire dtype there, plus one bucket of scratch (a bucket that needs a cast -- fp32 master -> bf16 -- is
+# packed there first, so it is compared in the bits receivers hold; one that needs none is read in place: Note
+# [a delta read in place] in raysync.core.delta_reference). Its version is None from ``start`` until
 # ``finish``: a push that fails, is skipped or is demoted part-way leaves None, and the next push is full for
 # every receiver. A full push in delta mode rewrites all of it (packed through the scratch when the ring
 # lives on another device, so the bytes cross to the ring once and never back); a delta push copies each
