@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 9 minutes at most).
+# On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
+# Then, through the device tool, with carry [".whl"]:
+#     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
+# Each step's output goes to $OUT/<step>.txt (and .json), its exit status to $OUT/summary.txt; a step that fails
+# or runs out of its time does not stop the next.
+set -u
+OUT=${OUT:-/tmp/gpu_pending}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
+    echo "$name rc=$? $((SECONDS - t0))s" >> "$OUT/summary.txt"
+}
+
+# 19: the default config through WeightSync (Ray actors sharing the GPU), 7B and 1.5B, with the raw session's
+# figure and the floors in the same run; the control channel's hops on stream sockets.
+step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda --default-only --out "$OUT/weightsync.json"
+step control_hops 40 python3 benchmarks/control_hops.py --device cuda --json "$OUT/control_hops.json"
+# 24: delta pushes over shm, the fp32 master cast on the way, and bf16 weights read in place.
+step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+    --steps 3 --bf16-params --json "$OUT/delta_shm_bf16.json"
+step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+    --steps 3 --json "$OUT/delta_shm.json"
+cat "$OUT/summary.txt"
