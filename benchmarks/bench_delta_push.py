@@ -22,8 +22,8 @@ NCCL is not run here), per step: the Adam step (not timed), then
   version (its bytes and density from the PushReport), and where the sender's time went, stage by stage
   (its reference's StageClock, summed over buckets: pack = the source packed and cast into the scratch
   bucket; compare = ne + counts, with the one host sync; compact = indices, gaps and values written into
-  the encoding; copy out = the bytes used copied into the ring buffer when it lives on another device;
-  reference = the reference takes the new bytes; rest = the push's time outside these: waiting for a free
+  the encoding, and the reference takes what was encoded; copy out = the bytes used copied into the ring buffer
+  when it lives on another device; reference = a full push's bytes copied into the reference; rest = the push's time outside these: waiting for a free
   buffer while the receiver decodes, the control messages). On a GPU each stage's end synchronizes the device;
 * full push, delta on: ``push(version, full=True)`` in the same session (the reference keeps its bytes);
 * full push, delta off: a session without delta, the same model (median over the steps);

@@ -47,12 +47,16 @@ def push(
 def round_trip(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], base: int | None = 7, **kw: float
 ) -> delta.BucketCode:
-    """Encode, decode into copies of the references, check every copy is bit-exactly the new values."""
-    code, out = push(pairs, base, **kw)
+    """Encode, decode into copies of the references, check every copy is bit-exactly the new values; the
+    encoder's own copies of the references, advanced by the encoding (``advance``), are too."""
+    refs = [old.clone() for old, _ in pairs]
+    code, out = push(
+        [(ref, new) for ref, (_, new) in zip(refs, pairs, strict=True)], base, advance=True, **kw
+    )
     dests = [old.clone() for old, _ in pairs]
     received = delta.decode(out, dests, held_version=base)
-    for dest, (_, new) in zip(dests, pairs, strict=True):
-        assert same_bits(dest, new)
+    for dest, ref, (_, new) in zip(dests, refs, pairs, strict=True):
+        assert same_bits(dest, new) and same_bits(ref, new)
     assert [c.mode for c in received.chunks] == [c.mode for c in code.chunks]
     assert received.nbytes == code.nbytes
     return code
@@ -208,6 +212,31 @@ def test_the_sender_reference_and_the_receiver_stay_equal_over_consecutive_pushe
         assert same_bits(reference, trainer) and same_bits(engine, trainer)
         (again,) = push([(reference, trainer)], base=version)[0].chunks
         assert again.mode == Mode.SAME
+
+
+def test_a_reference_advanced_by_the_encoding_holds_what_the_receiver_holds_when_the_tensor_changes_midway():
+    """Note [the reference advances by the encoding]: the new tensor changes between the compare and the
+    compaction (as a trainer's tensor read in place may). An element that changed after the compare is neither
+    sent nor taken; one in the mask is sent and taken with its later value; the reference is bit for bit what
+    the receiver decodes, and the next push sends what the receiver missed."""
+    gen = torch.Generator().manual_seed(21)
+    old = random_tensor(torch.bfloat16, (200_000,), gen)
+    new = old.clone()
+    new.view(torch.int16)[::100] ^= 1  # 1% of the elements change a bit
+
+    def change_after_the_compare(stage: str) -> None:
+        if stage == "compare":  # 5: not in the mask; 100: in it
+            new.view(torch.int16)[[5, 100]] ^= 2
+
+    ref, engine = old.clone(), old.clone()
+    _, out = push([(ref, new)], base=1, advance=True, mark=change_after_the_compare)
+    delta.decode(out, [engine], held_version=1)
+    assert same_bits(ref, engine)  # the sender's reference is what the receiver holds
+    assert not same_bits(ref[5:6], new[5:6]) and same_bits(ref[5:6], old[5:6])  # 5: neither sent nor taken
+    assert same_bits(ref[100:101], new[100:101])  # sent and taken with its later value
+    _, out = push([(ref, new)], base=2, advance=True)  # the next push
+    delta.decode(out, [engine], held_version=2)
+    assert same_bits(engine, new) and same_bits(ref, new)
 
 
 # --- the density rule ---------------------------------------------------------------------------------------------

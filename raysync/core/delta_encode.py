@@ -4,6 +4,7 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 
     space = Workspace.for_bucket(chunks, device)       # once per layout: reused by every push
     encode(pairs, out, base_version=v, space=space)  ->  BucketCode
+    encode(pairs, out, base_version=v, advance=True)   # the references then hold what a decoder writes
 
 # Note [where a delta is encoded]
 # Every pass over a bucket's elements runs on the device that holds the chunks (the trainer's GPU, or the CPU),
@@ -25,6 +26,15 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #     copy     the used bytes into ``out`` when it lives on another device: on CUDA in runs of >= 4 MiB on
 #              a side stream as the payloads are written (the copy engine works while the next chunks are
 #              compacted), then one wait; elsewhere one copy
+#
+# Note [the reference advances by the encoding]
+# With ``advance`` each reference chunk takes, after its payload is written, what a decoder of that payload
+# writes onto it: a FULL payload's bytes, a GAPS payload's values at its indices (a scatter of the changed
+# elements only), nothing for SAME. So the reference holds what every receiver holds by construction, even
+# when the new tensors change while the bucket is encoded (the trainer's tensors, read in place: Note [a delta
+# read in place] in raysync.core.delta_reference): an element that changed after the compare is not sent and
+# not taken, and the next push compares against what the receivers hold. What the trainer meant is checked
+# apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
 #
 # Note [listing instead of counting]
 # On an H200, for a 512 MB bf16 bucket at 5% changed (benchmarks/bench_delta_ops.py, docs/benchmarks.md section
@@ -124,6 +134,7 @@ def encode(
     mark: Mark | None = None,
     staged: bool | None = None,
     sparse: bool = False,
+    advance: bool = False,
 ) -> BucketCode:
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
@@ -131,7 +142,9 @@ def encode(
     is modified but ``out`` and ``space``. One host sync per bucket for the counts (two when ``out`` is on
     another device than the chunks: the copy of the bytes used). ``staged``: encode into the workspace first
     and copy (None: when ``out`` lives on another device than the chunks). ``sparse``: the bucket is expected
-    to have few changes: its indices are listed without counting first (Note [listing instead of counting])."""
+    to have few changes: its indices are listed without counting first (Note [listing instead of counting]).
+    ``advance``: each reference then holds what decoding this encoding onto it writes, taken from the encoding
+    itself (Note [the reference advances by the encoding]); a reference of None stays None."""
     _check_buffer(out, "out")
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
@@ -169,8 +182,11 @@ def encode(
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = _CopyOut(out, target, offset, space) if target is not out else None
     try:
-        for code, (_, new), mask, index in zip(codes, views, masks, listed, strict=True):
-            _write_payload(code, new, mask, index, target[offset : offset + code.payload_bytes])
+        for code, (old, new), mask, index in zip(codes, views, masks, listed, strict=True):
+            region = target[offset : offset + code.payload_bytes]
+            index = _write_payload(code, new, mask, index, region)
+            if advance and old is not None:
+                _advance(code, old, index, region)
             offset = _align(offset + code.payload_bytes)
             if copy is not None:
                 copy.written(min(offset, used))
@@ -364,9 +380,10 @@ def _write_payload(
     mask: torch.Tensor | None,
     listed: torch.Tensor | None,
     region: torch.Tensor,
-) -> None:
+) -> torch.Tensor | None:
     """One chunk's payload into ``region``, on the chunk's device (Note [where a delta is encoded]).
-    ``listed``: the chunk's entries' indices when ``_list_changes`` found them already."""
+    ``listed``: the chunk's entries' indices when ``_list_changes`` found them already. Returns a GAPS
+    chunk's indices."""
     if code.mode == Mode.FULL:
         region.copy_(new.view(torch.uint8))
     elif code.mode == Mode.GAPS:
@@ -381,6 +398,21 @@ def _write_payload(
         region[: 2 * code.entries].view(torch.int16).copy_(gaps)
         values = region[split : split + code.entries * code.itemsize].view(new.dtype)
         torch.index_select(new, 0, index, out=values)
+        return index
+    return None
+
+
+def _advance(code: ChunkCode, old: torch.Tensor, index: torch.Tensor | None, region: torch.Tensor) -> None:
+    """The reference chunk ``old`` takes what decoding the payload in ``region`` onto it writes: a FULL
+    payload's bytes, a GAPS payload's values at its indices; a SAME chunk keeps its bits."""
+    if region.device != old.device:  # an unstaged encoding into another device's buffer
+        region = region.to(old.device)
+    if code.mode == Mode.FULL:
+        old.view(torch.uint8).copy_(region)
+    elif code.mode == Mode.GAPS:
+        split = _align(2 * code.entries)
+        values = region[split : split + code.entries * code.itemsize].view(old.dtype)
+        old.index_copy_(0, index.to(old.device), values)
 
 
 def _indices(mask: torch.Tensor, entries: int) -> torch.Tensor:

@@ -297,7 +297,7 @@ class Reference:
         bytes of ``buffer`` the encoding uses."""
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
-        in_place = self._in_place[k] if not self.lazy else None
+        in_place = self._read_in_place(k)
         if in_place is None:
             self._packer.pack(k)
             mark("pack")
@@ -311,16 +311,22 @@ class Reference:
             space=ref.space,
             mark=mark,
             sparse=sparse,
+            advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
         ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
-        if in_place is None:
-            ref.take_scratch(k)
-        else:
-            ref.take(in_place)
-        mark("reference")
         self.stats = self.stats.add(code)
         return code.nbytes
+
+    def _read_in_place(self, k: int) -> list | None:
+        """Bucket k's (reference, trainer's tensor) chunk pairs when it is read in place, else None."""
+        return None if self.lazy or not self._in_place else self._in_place[k]
+
+    def meant(self, k: int) -> list[torch.Tensor]:
+        """A delta push's bucket k as the trainer meant it, a uint8 view per chunk: its tensors read in place, or
+        the scratch it was packed into (what verify digests: Note [the reference advances by the encoding])."""
+        pairs = self._read_in_place(k) or self._ref.pairs[k]
+        return [new.view(torch.uint8) for _, new in pairs]
 
     def _on_time(self, k: int) -> bool:
         """Whether bucket k of this delta push goes as a delta: False from the bucket at which the push fell

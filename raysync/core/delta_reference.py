@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 # Note [a delta read in place]
 # A bucket whose every chunk lies in a trainer's tensor that is contiguous, already in the wire dtype and on the
 # reference's device is encoded straight from those tensors: encode compares them with the reference and
-# gathers the changed values from them, and the reference then copies the chunks from them. Packing it into the
-# scratch first (as a cast, a non-contiguous tensor or a lazy source needs) is one more read and write of the
-# bucket's bytes per push; the CPU benchmark measured it at 75 ms of a 715 ms delta push of a 392 MB model
-# (docs/benchmarks.md, section 12). The tensors are read twice (encode, then the copy) where the scratch was
-# one snapshot: a tensor changed during the push leaves a reference the receivers do not hold, as it leaves a
-# torn full push; verify compares the receivers with the reference, and the next full push repairs both.
+# gathers the changed values from them. Packing it into the scratch first (as a cast, a non-contiguous tensor or
+# a lazy source needs) is one more read and write of the bucket's bytes per push. The tensors are not one
+# snapshot, as the scratch was: one may change while its bucket is encoded (a push beside a train step still
+# writing). The reference still holds what the receivers hold, since it advances by the encoding (Note [the
+# reference advances by the encoding] in raysync.core.delta_encode), and verify digests the tensors themselves,
+# so such a push fails verify rather than passing a mix of two versions for one.
 
 
 def chunk_sizes(bucket: Bucket, specs: Sequence[TensorSpec]) -> list[tuple[int, int]]:
@@ -80,10 +80,6 @@ class ReferenceBytes:
     def bucket(self, k: int) -> torch.Tensor:
         return self.bytes[self.offsets[k] : self.offsets[k + 1]]
 
-    def take_scratch(self, k: int) -> None:
-        """Bucket k's reference takes the scratch's bytes (a delta push: what every receiver now holds)."""
-        self.bucket(k)[: self.sizes[k]].copy_(self.scratch[: self.sizes[k]])
-
     def in_place(self, buckets: Sequence[Bucket], sources: Sequence[SourceTensor]) -> list[list | None]:
         """Per bucket, (reference chunk, the trainer's chunk) word views where every chunk can be read in place
         (Note [a delta read in place]), else None: that bucket is packed into the scratch."""
@@ -95,11 +91,6 @@ class ReferenceBytes:
                 [(old, new) for (old, _), new in zip(self.pairs[k], views, strict=True)] if ok else None
             )
         return out
-
-    def take(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """A bucket's reference chunks take the new chunks of ``pairs`` (read in place: Note [a delta read in place])."""
-        for old, new in pairs:
-            old.copy_(new)
 
 
 def _in_place(src: SourceTensor, chunk: object, device: torch.device) -> torch.Tensor | None:

@@ -86,11 +86,15 @@ class SenderStream:
                 if ref is not None:  # a full push in delta mode: the reference takes its bytes
                     ref.keep(k, buffer, bucket.nbytes, payload)
             self.packs += 1
-        if self._digests is not None:  # of the bytes as the receiver has them, wire dtype and all
-            view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
-            for c in self._agreed.buckets[k].chunks:
-                part = digest.partial(view[c.bucket_offset : c.bucket_offset + c.nbytes], c.src_offset)
-                self._digests.setdefault(c.index, []).append(part)
+        if self._digests is not None:  # of the bytes the receiver must have, wire dtype and all
+            chunks = self._agreed.buckets[k].chunks
+            if ref is not None and ref.base is not None:  # a delta push: the tensors, not the reference
+                parts = ref.meant(k)
+            else:
+                view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
+                parts = [view[c.bucket_offset : c.bucket_offset + c.nbytes] for c in chunks]
+            for c, part in zip(chunks, parts, strict=True):
+                self._digests.setdefault(c.index, []).append(digest.partial(part, c.src_offset))
         self._plane.packed(k)
 
     def run(self, push_id: int, version: int, packed_ahead: int) -> None:
