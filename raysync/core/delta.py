@@ -44,11 +44,11 @@ the receiver's half (decode and its checks); the sender's half is raysync.core.d
 #   device first: encode compares the wire dtype's bits, which is what receivers hold.
 # * pack (sender, per bucket k): claim the buffer as today, then encode(pairs, buffer, base_version=the
 #   reference's version) instead of the Packer's copies; the buffer must hold ``capacity`` bytes (the bucket
-#   plus 32 + 32 per chunk and padding: ring buffers in delta mode are made that much larger). Then the
-#   reference takes the new bytes (one copy on its device): decoding an encoding onto its base gives the new
-#   bits exactly (tests/test_delta.py), so that is what every delta receiver holds; and verify compares the
-#   receivers' result with what the trainer meant, so a fault in the codec shows there rather than being
-#   copied into the reference as well. The reference's version is None from the first bucket of
+#   plus 32 + 32 per chunk and padding: ring buffers in delta mode are made that much larger). The reference
+#   advances by the encoding as it is written (encode's ``advance``: the FULL payloads' bytes, the GAPS values
+#   at their indices, on its device; Note [the reference advances by the encoding]), so it is what every delta
+#   receiver holds; and verify compares the receivers' result with the new tensors, what the trainer meant,
+#   so a fault in the codec shows there rather than being hidden by a reference that took it too. The reference's version is None from the first bucket of
 #   a push until the last one is applied to it; a push that fails between leaves None, and the next push is
 #   full for every receiver (a FULL chunk rewrites the reference too).
 # * plane: the bytes of a bucket are ``BucketCode.nbytes``, not the bucket's: the collective broadcasts only

@@ -4,8 +4,8 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 
     sender   on_plane(plane)          whether this session can send deltas at all (``off`` says why not)
              start(version, full)  ->  base version (None: this push is full; the time rule may say so)
-             per bucket k: encode(k, ring buffer)  (a delta push: pack into the scratch bucket, encode into
-                           the ring, the reference takes the scratch's bytes)
+             per bucket k: encode(k, ring buffer)  (a delta push: read the tensors in place or pack them into
+                           the scratch bucket, encode into the ring; the reference advances by the encoding)
                         or keep(k, ring buffer)    (a full push: the Packer packed the ring; copy it into the
                            reference) / pack_full(k, ring buffer) (``packs_full``: packed into the scratch,
                            copied into the ring and the reference)
@@ -293,8 +293,8 @@ class Reference:
         """A delta push's bucket k: pack it into the scratch bucket (unless it is read in place: Note [a delta
         read in place] in raysync.core.delta_reference), encode it into ``buffer`` against the reference (on
         the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded] in
-        raysync.core.delta_encode), and the reference takes the new bytes (Note [delta pushes]). Returns the
-        bytes of ``buffer`` the encoding uses."""
+        raysync.core.delta_encode), and the reference advances by the encoding (Note [the reference advances
+        by the encoding]). Returns the bytes of ``buffer`` the encoding uses."""
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
         in_place = self._read_in_place(k)
