@@ -18,14 +18,14 @@ from raysync.core.errors import BadDelta, BaseMismatch
 from raysync.core.version import MIXED
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-DTYPES = [BF16, F16, F32]
+DTYPES = [BF16, F16, F32, torch.float8_e4m3fn, torch.float64]  # words of 2, 4, 1 and 8 bytes
 
 
 def changed_copy(old: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """``old`` with the bits of the elements at ``where`` (a bool mask or indices) changed (a random xor, never 0)."""
     bits = old.clone().reshape(-1).view(delta._BITS[old.element_size()])
     index = where.nonzero().view(-1) if where.dtype == torch.bool else where
-    flips = torch.randint(1, 1 << (8 * old.element_size() - 1), (index.numel(),), dtype=torch.int64)
+    flips = torch.randint(1, 1 << min(8 * old.element_size() - 1, 62), (index.numel(),), dtype=torch.int64)
     bits[index] ^= flips.to(bits.dtype)
     return bits.view(old.dtype).reshape(old.shape)
 
