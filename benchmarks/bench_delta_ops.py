@@ -9,7 +9,7 @@ synchronized around each) of one way to do one pass: compare, the ways to count 
 encoding and picks FULL, SAME or GAPS, and crosses to the host), the ways to list its indices; then
 raysync.core.delta_encode.encode of the bucket (as one chunk) into a device buffer and into pinned host memory.
 Floor, same run: one copy of the bucket. On the CPU (--device cpu) the same torch rows, numpy's kernels for the
-same passes beside them (Note [numpy on the CPU] in raysync.core.delta_encode), and encode into a host buffer.
+same passes beside them (Note [numpy on the CPU] in raysync.core.delta_changes), and encode into a host buffer.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 #              or, for a bucket the caller expects sparse (``sparse``), list instead of count: each chunk's
 #              forced entries set, then the bucket's indices listed at once (nonzero_static, capped: how many
 #              fall in each chunk is its count; one host sync a bucket), which spares the count's pass over the
-#              mask (Note [listing instead of counting])
+#              mask (Note [listing instead of counting] in raysync.core.delta_changes)
 #     choose   FULL / SAME / GAPS per chunk on the host (the density rule, its reason)
 #     compact  GAPS: indices (listed already, or nonzero_static where the count is known: no sync on CUDA),
 #              gaps as int16, values gathered straight into the payload (index_select out=); FULL: one copy
@@ -36,30 +36,6 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # not taken, and the next push compares against what the receivers hold. What the trainer meant is checked
 # apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
 #
-# Note [listing instead of counting]
-# On an H200, for a 512 MB bf16 bucket at 5% changed (benchmarks/bench_delta_ops.py, docs/benchmarks.md section
-# 12): ne 0.33 ms, count_nonzero of the mask 1.34 ms (its sum of the mask's bytes as int32: 0.72 ms), nonzero
-# 0.73 ms, nonzero_static with the count known 0.67 ms. Counting and then listing reads the mask twice; listing
-# alone gives the count (its length) in the same pass. But listing holds 8 bytes an entry: for a dense chunk (one
-# that goes FULL) that is up to 4x its bf16 bytes (8x its fp8 ones), allocated for nothing. So the caller lists
-# only buckets that were sparse at their last push (raysync.core.delta_push: at most SPARSE_DENSITY changed),
-# and the listing has a fixed size, ``_listing_cap`` (twice that density): a bucket that turned denser is
-# counted after all (its listing then cost one pass for nothing), never listed whole.
-# The listing is one per bucket, not per chunk: listed chunk by chunk (a host sync each), the compare stage of a
-# 7B push (339 tensors in 30 buckets) took 98-110 ms on the H200, where counting took 60.
-# On the CPU nothing is listed ahead: counting is cheap there, and nonzero_static fills (and first faults in) a
-# listing of the cap's size each bucket.
-#
-# Note [numpy on the CPU]
-# On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
-# (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these passes. On an 8 MB
-# bf16 bucket at 5% changed on the 2-core VM (benchmarks/bench_delta_ops.py --device cpu --mb 8, docs/results/
-# delta_ops_cpu_vm*.json), numpy against torch on one thread: ne 0.53 / 2.50 ms, count 0.17 / 1.05 ms,
-# nonzero 3.11 / 6.17 ms; against torch on two threads: 1.18, 0.53 and 3.12 ms. numpy takes one core, which
-# leaves the other to the receiver (a delta push of a 392 MB model on that VM, sender and receiver on one
-# thread each: 803 ms with torch's kernels, 408 ms with numpy's, docs/benchmarks.md section 12). On the GPU
-# they stay torch's.
-#
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
 """
@@ -69,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from raysync.core.delta import (
@@ -85,16 +60,15 @@ from raysync.core.delta import (
     _check_buffer,
     _layout_end,
     _no_mark,
-    _to_host,
     capacity,
     gaps_bytes,
 )
+from raysync.core.delta_changes import compare, host_counts, indices, list_changes
 from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
 
 Mark = Callable[[str], None]
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
-SPARSE_DENSITY = 1 / 8  # a bucket at most this dense at its last push is listed, not counted first
 
 
 @dataclass
@@ -153,13 +127,13 @@ def encode(
             f"base_version={base_version!r}: an int version in [0, 2**63), or None for a full bucket"
         )
     mark = mark or _no_mark
-    masks, span = _compare(views, base_version is not None, space, device)
+    masks, span = compare(views, base_version is not None, space, device)
     if (
         sparse and device is not None and device.type != "cpu"
     ):  # Note [listing instead of counting]: not on the CPU
-        counts, listed = _list_changes(masks, span)
+        counts, listed = list_changes(masks, span)
     else:
-        counts, listed = _host_counts(masks), [None] * len(masks)
+        counts, listed = host_counts(masks), [None] * len(masks)
     mark("compare")
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
@@ -261,33 +235,6 @@ def _check_pairs(pairs, views) -> torch.device | None:
     return next(iter(devices), None)
 
 
-def _compare(
-    views, based: bool, space: Workspace | None, device
-) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Per chunk, the mask of elements whose bits changed (None: no reference), in the workspace's mask, one
-    after the other; and the span of the workspace's mask they cover."""
-    total = sum(n.numel() for o, n in views if o is not None) if based else 0
-    if space is None or space.mask.numel() < total or space.mask.device != device:
-        slab = torch.empty(total, dtype=torch.bool, device=device)
-        if space is not None:
-            space.mask = slab
-    else:
-        slab = space.mask
-    masks, start = [], 0
-    for o, n in views:
-        if o is None or not based:
-            masks.append(None)
-            continue
-        mask = slab[start : start + n.numel()]
-        if mask.device.type == "cpu":  # Note [numpy on the CPU]
-            np.not_equal(o.detach().numpy(), n.detach().numpy(), out=mask.numpy())
-        else:
-            torch.ne(o, n, out=mask)
-        masks.append(mask)
-        start += n.numel()
-    return masks, slab[:start]
-
-
 def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_density: float) -> ChunkCode:
     """The density rule: GAPS when it is smaller than the full bytes and not denser than ``max_density``,
     else FULL (``why`` says which rule); SAME when nothing changed."""
@@ -302,76 +249,6 @@ def _choose(numel: int, itemsize: int, counts: tuple[int, int] | None, max_densi
     if changed > max_density * numel:
         return ChunkCode(Mode.FULL, numel, itemsize, 0, changed, "density")
     return ChunkCode(Mode.GAPS, numel, itemsize, entries, changed)
-
-
-def _host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
-    """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
-    if all(m is None or m.device.type == "cpu" for m in masks):  # Note [numpy on the CPU]
-        return [None if m is None else _cpu_counts(m.numpy()) for m in masks]
-    stats = [
-        None if m is None else torch.stack([_count(m).long(), _count(~m[GAP_SPAN - 1 :: GAP_SPAN]).long()])
-        for m in masks
-    ]
-    return [None if s is None else (int(s[0]), int(s[1])) for s in _to_host(stats)]
-
-
-def _cpu_counts(mask: np.ndarray) -> tuple[int, int]:
-    changed = int(np.count_nonzero(mask))
-    strided = mask[GAP_SPAN - 1 :: GAP_SPAN]
-    return changed, strided.size - int(np.count_nonzero(strided))
-
-
-def _count(mask: torch.Tensor) -> torch.Tensor:
-    """The True elements of a bool mask, as a 0-d tensor on its device (Note [listing instead of counting])."""
-    if mask.device.type == "cuda" and mask.numel() < 1 << 31:
-        return mask.view(torch.uint8).sum(dtype=torch.int32)  # 0/1 bytes; int32 cannot overflow here
-    return mask.count_nonzero()
-
-
-def _list_changes(
-    masks: list[torch.Tensor | None], span: torch.Tensor
-) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None]]:
-    """Per mask: (changed, forced) as ``_host_counts`` gives them, and the increasing indices of its entries
-    (changed elements and the forced ones, which this sets in the mask: Note [delta pushes]). The masks lie one
-    after the other in ``span``: one listing of the span, at most ``_listing_cap`` entries (nonzero_static:
-    memory bounded, no sync), cut at the masks' starts; the cuts and the forced counts cross together, one host
-    sync a bucket. A span with more entries than the cap (a bucket that turned dense) is counted instead, and
-    its indices listed chunk by chunk as a counted bucket's are (None in ``listed``)."""
-    based = [m for m in masks if m is not None]
-    if not based:
-        return [None] * len(masks), [None] * len(masks)
-    strided = [m[GAP_SPAN - 1 :: GAP_SPAN] for m in based]
-    forced = torch.stack([_count(~s).long() for s in strided])  # before the forced entries are set
-    for s in strided:
-        s.fill_(True)
-    starts = [0]
-    for m in based:
-        starts.append(starts[-1] + m.numel())
-    cap = _listing_cap(span.numel(), len(based))
-    index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
-    cuts = torch.searchsorted(index, torch.tensor(starts, dtype=index.dtype, device=index.device))
-    host = torch.cat([cuts, forced]).tolist()
-    cut, forced_n = host[: len(starts)], host[len(starts) :]
-    if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
-        counted = [(c - f, f) for (c, _), f in zip(_host_counts(based), forced_n, strict=True)]
-        return _spread(masks, counted), [None] * len(masks)
-    owns = [index[cut[j] : cut[j + 1]] for j in range(len(based))]
-    counts = [(own.numel() - f, f) for own, f in zip(owns, forced_n, strict=True)]
-    listed = [own - start if start else own for own, start in zip(owns, starts[:-1], strict=True)]
-    return _spread(masks, counts), _spread(masks, listed)
-
-
-def _spread(masks: list[torch.Tensor | None], values: list) -> list:
-    """``values``, one per mask that is not None, laid out as ``masks`` (None where a mask is None)."""
-    it = iter(values)
-    return [None if m is None else next(it) for m in masks]
-
-
-def _listing_cap(elements: int, chunks: int) -> int:
-    """The most entries a listing holds for a span of ``elements`` in ``chunks`` chunks: twice SPARSE_DENSITY
-    (the density a listed bucket had at its last push) and every forced entry; 8 bytes each, at most about
-    the bytes of the span's bf16 values."""
-    return int(2 * SPARSE_DENSITY * elements) + elements // GAP_SPAN + chunks + 1
 
 
 def _write_payload(
@@ -390,7 +267,7 @@ def _write_payload(
         assert mask is not None
         if listed is None:
             mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
-            index = _indices(mask, code.entries)
+            index = indices(mask, code.entries)
         else:
             index = listed
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
@@ -413,22 +290,6 @@ def _advance(code: ChunkCode, old: torch.Tensor, index: torch.Tensor | None, reg
         split = _align(2 * code.entries)
         values = region[split : split + code.entries * code.itemsize].view(old.dtype)
         old.index_copy_(0, index.to(old.device), values)
-
-
-def _indices(mask: torch.Tensor, entries: int) -> torch.Tensor:
-    """The increasing int64 indices of ``mask``'s ``entries`` True elements. On the CPU numpy's nonzero (Note
-    [numpy on the CPU]); elsewhere ``nonzero_static`` (the count is known: no host sync), or ``nonzero``."""
-    if mask.device.type == "cpu":
-        index = torch.from_numpy(mask.numpy().nonzero()[0].astype(np.int64, copy=False))
-    elif hasattr(torch, "nonzero_static"):
-        try:
-            return torch.nonzero_static(mask, size=entries).view(-1)
-        except NotImplementedError:  # a torch without it for this device
-            index = mask.nonzero().view(-1)
-    else:
-        index = mask.nonzero().view(-1)
-    assert index.numel() == entries, "the mask changed between count and encode"
-    return index
 
 
 def _write_words(out: torch.Tensor, words: list[int]) -> None:

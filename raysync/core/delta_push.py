@@ -67,7 +67,8 @@ import torch
 
 from raysync.core import delta
 from raysync.core.config import SyncConfig
-from raysync.core.delta_encode import SPARSE_DENSITY, encode
+from raysync.core.delta_changes import SPARSE_DENSITY
+from raysync.core.delta_encode import encode
 from raysync.core.delta_reference import ReferenceBytes, chunk_sizes
 from raysync.core.delta_rule import StageClock, TimeRule
 from raysync.core.plan import Bucket, align_up, plan_buckets
