@@ -21,9 +21,9 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # [a delta read in place] in raysync.core.delta_reference). Its version is None from ``start`` until
 # ``finish``: a push that fails, is skipped or is demoted part-way leaves None, and the next push is full for
 # every receiver. A full push in delta mode rewrites all of it (packed through the scratch when the ring
-# lives on another device, so the bytes cross to the ring once and never back); a delta push copies each
-# bucket's new bytes into it on its device, which is what every receiver holds after decoding (Note [delta
-# pushes]). A new layout makes a new reference (version None), with encode's workspace (a mask of the
+# lives on another device, so the bytes cross to the ring once and never back); a delta push advances it by
+# each bucket's encoding on its device (the FULL payloads, the GAPS values at their indices), which is what
+# every receiver holds after decoding (Note [the reference advances by the encoding]). A new layout makes a new reference (version None), with encode's workspace (a mask of the
 # largest bucket's elements; a staging buffer of its encoding when the ring lives on another device).
 # Where deltas go (``on_plane``; ``off`` names the reason, logged once, when they cannot):
 # * a ring the session makes (shm, cuda_ipc): its buffers are made larger by the header, table and padding of

@@ -178,9 +178,8 @@ def connect(
 def ready(conns: Sequence[Any], timeout_s: float) -> list[Any]:
     """Those of ``conns`` (Connections, or listening sockets) that have a frame, a connection or an end to
     read, waiting up to ``timeout_s`` for one; [] when none came."""
-    now = [
-        c for c in conns if isinstance(c, Connection) and (c.pending() or c.fileno() < 0)
-    ]  # closed: at once
+    # a whole frame already read, or a closed connection: ready at once
+    now = [c for c in conns if isinstance(c, Connection) and (c.pending() or c.fileno() < 0)]
     if now or not conns:
         return now
     poller, by_fd = select.poll(), {}  # poll, not select: a process with Ray and vLLM in it has fds over 1024
