@@ -23,8 +23,10 @@ NCCL is not run here), per step: the Adam step (not timed), then
   (its reference's StageClock, summed over buckets: pack = the source packed and cast into the scratch
   bucket; compare = ne + counts, with the one host sync; compact = indices, gaps and values written into
   the encoding, and the reference takes what was encoded; copy out = the bytes used copied into the ring buffer
-  when it lives on another device; reference = a full push's bytes copied into the reference; rest = the push's time outside these: waiting for a free
-  buffer while the receiver decodes, the control messages). On a GPU each stage's end synchronizes the device;
+  when it lives on another device; next compare = the next bucket's compare, while this one's bytes cross;
+  reference = a full push's bytes copied into the reference; rest = the push's time outside these: waiting for
+  a free buffer while the receiver decodes, the control messages). On a GPU each stage's end synchronizes the
+  device, which undoes the overlaps of an ordinary push: the stages are timed there only with --stages;
 * full push, delta on: ``push(version, full=True)`` in the same session (the reference keeps its bytes);
 * full push, delta off: a session without delta, the same model (median over the steps);
 * the rule: a third session with the time rule on (``delta_by_time``, the default), one ``push(version)`` a
@@ -47,6 +49,7 @@ sender's reference (2), the engine's tensors (2), the ring; freed between transp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import multiprocessing as mp
 import platform
@@ -210,13 +213,16 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
         sender = group.join(timeout_s=600) if group is not None else sender
         version = 0
         sender.push(trainer.named(), version)  # the first push: full (not timed)
-        sender._delta.clock.enabled = delta  # the sender's stages (Reference.clock: delta_rule.StageClock)
+        # the sender's stages (Reference.clock: delta_rule.StageClock); on a GPU each stage's end synchronizes
+        # the device, which serializes what an ordinary push overlaps: only with --stages there
+        sender._delta.clock.enabled = delta and (args.stages or args.device == "cpu")
         for step in range(1, steps + 1):
             row = {"step": step}
             if delta or rule:
                 trainer.step()
                 version += 1
-                row["delta" if delta else "rule"] = timed_push(sender, trainer, version, full=False)
+                profile = args.profile and delta and step == steps and kind == "shm"
+                row["delta" if delta else "rule"] = timed_push(sender, trainer, version, False, profile)
             if not rule:
                 version += 1
                 row["full"] = timed_push(sender, trainer, version, full=delta)
@@ -238,12 +244,18 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
     return {"transport": kind, "delta": delta, "bucket_bytes": config.bucket_bytes, "steps": rows}
 
 
-def timed_push(sender, trainer: Trainer, version: int, full: bool) -> dict:
+def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool = False) -> dict:
     if trainer.params[0][1].is_cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    report = sender.push(trainer.named(), version, full=full)
-    seconds = time.perf_counter() - t0
+    profiler = torch.profiler.profile() if profile else contextlib.nullcontext()
+    with profiler:
+        t0 = time.perf_counter()
+        report = sender.push(trainer.named(), version, full=full)
+        seconds = time.perf_counter() - t0
+    if profile:  # the sender's side of the last delta push over shm, op by op (--profile)
+        print(f"--profile: push v{version}, {seconds * 1e3:.1f} ms under the profiler")
+        sort = "self_cuda_time_total" if trainer.params[0][1].is_cuda else "self_cpu_time_total"
+        print(profiler.key_averages().table(sort_by=sort, row_limit=30), flush=True)
     stages = dict(sender._delta.clock.seconds) if sender._delta.clock.enabled else {}
     if stages:
         stages["rest"] = seconds - sum(stages.values())
@@ -392,6 +404,14 @@ def main() -> None:
     p.add_argument("--gloo-mib", type=int, default=64, help="collective bucket_bytes")
     p.add_argument(
         "--bf16-params", action="store_true", help="push bf16 weights cast from the master (in place)"
+    )
+    p.add_argument(
+        "--stages",
+        action="store_true",
+        help="GPU: time the sender's stages (each one's end synchronizes the device: slower pushes)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's table of the last delta push over shm"
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()

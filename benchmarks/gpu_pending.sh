@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 9 minutes at most).
+# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 7 minutes).
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
@@ -9,8 +9,9 @@ set -u
 OUT=${OUT:-/tmp/gpu_pending}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null || true
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
+# the device tool brings back at most 8 files: the commit and the GPU go into the summary
+git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/summary.txt" 2>&1 || true
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 seconds=$2
@@ -20,13 +21,15 @@ step() {  # step NAME SECONDS COMMAND...
     echo "$name rc=$? $((SECONDS - t0))s" >> "$OUT/summary.txt"
 }
 
-# 19: the default config through WeightSync (Ray actors sharing the GPU), 7B and 1.5B, with the raw session's
-# figure and the floors in the same run; the control channel's hops on stream sockets.
-step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda --default-only --out "$OUT/weightsync.json"
-step control_hops 40 python3 benchmarks/control_hops.py --device cuda --json "$OUT/control_hops.json"
-# 24: delta pushes over shm, the fp32 master cast on the way, and bf16 weights read in place.
+# 19: WeightSync with the default config and each forced mode (Ray actors sharing the GPU), 7B and 1.5B, with the
+# raw session's figure and the floors in the same run.
+step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda --out "$OUT/weightsync.json"
+# 24: delta pushes over shm, bf16 weights read in place (ordinary pushes, then with the stages timed and the
+# last push profiled), and the fp32 master cast on the way.
 step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 3 --bf16-params --json "$OUT/delta_shm_bf16.json"
+    --steps 4 --bf16-params --json "$OUT/delta_shm_bf16.json"
+step delta_stages 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+    --steps 3 --bf16-params --stages --profile
 step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 3 --json "$OUT/delta_shm.json"
 cat "$OUT/summary.txt"

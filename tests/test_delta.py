@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from raysync.core import delta
 from raysync.core.delta import GAP_SPAN, Mode
-from raysync.core.delta_encode import encode
-from raysync.core.errors import BadDelta, BaseMismatch
+from raysync.core.delta_encode import Workspace, encode, find_changes
+from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import MIXED
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -129,6 +129,34 @@ def test_several_chunks_of_mixed_dtypes_in_one_bucket():
     assert code.sent_as_full == 33 * 4 and code.sent_as_delta == code.nbytes - 33 * 4
     assert code.changed == int(random_mask(5000, 0.02, 3).sum()) + 33 + 0
     assert code.density == code.changed / (5000 + 33) and code.full_bytes == 5000 * 2 + 33 * 4
+
+
+def test_changes_found_ahead_encode_as_those_found_by_encode_and_another_base_is_refused():
+    """``find_changes`` made ahead of ``encode`` (Note [the next bucket's compare overlaps this one's copy])
+    gives the same bytes as encode's own compare, and the reference advances alike; changes found for a full
+    bucket do not encode as a delta."""
+    gen = torch.Generator().manual_seed(4)
+    olds = [random_tensor(d, (n,), gen) for d, n in [(BF16, 70000), (F32, 33), (BF16, 900)]]
+    news = [
+        changed_copy(o, random_mask(o.numel(), p, 5)) for o, p in zip(olds, (0.03, 1.0, 0.0), strict=True)
+    ]
+    sizes = [[(n.numel(), n.element_size()) for n in news]]
+    codes, outs, refs = [], [], []
+    for ahead in (False, True):
+        ref = [o.clone() for o in olds]
+        space = Workspace.for_buckets(sizes, torch.device("cpu"))
+        pairs = list(zip(ref, news, strict=True))
+        changes = find_changes(pairs, based=True, space=space) if ahead else None
+        code, out = push(pairs, 7, space=space, advance=True, changes=changes)
+        codes.append(code)
+        outs.append(out[: code.nbytes])
+        refs.append(ref)
+    assert [c.mode for c in codes[1].chunks] == [Mode.GAPS, Mode.FULL, Mode.SAME]
+    assert codes[0] == codes[1] and torch.equal(outs[0], outs[1])
+    assert all(same_bits(a, b) for a, b in zip(*refs, strict=True))
+    full = find_changes(list(zip(olds, news, strict=True)), based=False)
+    with pytest.raises(LayoutError, match="another base"):
+        push(list(zip(olds, news, strict=True)), 7, changes=full)
 
 
 def test_decode_writes_in_place_into_slices_of_a_larger_tensor():

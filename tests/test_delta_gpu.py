@@ -69,3 +69,35 @@ def test_under_the_time_rule_a_ring_read_on_the_trainers_gpu_pushes_full_without
     assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
     child.join(timeout=60)
     assert child.exitcode == 0
+
+
+def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_while_a_bucket_crosses(
+    spawn, no_leftovers
+):
+    """bf16 tensors on the GPU, read in place, to an engine over a host ring: every bucket after the first has
+    its changes found while the one before crosses to the host (Note [the next bucket's compare overlaps this
+    one's copy]), and each verified push arrives bit-exact as a delta on the last version."""
+    config = SyncConfig(
+        transport="shm",
+        delta=True,
+        delta_by_time=False,
+        verify=True,
+        bucket_bytes=64 << 20,
+        timeout_s=120,
+        progress=False,
+    )
+    with engine_on_gpu0(spawn, config, 4) as (sender, named, full, out, child):
+        for version in (1, 2, 3, 4):
+            for t in named.values():
+                t.view(-1)[version::997].add_(1.0)
+            report = sender.push(named.items(), version)
+            if version > 1:
+                assert report.base_version == version - 1 and report.bytes < full / 4, report
+                assert sender._delta.found_ahead == report.buckets - 1 > 1, (
+                    sender._delta.found_ahead,
+                    report,
+                )
+        got = [out.get(timeout=120) for _ in range(3)]
+    assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    child.join(timeout=60)
+    assert child.exitcode == 0

@@ -36,6 +36,16 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # not taken, and the next push compares against what the receivers hold. What the trainer meant is checked
 # apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
 #
+# Note [the next bucket's compare overlaps this one's copy]
+# A staged encoding on CUDA ends in a wait for its last bytes to cross (``_CopyOut.finish``); the compare of the
+# next bucket needs none of them. So the caller may pass ``then``, which encode calls once the payloads' kernels
+# are queued and before that wait: raysync.core.delta_push finds the next bucket's changes there
+# (``find_changes``, its host sync included), and the GPU compares bucket k + 1 while the copy engine moves
+# bucket k to the host ring. It is safe on one stream: the compare's writes to the workspace's mask are queued
+# after the compaction's reads of it, and the staging buffer, which the copy reads, is written again only by
+# the next encode, after the wait. On an H200 a 7B delta push over shm spent, per 512 MB bucket, about 2.4 ms
+# comparing and 1.9 ms compacting and copying, one after the other (docs/benchmarks.md section 12).
+#
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
 """
@@ -98,6 +108,38 @@ class Workspace:
         return self.buffer[:nbytes]
 
 
+@dataclass
+class Changes:
+    """What the compare found in one bucket (``find_changes``), for ``encode`` to write: per chunk its word
+    views, its mask of changed elements, its counts and (listed) its entries' indices."""
+
+    views: list[tuple[torch.Tensor | None, torch.Tensor]]
+    device: torch.device | None
+    based: bool  # compared with a reference: False, every chunk goes FULL
+    masks: list[torch.Tensor | None]
+    counts: list[tuple[int, int] | None]
+    listed: list[torch.Tensor | None]
+
+
+def find_changes(
+    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+    *,
+    based: bool,
+    space: Workspace | None = None,
+    sparse: bool = False,
+) -> Changes:
+    """The compare and count stages of ``encode`` for one bucket (its arguments, ``based``: base_version is not
+    None), ending in their one host sync. The masks live in ``space``'s mask until the next bucket's compare."""
+    views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
+    device = _check_pairs(pairs, views)
+    masks, span = compare(views, based, space, device)
+    if sparse and device is not None and device.type != "cpu":  # Note [listing instead of counting]
+        counts, listed = list_changes(masks, span)
+    else:
+        counts, listed = host_counts(masks), [None] * len(masks)
+    return Changes(views, device, based, masks, counts, listed)
+
+
 def encode(
     pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
     out: torch.Tensor,
@@ -109,6 +151,8 @@ def encode(
     staged: bool | None = None,
     sparse: bool = False,
     advance: bool = False,
+    changes: Changes | None = None,
+    then: Callable[[], None] | None = None,
 ) -> BucketCode:
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
@@ -118,23 +162,28 @@ def encode(
     and copy (None: when ``out`` lives on another device than the chunks). ``sparse``: the bucket is expected
     to have few changes: its indices are listed without counting first (Note [listing instead of counting]).
     ``advance``: each reference then holds what decoding this encoding onto it writes, taken from the encoding
-    itself (Note [the reference advances by the encoding]); a reference of None stays None."""
+    itself (Note [the reference advances by the encoding]); a reference of None stays None. ``changes``: this
+    bucket's ``find_changes``, made ahead (for these pairs and ``space``). ``then``: called once the payloads'
+    kernels are queued, while their bytes cross to ``out`` on the copy stream, before the wait for them (Note
+    [the next bucket's compare overlaps this one's copy]); on a CUDA device with a staged encoding only."""
     _check_buffer(out, "out")
-    views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
-    device = _check_pairs(pairs, views)
     if base_version is not None and not (is_version(base_version) and 0 <= base_version < 1 << 63):
         raise LayoutError(  # the header stores it in an int64, -1 meaning none: a version never reads as another
             f"base_version={base_version!r}: an int version in [0, 2**63), or None for a full bucket"
         )
     mark = mark or _no_mark
-    masks, span = compare(views, base_version is not None, space, device)
-    if (
-        sparse and device is not None and device.type != "cpu"
-    ):  # Note [listing instead of counting]: not on the CPU
-        counts, listed = list_changes(masks, span)
-    else:
-        counts, listed = host_counts(masks), [None] * len(masks)
-    mark("compare")
+    if changes is None:
+        changes = find_changes(pairs, based=base_version is not None, space=space, sparse=sparse)
+        mark("compare")
+    elif changes.based != (base_version is not None):
+        raise LayoutError("changes found for another base than this encoding's: find them again")
+    views, device, masks, counts, listed = (
+        changes.views,
+        changes.device,
+        changes.masks,
+        changes.counts,
+        changes.listed,
+    )
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
     )
@@ -169,6 +218,9 @@ def encode(
             copy.drain()
         raise
     mark("compact")
+    if then is not None and copy is not None and copy.stream is not None:
+        then()  # Note [the next bucket's compare overlaps this one's copy]
+        mark("next compare")
     if copy is not None:
         copy.finish(used)
         mark("copy out")
@@ -296,4 +348,4 @@ def _write_words(out: torch.Tensor, words: list[int]) -> None:
     out[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
 
 
-__all__ = ["Workspace", "encode", "capacity"]
+__all__ = ["Changes", "Workspace", "encode", "find_changes", "capacity"]

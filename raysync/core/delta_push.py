@@ -68,7 +68,7 @@ import torch
 from raysync.core import delta
 from raysync.core.config import SyncConfig
 from raysync.core.delta_changes import SPARSE_DENSITY
-from raysync.core.delta_encode import encode
+from raysync.core.delta_encode import Changes, encode, find_changes
 from raysync.core.delta_reference import ReferenceBytes, chunk_sizes
 from raysync.core.delta_rule import StageClock, TimeRule
 from raysync.core.plan import Bucket, align_up, plan_buckets
@@ -191,6 +191,10 @@ class Reference:
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
         self._in_place: list[list | None] = []  # per bucket: chunks encoded from the trainer's tensors
+        # the next bucket's changes, found while this one's bytes cross (Note [the next bucket's compare
+        # overlaps this one's copy] in raysync.core.delta_encode): (bucket, its changes)
+        self._ahead: tuple[int, Changes] | None = None
+        self.found_ahead = 0  # buckets of this push whose changes were found so
 
     def on_plane(self, plane: object, made_here: bool) -> None:
         """The session's plane is known: a ring it made, or a given plane that moves encoded buckets (the
@@ -224,6 +228,7 @@ class Reference:
         self._measured = self._usable = usable
         self._refused = False
         self._full_from = None
+        self._ahead, self.found_ahead = None, 0
         based = usable and self.version is not None
         as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
@@ -238,6 +243,7 @@ class Reference:
         ``refused``: a receiver's answer demoted it (the stream's go_full), not new tensors or a new layout."""
         self._refused = refused and (self._refused or self.base is not None)
         self.base, self.stats, self._measured = None, DeltaStats(why=why), False
+        self._ahead = None
 
     def prepare(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor]) -> None:
         """After the layout agreement made new copies (new tensors, or a new layout): a new reference for a
@@ -298,26 +304,52 @@ class Reference:
         by the encoding]). Returns the bytes of ``buffer`` the encoding uses."""
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
+        ahead, self._ahead = self._ahead, None
+        changes = ahead[1] if ahead is not None and ahead[0] == k else None
         in_place = self._read_in_place(k)
-        if in_place is None:
-            self._packer.pack(k)
-            mark("pack")
-        cap = self.config.delta_max_density
-        sparse, ref.sparse[k] = ref.sparse[k], False  # a failed encode leaves no hint behind
+        sparse = False
+        if changes is None:
+            if in_place is None:
+                self._packer.pack(k)
+                mark("pack")
+            sparse, ref.sparse[k] = ref.sparse[k], False  # a failed encode leaves no hint behind
+            based = self._on_time(k)
+        else:
+            based = changes.based
+            self.found_ahead += 1
         code = encode(
             ref.pairs[k] if in_place is None else in_place,
             buffer,
-            base_version=self.base if self._on_time(k) else None,
-            max_density=cap,
+            base_version=self.base if based else None,
+            max_density=self.config.delta_max_density,
             space=ref.space,
             mark=mark,
             sparse=sparse,
             advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
+            changes=changes,
+            then=lambda: self._find_ahead(k + 1),
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
         ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
         self.stats = self.stats.add(code)
         return code.nbytes
+
+    def _find_ahead(self, k: int) -> None:
+        """Find bucket k's changes while the bucket before it crosses (Note [the next bucket's compare overlaps
+        this one's copy] in raysync.core.delta_encode): only a bucket read in place, which needs no packing
+        (packing it into the scratch would overwrite what verify digests of the bucket before). A failure
+        here is left for encode(k) to meet again, at its own stage."""
+        pairs = self._read_in_place(k) if k < len(self._ref.offsets) - 1 else None
+        if pairs is None:
+            return
+        sparse, self._ref.sparse[k] = self._ref.sparse[k], False
+        try:
+            self._ahead = (
+                k,
+                find_changes(pairs, based=self._on_time(k), space=self._ref.space, sparse=sparse),
+            )
+        except Exception:
+            logger.debug("bucket %d: its changes are found again by its own encode", k, exc_info=True)
 
     def _read_in_place(self, k: int) -> list | None:
         """Bucket k's (reference, trainer's tensor) chunk pairs when it is read in place, else None."""
