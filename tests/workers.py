@@ -199,7 +199,8 @@ def ipc_receiver(
             reserved.append(torch.cuda.memory_reserved())
             if i == 0 or i == pushes - 1:
                 out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
-        ring_gpu = str(torch.cuda.get_device_properties(receiver.ring.buffers[0].device).uuid)
+        ring = receiver.ring.buffers[0].device  # a host ring (shm) has no GPU
+        ring_gpu = str(torch.cuda.get_device_properties(ring).uuid) if ring.type == "cuda" else None
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
 
 
