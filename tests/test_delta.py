@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from raysync.core import delta
 from raysync.core.delta import GAP_SPAN, Mode
+from raysync.core.delta_changes import SPARSE_DENSITY, list_changes
 from raysync.core.delta_encode import Workspace, encode, find_changes
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import MIXED
@@ -157,6 +158,67 @@ def test_changes_found_ahead_encode_as_those_found_by_encode_and_another_base_is
     full = find_changes(list(zip(olds, news, strict=True)), based=False)
     with pytest.raises(LayoutError, match="another base"):
         push(list(zip(olds, news, strict=True)), 7, changes=full)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.2, 0.6])
+def test_a_bucket_listed_at_once_gives_each_chunk_what_listing_it_alone_gives(density):
+    """list_changes (Note [a listing's work by the bucket]) against each chunk listed on its own: the counts,
+    the indices within the chunk and their int16 gaps, with the forced entries (index 65535 mod 65536) set;
+    a span denser than the listing's cap is counted instead (no listings)."""
+    sizes = [5, 0, 70000, 65536, 200000, 131071, 1]
+    span = random_mask(sum(sizes), density, 6)
+    expected, start = [], 0
+    for n in sizes:
+        mask = span[start : start + n].clone()
+        changed = int(mask.sum())
+        strided = mask[GAP_SPAN - 1 :: GAP_SPAN]
+        forced = int((~strided).sum())
+        strided.fill_(True)
+        index = mask.nonzero().view(-1)
+        gaps = (torch.diff(index, prepend=index.new_full((1,), -1)) - 1 - 32768).to(torch.int16)
+        expected.append(((changed, forced), index, gaps))
+        start += n
+    masks, start = [], 0
+    for n in sizes:
+        masks.append(span[start : start + n])
+        start += n
+    cache = {}
+    counts, listed, gaps = list_changes([None, *masks], span, cache)
+    assert counts[0] is None and listed[0] is None and list(cache) == [tuple(sizes)]
+    assert counts[1:] == [c for c, _, _ in expected]
+    if density > 2 * SPARSE_DENSITY:
+        assert listed == [None] * (len(sizes) + 1) and gaps == listed
+        return
+    for (_, index, gap), got_index, got_gaps in zip(expected, listed[1:], gaps[1:], strict=True):
+        assert torch.equal(got_index, index) and torch.equal(got_gaps, gap)
+
+
+def test_a_bucket_listed_at_once_round_trips_bit_exactly():
+    """A bucket encoded from list_changes' listing (the GPU's way for a bucket sparse at its last push, made
+    here on the CPU) decodes bit-exactly, and the reference advances to the new values."""
+    from raysync.core.delta import _bits
+    from raysync.core.delta_changes import compare
+    from raysync.core.delta_encode import Changes
+
+    gen = torch.Generator().manual_seed(8)
+    olds = [random_tensor(d, (n,), gen) for d, n in [(BF16, 140000), (F32, 70000), (BF16, 3), (F16, 65536)]]
+    news = [
+        changed_copy(o, random_mask(o.numel(), p, 9))
+        for o, p in zip(olds, (0.02, 0.05, 0.0, 0.9), strict=True)
+    ]
+    refs = [o.clone() for o in olds]
+    cpu = torch.device("cpu")
+    space = Workspace.for_buckets([[(n.numel(), n.element_size()) for n in news]], cpu)
+    views = [(_bits(r, "reference"), _bits(n, "new")) for r, n in zip(refs, news, strict=True)]
+    masks, span = compare(views, True, space, cpu)
+    counts, listed, gaps = list_changes(masks, span, space.spans)
+    assert all(index is not None for index in listed)
+    changes = Changes(views, cpu, True, masks, counts, listed, gaps)
+    code, out = push(list(zip(refs, news, strict=True)), 7, space=space, advance=True, changes=changes)
+    assert [c.mode for c in code.chunks] == [Mode.GAPS, Mode.GAPS, Mode.SAME, Mode.FULL]
+    dests = [o.clone() for o in olds]
+    delta.decode(out, dests, held_version=7)
+    assert all(same_bits(d, n) and same_bits(r, n) for d, r, n in zip(dests, refs, news, strict=True))
 
 
 def test_decode_writes_in_place_into_slices_of_a_larger_tensor():

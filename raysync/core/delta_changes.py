@@ -20,6 +20,16 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
 # On the CPU nothing is listed ahead: counting is cheap there, and nonzero_static fills (and first faults in) a
 # listing of the cap's size each bucket.
 #
+# Note [a listing's work by the bucket]
+# A 7B layout has 339 tensors in 30 buckets; on the H200 a delta push of it over shm ran its kernels for about
+# 55 ms but took 150 ms, the sender's thread launching about 20 small operations per chunk (counting and
+# setting its forced entries, cutting its indices out, their gaps: torch.profiler, docs/benchmarks.md section
+# 12). So a listed bucket does these once for the whole span: the forced positions of every chunk are gathered,
+# counted by chunk (index_add_) and set in one go (their positions made once per bucket shape: SpanLayout);
+# each entry's chunk is found by searchsorted on the chunks' starts, its index within the chunk and its gap
+# (from the entry before in the same chunk, or from -1) follow, and each chunk takes its slices. What stays per
+# chunk is its compare, its values gathered and the reference's scatter.
+#
 # Note [numpy on the CPU]
 # On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
 # (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these passes. On an 8 MB
@@ -33,6 +43,8 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,37 +109,84 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
     return mask.count_nonzero()
 
 
+@dataclass(frozen=True)
+class SpanLayout:
+    """Where the chunks of one bucket's span start, and its forced positions (index 65535 mod 65536 of each
+    chunk, Note [delta pushes]) with the chunk each lies in: made once per bucket shape, on the span's device
+    (``Workspace.spans`` keeps them), so that a listing's per-chunk work is a few kernels a bucket."""
+
+    starts: torch.Tensor  # int64 [chunks + 1]: each chunk's first element in the span, then the span's end
+    forced: torch.Tensor  # int64: the forced positions in the span, increasing
+    chunk_of_forced: torch.Tensor  # int64: the chunk of each
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], device: torch.device) -> SpanLayout:
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        forced = [
+            s + GAP_SPAN - 1 + GAP_SPAN * torch.arange(n // GAP_SPAN, dtype=torch.int64)
+            for s, n in zip(starts, sizes, strict=False)
+        ]
+        chunk = [torch.full((f.numel(),), j, dtype=torch.int64) for j, f in enumerate(forced)]
+        return cls(
+            torch.tensor(starts, dtype=torch.int64).to(device),
+            torch.cat(forced).to(device) if forced else torch.empty(0, dtype=torch.int64, device=device),
+            torch.cat(chunk).to(device) if chunk else torch.empty(0, dtype=torch.int64, device=device),
+        )
+
+
 def list_changes(
-    masks: list[torch.Tensor | None], span: torch.Tensor
-) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None]]:
-    """Per mask: (changed, forced) as ``_host_counts`` gives them, and the increasing indices of its entries
-    (changed elements and the forced ones, which this sets in the mask: Note [delta pushes]). The masks lie one
-    after the other in ``span``: one listing of the span, at most ``_listing_cap`` entries (nonzero_static:
-    memory bounded, no sync), cut at the masks' starts; the cuts and the forced counts cross together, one host
-    sync a bucket. A span with more entries than the cap (a bucket that turned dense) is counted instead, and
-    its indices listed chunk by chunk as a counted bucket's are (None in ``listed``)."""
+    masks: list[torch.Tensor | None], span: torch.Tensor, spans: dict | None = None
+) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per mask: (changed, forced) as ``host_counts`` gives them, the increasing indices of its entries
+    (changed elements and the forced ones, which this sets in the mask: Note [delta pushes]) and their gaps as
+    the GAPS payload holds them (int16). The masks lie one after the other in ``span``: one listing of the
+    span, at most ``_listing_cap`` entries (nonzero_static: memory bounded, no sync), cut at the masks'
+    starts; the cuts and the forced counts cross together, one host sync a bucket; the forced entries, the
+    indices within each chunk and the gaps are worked out for the whole bucket at once (Note [a listing's work
+    by the bucket]). A span with more entries than the cap (a bucket that turned dense) is counted instead,
+    and its indices listed chunk by chunk as a counted bucket's are (None in the listings). ``spans``: a
+    cache of SpanLayout by the masks' sizes."""
     based = [m for m in masks if m is not None]
     if not based:
-        return [None] * len(masks), [None] * len(masks)
-    strided = [m[GAP_SPAN - 1 :: GAP_SPAN] for m in based]
-    forced = torch.stack([_count(~s).long() for s in strided])  # before the forced entries are set
-    for s in strided:
-        s.fill_(True)
-    starts = [0]
-    for m in based:
-        starts.append(starts[-1] + m.numel())
+        return [None] * len(masks), [None] * len(masks), [None] * len(masks)
+    sizes = tuple(m.numel() for m in based)
+    layout = spans.get(sizes) if spans is not None else None
+    if layout is None:
+        layout = SpanLayout.of(sizes, span.device)
+        if spans is not None:
+            spans[sizes] = layout
+    unset = ~span[layout.forced]  # before the forced entries are set
+    forced = torch.zeros(len(based), dtype=torch.int64, device=span.device)
+    forced.index_add_(0, layout.chunk_of_forced, unset.long())
+    span[layout.forced] = True
     cap = _listing_cap(span.numel(), len(based))
     index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
-    cuts = torch.searchsorted(index, torch.tensor(starts, dtype=index.dtype, device=index.device))
+    cuts = torch.searchsorted(index, layout.starts)
     host = torch.cat([cuts, forced]).tolist()
-    cut, forced_n = host[: len(starts)], host[len(starts) :]
+    cut, forced_n = host[: len(sizes) + 1], host[len(sizes) + 1 :]
     if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
         counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
-        return _spread(masks, counted), [None] * len(masks)
-    owns = [index[cut[j] : cut[j + 1]] for j in range(len(based))]
-    counts = [(own.numel() - f, f) for own, f in zip(owns, forced_n, strict=True)]
-    listed = [own - start if start else own for own, start in zip(owns, starts[:-1], strict=True)]
-    return _spread(masks, counts), _spread(masks, listed)
+        return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
+    local, gaps = _local_and_gaps(index[: cut[-1]], layout.starts)
+    counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
+    listed = [local[cut[j] : cut[j + 1]] for j in range(len(sizes))]
+    gap_list = [gaps[cut[j] : cut[j + 1]] for j in range(len(sizes))]
+    return _spread(masks, counts), _spread(masks, listed), _spread(masks, gap_list)
+
+
+def _local_and_gaps(entries: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The span's increasing entries as indices within their chunks, and each one's gap as a GAPS payload
+    stores it: (index - previous index in its chunk, or -1 for its chunk's first) - 1 - 32768, as int16."""
+    chunk = torch.searchsorted(starts, entries, right=True).sub_(1)
+    local = entries - starts[chunk]
+    prev = torch.empty_like(local)
+    prev[:1] = -1
+    prev[1:] = local[:-1]
+    prev[1:].masked_fill_(chunk[1:] != chunk[:-1], -1)  # a chunk's first entry counts from -1
+    gaps = prev.neg_().add_(local).sub_(1 + 32768).to(torch.int16)  # in [-32768, 32767] (Note [delta pushes])
+    return local, gaps
 
 
 def _spread(masks: list[torch.Tensor | None], values: list) -> list:

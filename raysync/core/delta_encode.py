@@ -53,7 +53,7 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,6 +87,7 @@ class Workspace:
     bucket's elements and, where ``out`` lives on another device, a buffer to encode into first."""
 
     mask: torch.Tensor  # bool, at least the bucket's elements
+    spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
     buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
     stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (_CopyOut)
 
@@ -119,6 +120,7 @@ class Changes:
     masks: list[torch.Tensor | None]
     counts: list[tuple[int, int] | None]
     listed: list[torch.Tensor | None]
+    gaps: list[torch.Tensor | None]  # a listed chunk's gaps, int16 as its payload holds them
 
 
 def find_changes(
@@ -134,10 +136,10 @@ def find_changes(
     device = _check_pairs(pairs, views)
     masks, span = compare(views, based, space, device)
     if sparse and device is not None and device.type != "cpu":  # Note [listing instead of counting]
-        counts, listed = list_changes(masks, span)
+        counts, listed, gaps = list_changes(masks, span, space.spans if space is not None else None)
     else:
-        counts, listed = host_counts(masks), [None] * len(masks)
-    return Changes(views, device, based, masks, counts, listed)
+        counts, listed, gaps = host_counts(masks), [None] * len(masks), [None] * len(masks)
+    return Changes(views, device, based, masks, counts, listed, gaps)
 
 
 def encode(
@@ -177,13 +179,7 @@ def encode(
         mark("compare")
     elif changes.based != (base_version is not None):
         raise LayoutError("changes found for another base than this encoding's: find them again")
-    views, device, masks, counts, listed = (
-        changes.views,
-        changes.device,
-        changes.masks,
-        changes.counts,
-        changes.listed,
-    )
+    views, device, masks, counts = changes.views, changes.device, changes.masks, changes.counts
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
     )
@@ -205,9 +201,11 @@ def encode(
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = _CopyOut(out, target, offset, space) if target is not out else None
     try:
-        for code, (old, new), mask, index in zip(codes, views, masks, listed, strict=True):
+        for code, (old, new), mask, index, gaps in zip(
+            codes, views, masks, changes.listed, changes.gaps, strict=True
+        ):
             region = target[offset : offset + code.payload_bytes]
-            index = _write_payload(code, new, mask, index, region)
+            index = _write_payload(code, new, mask, index, gaps, region)
             if advance and old is not None:
                 _advance(code, old, index, region)
             offset = _align(offset + code.payload_bytes)
@@ -308,11 +306,12 @@ def _write_payload(
     new: torch.Tensor,
     mask: torch.Tensor | None,
     listed: torch.Tensor | None,
+    gaps: torch.Tensor | None,
     region: torch.Tensor,
 ) -> torch.Tensor | None:
     """One chunk's payload into ``region``, on the chunk's device (Note [where a delta is encoded]).
-    ``listed``: the chunk's entries' indices when ``_list_changes`` found them already. Returns a GAPS
-    chunk's indices."""
+    ``listed``, ``gaps``: the chunk's entries' indices and gaps when ``list_changes`` found them already.
+    Returns a GAPS chunk's indices."""
     if code.mode == Mode.FULL:
         region.copy_(new.view(torch.uint8))
     elif code.mode == Mode.GAPS:
@@ -320,9 +319,9 @@ def _write_payload(
         if listed is None:
             mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
             index = indices(mask, code.entries)
+            gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
         else:
             index = listed
-        gaps = torch.diff(index, prepend=index.new_full((1,), -1)).sub_(1 + 32768)  # in [-32768, 32767]
         split = _align(2 * code.entries)
         region[: 2 * code.entries].view(torch.int16).copy_(gaps)
         values = region[split : split + code.entries * code.itemsize].view(new.dtype)
@@ -341,7 +340,7 @@ def _advance(code: ChunkCode, old: torch.Tensor, index: torch.Tensor | None, reg
     elif code.mode == Mode.GAPS:
         split = _align(2 * code.entries)
         values = region[split : split + code.entries * code.itemsize].view(old.dtype)
-        old.index_copy_(0, index.to(old.device), values)
+        old.index_copy_(0, index, values)  # index: on the chunks' device, which is the reference's
 
 
 def _write_words(out: torch.Tensor, words: list[int]) -> None:
