@@ -26,9 +26,11 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
 # setting its forced entries, cutting its indices out, their gaps: torch.profiler, docs/benchmarks.md section
 # 12). So a listed bucket does these once for the whole span: the forced positions of every chunk are gathered,
 # counted by chunk (index_add_) and set in one go (their positions made once per bucket shape: SpanLayout);
-# each entry's chunk is found by searchsorted on the chunks' starts, its index within the chunk and its gap
-# (from the entry before in the same chunk, or from -1) follow, and each chunk takes its slices. What stays per
-# chunk is its compare, its values gathered and the reference's scatter.
+# the gaps are the differences of the bucket's consecutive entries, corrected at each chunk's first entry (whose
+# places the cuts give, on the host: one small copy), and each chunk takes its slices. What stays per chunk is its
+# compare, its indices made relative to its start, its values gathered and the reference's scatter. (A first
+# version found each entry's chunk by searchsorted and worked the gaps out in ~13 passes over the listing: its
+# kernels took 17 ms of a 7B push on the H200, profile in docs/results/delta_push_shm_h200_stages_cf0d2e5.txt.)
 #
 # Note [numpy on the CPU]
 # On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
@@ -116,6 +118,7 @@ class SpanLayout:
     (``Workspace.spans`` keeps them), so that a listing's per-chunk work is a few kernels a bucket."""
 
     starts: torch.Tensor  # int64 [chunks + 1]: each chunk's first element in the span, then the span's end
+    starts_host: tuple[int, ...]  # the same, on the host
     forced: torch.Tensor  # int64: the forced positions in the span, increasing
     chunk_of_forced: torch.Tensor  # int64: the chunk of each
 
@@ -131,6 +134,7 @@ class SpanLayout:
         chunk = [torch.full((f.numel(),), j, dtype=torch.int64) for j, f in enumerate(forced)]
         return cls(
             torch.tensor(starts, dtype=torch.int64).to(device),
+            tuple(starts),
             torch.cat(forced).to(device) if forced else torch.empty(0, dtype=torch.int64, device=device),
             torch.cat(chunk).to(device) if chunk else torch.empty(0, dtype=torch.int64, device=device),
         )
@@ -169,24 +173,27 @@ def list_changes(
     if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
         counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
         return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
-    local, gaps = _local_and_gaps(index[: cut[-1]], layout.starts)
+    entries = index[: cut[-1]]
+    gaps = _gaps(entries, cut, layout.starts_host)
     counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
-    listed = [local[cut[j] : cut[j + 1]] for j in range(len(sizes))]
+    listed = [entries[cut[j] : cut[j + 1]] - layout.starts_host[j] for j in range(len(sizes))]
     gap_list = [gaps[cut[j] : cut[j + 1]] for j in range(len(sizes))]
     return _spread(masks, counts), _spread(masks, listed), _spread(masks, gap_list)
 
 
-def _local_and_gaps(entries: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The span's increasing entries as indices within their chunks, and each one's gap as a GAPS payload
-    stores it: (index - previous index in its chunk, or -1 for its chunk's first) - 1 - 32768, as int16."""
-    chunk = torch.searchsorted(starts, entries, right=True).sub_(1)
-    local = entries - starts[chunk]
-    prev = torch.empty_like(local)
-    prev[:1] = -1
-    prev[1:] = local[:-1]
-    prev[1:].masked_fill_(chunk[1:] != chunk[:-1], -1)  # a chunk's first entry counts from -1
-    gaps = prev.neg_().add_(local).sub_(1 + 32768).to(torch.int16)  # in [-32768, 32767] (Note [delta pushes])
-    return local, gaps
+def _gaps(entries: torch.Tensor, cut: list[int], starts: Sequence[int]) -> torch.Tensor:
+    """Each of the span's increasing entries' gap as a GAPS payload stores it, as int16: its index less the
+    index of the entry before it in its chunk (or its chunk's start less 1, for a chunk's first entry), less
+    1 + 32768 (Note [delta pushes]). ``cut``: where each chunk's entries begin, and their end."""
+    step = torch.empty_like(entries)
+    torch.sub(entries[1:], entries[:-1], out=step[1:])
+    firsts = [(cut[j], starts[j] - 1) for j in range(len(cut) - 1) if cut[j] < cut[j + 1]]
+    if firsts:  # a chunk's first entry counts from its start: one small copy of (where, from) for all
+        where, before = (
+            torch.tensor(firsts, dtype=torch.int64).to(entries.device, non_blocking=True).unbind(1)
+        )
+        step[where] = entries[where] - before
+    return step.sub_(1 + 32768).to(torch.int16)
 
 
 def _spread(masks: list[torch.Tensor | None], values: list) -> list:
