@@ -61,17 +61,21 @@ SPARSE_DENSITY = 1 / 8  # a bucket at most this dense at its last push is listed
 
 
 def compare(
-    views, based: bool, space: Workspace | None, device
+    views, based: bool, space: Workspace | None, device, slot: int = 0
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Per chunk, the mask of elements whose bits changed (None: no reference), in the workspace's mask, one
-    after the other; and the span of the workspace's mask they cover."""
+    """Per chunk, the mask of elements whose bits changed (None: no reference), in the workspace's mask
+    ``slot`` (0, or 1 for a bucket compared while the one before it is not yet written), one after the other;
+    and the span of that mask they cover."""
     total = sum(n.numel() for o, n in views if o is not None) if based else 0
-    if space is None or space.mask.numel() < total or space.mask.device != device:
+    held = None if space is None else space.mask if slot == 0 else space.second_mask
+    if held is None or held.numel() < total or held.device != device:
         slab = torch.empty(total, dtype=torch.bool, device=device)
-        if space is not None:
+        if space is not None and slot == 0:
             space.mask = slab
+        elif space is not None:
+            space.second_mask = slab
     else:
-        slab = space.mask
+        slab = held
     masks, start = [], 0
     for o, n in views:
         if o is None or not based:
@@ -151,10 +155,47 @@ def list_changes(
     indices within each chunk and the gaps are worked out for the whole bucket at once (Note [a listing's work
     by the bucket]). A span with more entries than the cap (a bucket that turned dense) is counted instead,
     and its indices listed chunk by chunk as a counted bucket's are (None in the listings). ``spans``: a
-    cache of SpanLayout by the masks' sizes."""
+    cache of SpanLayout by the masks' sizes. ``start_listing`` and its ``Listing.result`` at once."""
+    return start_listing(masks, span, spans).result()
+
+
+class Listing:
+    """A bucket's listing under way (``start_listing``): its kernels queued and its cuts and forced counts
+    crossing to the host, not waited for; ``result()`` waits for them (the one host sync) and cuts it."""
+
+    def __init__(self, masks, based, span, layout: SpanLayout | None, index, cap: int, host, ready):
+        self.masks, self._based, self._span, self._layout = masks, based, span, layout
+        self._index, self._cap, self._host, self._ready = index, cap, host, ready
+
+    def result(
+        self,
+    ) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per mask: (changed, forced), its entries' indices and gaps (None for a counted span's, which lists
+        its chunks as a counted bucket's are)."""
+        masks, based, layout = self.masks, self._based, self._layout
+        if not based:
+            return [None] * len(masks), [None] * len(masks), [None] * len(masks)
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = self._host.tolist()
+        cut, forced_n = host[: len(based) + 1], host[len(based) + 1 :]
+        if cut[-1] >= self._cap:  # the listing may have missed entries: count (the forced entries are set)
+            counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
+            return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
+        entries = self._index[: cut[-1]]
+        gaps = _gaps(entries, cut, layout.starts_host)
+        counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
+        listed = [entries[cut[j] : cut[j + 1]] - layout.starts_host[j] for j in range(len(based))]
+        gap_list = [gaps[cut[j] : cut[j + 1]] for j in range(len(based))]
+        return _spread(masks, counts), _spread(masks, listed), _spread(masks, gap_list)
+
+
+def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: dict | None = None) -> Listing:
+    """Queue a bucket's listing (``list_changes``) without waiting for it: the cuts and forced counts cross
+    to pinned host memory behind an event (Note [two buckets in flight] in raysync.core.delta_encode)."""
     based = [m for m in masks if m is not None]
     if not based:
-        return [None] * len(masks), [None] * len(masks), [None] * len(masks)
+        return Listing(masks, based, span, None, None, 0, None, None)
     sizes = tuple(m.numel() for m in based)
     layout = spans.get(sizes) if spans is not None else None
     if layout is None:
@@ -168,17 +209,12 @@ def list_changes(
     cap = _listing_cap(span.numel(), len(based))
     index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
     cuts = torch.searchsorted(index, layout.starts)
-    host = torch.cat([cuts, forced]).tolist()
-    cut, forced_n = host[: len(sizes) + 1], host[len(sizes) + 1 :]
-    if cut[-1] >= cap:  # the listing may have missed entries: count (the forced entries are set already)
-        counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
-        return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
-    entries = index[: cut[-1]]
-    gaps = _gaps(entries, cut, layout.starts_host)
-    counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
-    listed = [entries[cut[j] : cut[j + 1]] - layout.starts_host[j] for j in range(len(sizes))]
-    gap_list = [gaps[cut[j] : cut[j + 1]] for j in range(len(sizes))]
-    return _spread(masks, counts), _spread(masks, listed), _spread(masks, gap_list)
+    host, ready = torch.cat([cuts, forced]), None
+    if host.is_cuda:
+        host = host.to("cpu", non_blocking=True)  # into pinned memory
+        ready = torch.cuda.Event()
+        ready.record()
+    return Listing(masks, based, span, layout, index, cap, host, ready)
 
 
 def _gaps(entries: torch.Tensor, cut: list[int], starts: Sequence[int]) -> torch.Tensor:

@@ -46,6 +46,16 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # the next encode, after the wait. On an H200 a 7B delta push over shm spent, per 512 MB bucket, about 2.4 ms
 # comparing and 1.9 ms compacting and copying, one after the other (docs/benchmarks.md section 12).
 #
+# Note [two buckets in flight]
+# Found that way, the next bucket's changes still ended in a host sync inside ``then``: the thread waited for
+# the GPU to finish that compare, and the GPU then waited for the thread to queue the next compaction (at 150
+# ms a 7B push, its kernels ran ~55 ms: torch.profiler, docs/results/delta_push_shm_h200_stages_32edebb.txt).
+# So ``then`` starts the compares of the two buckets after this one without waiting (``find_changes(...,
+# wait=False)``: a listed bucket's cuts and counts cross to pinned host memory behind an event), and each
+# bucket's own encode waits for its listing (``Changes.ready``), long queued by then. Bucket k compares into
+# the workspace's mask ``k % 2``: the compare of bucket k + 2, queued after bucket k's compaction on the same
+# stream, is the first to write that mask again, and bucket k + 1's mask is the other one.
+#
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
 # them for the benchmark; on a GPU it synchronizes first, so it is off in ordinary pushes).
 """
@@ -73,7 +83,7 @@ from raysync.core.delta import (
     capacity,
     gaps_bytes,
 )
-from raysync.core.delta_changes import compare, host_counts, indices, list_changes
+from raysync.core.delta_changes import Listing, compare, host_counts, indices, start_listing
 from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
 
@@ -87,6 +97,9 @@ class Workspace:
     bucket's elements and, where ``out`` lives on another device, a buffer to encode into first."""
 
     mask: torch.Tensor  # bool, at least the bucket's elements
+    second_mask: torch.Tensor | None = (
+        None  # the same, for a bucket compared ahead (Note [two buckets in flight])
+    )
     spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
     buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
     stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (_CopyOut)
@@ -118,9 +131,17 @@ class Changes:
     device: torch.device | None
     based: bool  # compared with a reference: False, every chunk goes FULL
     masks: list[torch.Tensor | None]
-    counts: list[tuple[int, int] | None]
-    listed: list[torch.Tensor | None]
-    gaps: list[torch.Tensor | None]  # a listed chunk's gaps, int16 as its payload holds them
+    counts: list[tuple[int, int] | None] | None  # None while ``listing`` is under way
+    listed: list[torch.Tensor | None] | None
+    gaps: list[torch.Tensor | None] | None  # a listed chunk's gaps, int16 as its payload holds them
+    listing: Listing | None = None  # a listing not waited for yet (``find_changes(wait=False)``)
+
+    def ready(self) -> Changes:
+        """The counts, listings and gaps, waiting for a listing under way (its one host sync)."""
+        if self.listing is not None:
+            self.counts, self.listed, self.gaps = self.listing.result()
+            self.listing = None
+        return self
 
 
 def find_changes(
@@ -129,16 +150,21 @@ def find_changes(
     based: bool,
     space: Workspace | None = None,
     sparse: bool = False,
+    slot: int = 0,
+    wait: bool = True,
 ) -> Changes:
     """The compare and count stages of ``encode`` for one bucket (its arguments, ``based``: base_version is not
-    None), ending in their one host sync. The masks live in ``space``'s mask until the next bucket's compare."""
+    None), ending in their one host sync. The masks live in ``space``'s mask ``slot`` (Note [two buckets in
+    flight]) until the compare of the bucket after next. ``wait=False``: a listed bucket's sync is left to
+    ``Changes.ready`` (a counted one waits here all the same)."""
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
-    masks, span = compare(views, based, space, device)
+    masks, span = compare(views, based, space, device, slot)
     if sparse and device is not None and device.type != "cpu":  # Note [listing instead of counting]
-        counts, listed, gaps = list_changes(masks, span, space.spans if space is not None else None)
-    else:
-        counts, listed, gaps = host_counts(masks), [None] * len(masks), [None] * len(masks)
+        listing = start_listing(masks, span, space.spans if space is not None else None)
+        changes = Changes(views, device, based, masks, None, None, None, listing)
+        return changes.ready() if wait else changes
+    counts, listed, gaps = host_counts(masks), [None] * len(masks), [None] * len(masks)
     return Changes(views, device, based, masks, counts, listed, gaps)
 
 
@@ -155,6 +181,7 @@ def encode(
     advance: bool = False,
     changes: Changes | None = None,
     then: Callable[[], None] | None = None,
+    slot: int = 0,
 ) -> BucketCode:
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
@@ -167,7 +194,8 @@ def encode(
     itself (Note [the reference advances by the encoding]); a reference of None stays None. ``changes``: this
     bucket's ``find_changes``, made ahead (for these pairs and ``space``). ``then``: called once the payloads'
     kernels are queued, while their bytes cross to ``out`` on the copy stream, before the wait for them (Note
-    [the next bucket's compare overlaps this one's copy]); on a CUDA device with a staged encoding only."""
+    [the next bucket's compare overlaps this one's copy]); on a CUDA device with a staged encoding only.
+    ``slot``: the workspace's mask this bucket's compare uses (Note [two buckets in flight])."""
     _check_buffer(out, "out")
     if base_version is not None and not (is_version(base_version) and 0 <= base_version < 1 << 63):
         raise LayoutError(  # the header stores it in an int64, -1 meaning none: a version never reads as another
@@ -175,10 +203,11 @@ def encode(
         )
     mark = mark or _no_mark
     if changes is None:
-        changes = find_changes(pairs, based=base_version is not None, space=space, sparse=sparse)
+        changes = find_changes(pairs, based=base_version is not None, space=space, sparse=sparse, slot=slot)
         mark("compare")
     elif changes.based != (base_version is not None):
         raise LayoutError("changes found for another base than this encoding's: find them again")
+    changes.ready()
     views, device, masks, counts = changes.views, changes.device, changes.masks, changes.counts
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)

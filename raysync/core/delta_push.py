@@ -193,7 +193,7 @@ class Reference:
         self._in_place: list[list | None] = []  # per bucket: chunks encoded from the trainer's tensors
         # the next bucket's changes, found while this one's bytes cross (Note [the next bucket's compare
         # overlaps this one's copy] in raysync.core.delta_encode): (bucket, its changes)
-        self._ahead: tuple[int, Changes] | None = None
+        self._ahead: dict[int, Changes] = {}
         self.found_ahead = 0  # buckets of this push whose changes were found so
 
     def on_plane(self, plane: object, made_here: bool) -> None:
@@ -228,7 +228,7 @@ class Reference:
         self._measured = self._usable = usable
         self._refused = False
         self._full_from = None
-        self._ahead, self.found_ahead = None, 0
+        self._ahead, self.found_ahead = {}, 0
         based = usable and self.version is not None
         as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
@@ -243,7 +243,7 @@ class Reference:
         ``refused``: a receiver's answer demoted it (the stream's go_full), not new tensors or a new layout."""
         self._refused = refused and (self._refused or self.base is not None)
         self.base, self.stats, self._measured = None, DeltaStats(why=why), False
-        self._ahead = None
+        self._ahead = {}
 
     def prepare(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor]) -> None:
         """After the layout agreement made new copies (new tensors, or a new layout): a new reference for a
@@ -304,8 +304,7 @@ class Reference:
         by the encoding]). Returns the bytes of ``buffer`` the encoding uses."""
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
-        ahead, self._ahead = self._ahead, None
-        changes = ahead[1] if ahead is not None and ahead[0] == k else None
+        changes = self._ahead.pop(k, None)
         in_place = self._read_in_place(k)
         sparse = False
         if changes is None:
@@ -327,29 +326,45 @@ class Reference:
             sparse=sparse,
             advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
             changes=changes,
-            then=lambda: self._find_ahead(k + 1),
+            then=lambda: self._find_ahead(k),
+            slot=k % 2
+            if self._looks_ahead
+            else 0,  # Note [two buckets in flight] in raysync.core.delta_encode
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
         ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
         self.stats = self.stats.add(code)
         return code.nbytes
 
+    @property
+    def _looks_ahead(self) -> bool:
+        """Whether encode finds buckets' changes ahead: a reference on a GPU and a ring elsewhere (host memory,
+        another GPU), where each bucket's bytes cross on a copy stream (Note [where a delta is encoded])."""
+        return self._ref.device.type == "cuda" and self._ref.ring_device != self._ref.device
+
     def _find_ahead(self, k: int) -> None:
-        """Find bucket k's changes while the bucket before it crosses (Note [the next bucket's compare overlaps
-        this one's copy] in raysync.core.delta_encode): only a bucket read in place, which needs no packing
-        (packing it into the scratch would overwrite what verify digests of the bucket before). A failure
-        here is left for encode(k) to meet again, at its own stage."""
-        pairs = self._read_in_place(k) if k < len(self._ref.offsets) - 1 else None
-        if pairs is None:
-            return
-        sparse, self._ref.sparse[k] = self._ref.sparse[k], False
-        try:
-            self._ahead = (
-                k,
-                find_changes(pairs, based=self._on_time(k), space=self._ref.space, sparse=sparse),
-            )
-        except Exception:
-            logger.debug("bucket %d: its changes are found again by its own encode", k, exc_info=True)
+        """While bucket k's bytes cross, start finding the changes of the two buckets after it (Notes [the next
+        bucket's compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode):
+        only buckets read in place, which need no packing (packing one into the scratch would overwrite what
+        verify digests of the bucket before). A failure here is left for that bucket's encode to meet again,
+        at its own stage."""
+        for j in (k + 1, k + 2):
+            pairs = self._read_in_place(j) if j < len(self._ref.offsets) - 1 else None
+            if pairs is None or j in self._ahead:
+                continue
+            sparse, self._ref.sparse[j] = self._ref.sparse[j], False
+            try:
+                self._ahead[j] = find_changes(
+                    pairs,
+                    based=self._on_time(j),
+                    space=self._ref.space,
+                    sparse=sparse,
+                    slot=j % 2,
+                    wait=False,
+                )
+            except Exception:
+                logger.debug("bucket %d: its changes are found again by its own encode", j, exc_info=True)
+                return
 
     def _read_in_place(self, k: int) -> list | None:
         """Bucket k's (reference, trainer's tensor) chunk pairs when it is read in place, else None."""
