@@ -43,6 +43,7 @@ class SyncActors:
         self.sender_at: list[Placement] = []  # updated in place: a Plan prints from these lists
         self.receiver_at: list[Placement] = []
         self.slots: list[tuple[int, int]] = []  # receiver j -> (endpoint, slot)
+        self._receiver_of: dict[tuple[int, int], int] = {}  # (endpoint, slot) -> receiver j: slots, inverted
 
     # --- where they run ------------------------------------------------------------------------------------------
     def locate(self, timeout_s: float) -> None:
@@ -53,6 +54,7 @@ class SyncActors:
         self.sender_at[:] = placements[: len(self.senders)]
         for e, by_slot in enumerate(placements[len(self.senders) :]):
             for slot in sorted(by_slot):
+                self._receiver_of[e, slot] = len(self.slots)
                 self.slots.append((e, slot))
                 self.receiver_at.append(by_slot[slot])
 
@@ -101,7 +103,7 @@ class SyncActors:
 
     def by_receiver(self, e: int, by_slot: dict[int, Any]) -> dict[int, Any]:
         """Endpoint ``e``'s answer {slot: result} as {receiver j: result}."""
-        return {self.slots.index((e, slot)): r for slot, r in by_slot.items()}
+        return {self._receiver_of[e, slot]: r for slot, r in by_slot.items()}
 
     def ask(self, calls: Calls, stage: str, timeout_s: float) -> dict[Key, Any]:
         """Each call's answer, or a typed error in its place (never raised here): see ``ask``."""

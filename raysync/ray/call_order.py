@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
 _warned: list[bool] = []
 _weightless: set[bytes] = set()  # ids of raysync's calls that touch no weights (Note [a push after ...])
+_ray_api: list = []  # [ray._private.worker, TaskID]: imported at the first look, not at each push's
+_driver_task: list = []  # [job id, the driver's main thread's task id]: made once per job, not at each push
 ANSWERED_GRACE_S = 0.005  # how long a call seen pending is looked at again (the answer may be in already)
 
 
@@ -54,14 +56,20 @@ def actors_with_pending_calls() -> frozenset[bytes] | None:
     """The ids of the actors that this thread's or the driver's main thread's Ray calls are still pending on (queued
     or running, their answer not back); None where this Ray cannot say."""
     try:
-        import ray
-        from ray._raylet import TaskID
+        if not _ray_api:
+            import ray._private.worker
+            from ray._raylet import TaskID
 
-        worker = ray._private.worker.global_worker
+            _ray_api[:] = [ray._private.worker, TaskID]
+        workers, task_id = _ray_api
+        worker = workers.global_worker
         core = worker.core_worker
         parents = {core.get_current_task_id()}
-        if worker.mode == ray._private.worker.SCRIPT_MODE:  # the driver: its main thread's calls too
-            parents.add(TaskID.for_driver_task(worker.current_job_id))
+        if worker.mode == workers.SCRIPT_MODE:  # the driver: its main thread's calls too
+            job = worker.current_job_id
+            if not _driver_task or _driver_task[0] != job:
+                _driver_task[:] = [job, task_id.for_driver_task(job)]
+            parents.add(_driver_task[1])
         tasks = [task for parent in parents for task in core.get_pending_children_task_ids(parent)]
         ids = {task.binary() for task in tasks}
         _weightless.intersection_update(ids)  # those no longer pending are forgotten
@@ -77,11 +85,11 @@ def actors_with_pending_calls() -> frozenset[bytes] | None:
         return None
 
 
-def waiting_on(handles: Iterable[tuple[Any, Any]], grace_s: float = ANSWERED_GRACE_S) -> list[Any] | None:
-    """The names, among ``(name, actor handle)``, of the actors a call of this caller is still pending on; None
-    where Ray cannot say. One seen pending is looked at again for up to ``grace_s``: Ray marks a call finished
-    just after its answer reached ``ray.get`` (Note [a push after the caller's own calls])."""
-    ids = {actor_id(handle): name for name, handle in handles}
+def waiting_on(ids: Mapping[bytes, Any], grace_s: float = ANSWERED_GRACE_S) -> list[Any] | None:
+    """The names, among ``ids`` (an actor's id, ``actor_id`` of its handle -> its name), of the actors a call of this
+    caller is still pending on; None where Ray cannot say. One seen pending is looked at again for up to
+    ``grace_s``: Ray marks a call finished just after its answer reached ``ray.get`` (Note [a push after the
+    caller's own calls])."""
     deadline = None
     while True:
         pending = actors_with_pending_calls()

@@ -61,6 +61,8 @@ class DriverEnd:
         # a connection -> (its member's key, None until its name was read; its frames)
         self._readers: dict[socket.socket, tuple[Any, stream.Frames]] = {}
         self._selector = selectors.DefaultSelector()
+        # what wait() found ready: the next frames() reads that, rather than select again
+        self._ready: list | None = None
         self.dropped = False  # a member's connection closed since this was last reset
         try:
             if local:  # Note [names that outlive a crash]
@@ -89,16 +91,20 @@ class DriverEnd:
 
     def wait(self, timeout_s: float) -> bool:
         """Whether something came (a frame, a connection, one closed) within ``timeout_s``: read it with frames()."""
-        return bool(self._selector.select(max(timeout_s, 0.0)))
+        self._ready = self._selector.select(max(timeout_s, 0.0))
+        return bool(self._ready)
 
     def frames(self) -> list[tuple[Any, str, list]]:
         """The frames waiting, checked: (key, kind, body); those that fail their check are dropped, connections
         that closed or sent too much are closed (``dropped`` set)."""
         out = []
-        for selected, _ in self._selector.select(0):
+        ready, self._ready = self._ready, None
+        for selected, _ in ready or self._selector.select(0):
             sock = selected.fileobj
             if sock is self._listener:
                 self._accept()
+                continue
+            if sock not in self._readers:  # closed since wait() found it ready (a send to it failed)
                 continue
             key, frames = self._readers[sock]
             try:
@@ -180,6 +186,7 @@ class DriverEnd:
 
     def _forget(self) -> None:
         """Stop listening (every member is connected, or the end closes)."""
+        self._ready = None  # it may name the listener
         listener = getattr(self, "_listener", None)
         if listener is not None and listener.fileno() >= 0:
             with contextlib.suppress(Exception):

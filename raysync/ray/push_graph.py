@@ -228,6 +228,10 @@ class GraphKeeper:
     def __init__(self, actors: SyncActors, connections: PairConnections, *, enabled: bool):
         self._actors, self._connections = actors, connections
         self._graph: Any = None
+        # the connections' shape (shape_of), kept rather than made again at each push: only a repair changes the
+        # plan, and WeightSync closes the keeper after one, which forgets it
+        self._shape: tuple | None = None
+        self._members: dict[bytes, Key] = {}  # the graph's members by Ray actor id (call_order.waiting_on)
         self._refused: tuple | None = None  # the shape that could not be built: not tried again
         self._why_not = "" if enabled else self.off
 
@@ -235,16 +239,20 @@ class GraphKeeper:
         """What runs the rounds of the connections as they are now, built if need be (at setup, after a repair)."""
         if self._why_not == self.off:
             return None
-        shape = self.runner.shape_of(self._actors, receivers_of_senders(self._connections))
+        shape = self._shape
+        if shape is None:
+            shape = self.runner.shape_of(self._actors, receivers_of_senders(self._connections))
         graph = self._graph
         if graph is not None and graph.alive and graph.shape == shape:
             return graph
         self.close()
+        self._shape = shape
         if shape == self._refused:
             return None
         try:
             started = time.perf_counter()
             self._graph = self.runner.build(self._actors, self._connections, shape)
+            self._members = {call_order.actor_id(self._handle(key)): key for key in self._graph.keys}
             logger.debug("%s built in %.3fs", self._graph.describe(), time.perf_counter() - started)
             self._why_not = ""
         except Exception as e:  # e.g. an actor already runs another WeightSync's graph: ordinary calls then
@@ -280,8 +288,7 @@ class GraphKeeper:
             return None, "calls"
         if not self.ordered:
             return graph, self.kind
-        members = [(key, self._handle(key)) for key in graph.keys]
-        waiting = call_order.waiting_on(members)
+        waiting = call_order.waiting_on(self._members)
         if waiting is None:
             return None, "calls (Ray cannot say which calls of the driver are pending)"
         if waiting:
@@ -314,6 +321,7 @@ class GraphKeeper:
         return RoundPlan(list(self._connections.plan), self._actors, self.describe())
 
     def close(self) -> None:
+        self._shape = None
         if self._graph is not None:
             self._graph.teardown()
             self._graph = None

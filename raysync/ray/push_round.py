@@ -106,10 +106,10 @@ class PushRound:
                 self._take(key, answer, None)
 
     def _collect(self, refs: dict[Any, Key], deadline: float) -> None:
-        import ray
-
         if not refs:  # every endpoint answered through the graph or the loops
             return
+        import ray
+
         pending = list(refs)
         bar = tqdm(
             total=sum(self.connections.push_bytes.values()),
@@ -188,6 +188,8 @@ class PushRound:
 
     def _read_senders(self) -> list[PairReport]:
         pairs = []
+        # each pair's transport, in one walk of the plan (not one walk per pair)
+        transports = {(p.sender, p.receiver): p.transport for p in self.connections.plan}
         for i, by_receiver in self._sent.items():
             for j, r in by_receiver.items():
                 if r.failure is not None:
@@ -195,8 +197,7 @@ class PushRound:
                     self._failed(f"sender #{i} ({at}) (pushing to receiver #{j})", r.failure)
                     self.connections.mark_broken({(i, j)})
                 elif r.report is not None:
-                    transport = self.connections.transport_of((i, j))
-                    pairs.append(PairReport(i, j, transport, r.report.bytes, r.report.seconds))
+                    pairs.append(PairReport(i, j, transports[i, j], r.report.bytes, r.report.seconds))
         return pairs
 
     def _read_receivers(self) -> None:
