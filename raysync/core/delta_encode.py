@@ -2,9 +2,11 @@
 receiver's half): one bucket's chunks compared with their reference and written as FULL, SAME or GAPS
 payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 
-    space = Workspace.for_bucket(chunks, device)       # once per layout: reused by every push
+    space = Workspace.for_buckets(sizes, device)       # once per layout: reused by every push
     encode(pairs, out, base_version=v, space=space)  ->  BucketCode
     encode(pairs, out, base_version=v, advance=True)   # the references then hold what a decoder writes
+    changes = find_changes(pairs, based=True, space=space, slot=1, wait=False)   # a bucket's compare, queued
+    encode(pairs, out, base_version=v, changes=changes, then=start_the_next)     # ... and written later
 
 # Note [where a delta is encoded]
 # Every pass over a bucket's elements runs on the device that holds the chunks (the trainer's GPU, or the CPU),
@@ -186,8 +188,9 @@ def encode(
     """Encode one bucket's chunks into ``out`` (a 1-d uint8 buffer, 16-byte aligned, of at least ``capacity``
     bytes, on any device). Each pair is (the chunk's bytes as of ``base_version``, its new values), same dtype
     and size, all on one device; a reference of None, or ``base_version`` None, sends that chunk FULL. Nothing
-    is modified but ``out`` and ``space``. One host sync per bucket for the counts (two when ``out`` is on
-    another device than the chunks: the copy of the bytes used). ``staged``: encode into the workspace first
+    is modified but ``out`` and ``space``. One host sync per bucket for the counts (with ``changes`` found
+    ahead without waiting: the wait for their listing; two when ``out`` is on another device than the chunks:
+    the copy of the bytes used). ``staged``: encode into the workspace first
     and copy (None: when ``out`` lives on another device than the chunks). ``sparse``: the bucket is expected
     to have few changes: its indices are listed without counting first (Note [listing instead of counting]).
     ``advance``: each reference then holds what decoding this encoding onto it writes, taken from the encoding
