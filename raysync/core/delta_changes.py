@@ -159,30 +159,35 @@ def list_changes(
     return start_listing(masks, span, spans).result()
 
 
+@dataclass
 class Listing:
     """A bucket's listing under way (``start_listing``): its kernels queued and its cuts and forced counts
     crossing to the host, not waited for; ``result()`` waits for them (the one host sync) and cuts it."""
 
-    def __init__(self, masks, based, span, layout: SpanLayout | None, index, cap: int, host, ready):
-        self.masks, self._based, self._span, self._layout = masks, based, span, layout
-        self._index, self._cap, self._host, self._ready = index, cap, host, ready
+    masks: list[torch.Tensor | None]  # the bucket's, one per chunk (None: no reference)
+    based: list[torch.Tensor]  # those that are not None, one after the other in the span
+    layout: SpanLayout | None
+    index: torch.Tensor | None  # the span's entries, increasing, then fill values up to ``cap``
+    cap: int
+    crossing: torch.Tensor | None  # the cuts, then the forced counts: on the host once ``ready``
+    ready: torch.cuda.Event | None  # None: ``crossing`` is on the host already
 
     def result(
         self,
     ) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Per mask: (changed, forced), its entries' indices and gaps (None for a counted span's, which lists
         its chunks as a counted bucket's are)."""
-        masks, based, layout = self.masks, self._based, self._layout
+        masks, based, layout = self.masks, self.based, self.layout
         if not based:
             return [None] * len(masks), [None] * len(masks), [None] * len(masks)
-        if self._ready is not None:
-            self._ready.synchronize()
-        host = self._host.tolist()
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.crossing.tolist()
         cut, forced_n = host[: len(based) + 1], host[len(based) + 1 :]
-        if cut[-1] >= self._cap:  # the listing may have missed entries: count (the forced entries are set)
+        if cut[-1] >= self.cap:  # the listing may have missed entries: count (the forced entries are set)
             counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
             return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
-        entries = self._index[: cut[-1]]
+        entries = self.index[: cut[-1]]
         gaps = _gaps(entries, cut, layout.starts_host)
         counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
         listed = [entries[cut[j] : cut[j + 1]] - layout.starts_host[j] for j in range(len(based))]
@@ -195,7 +200,7 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     to pinned host memory behind an event (Note [two buckets in flight] in raysync.core.delta_encode)."""
     based = [m for m in masks if m is not None]
     if not based:
-        return Listing(masks, based, span, None, None, 0, None, None)
+        return Listing(masks, based, None, None, 0, None, None)
     sizes = tuple(m.numel() for m in based)
     layout = spans.get(sizes) if spans is not None else None
     if layout is None:
@@ -214,7 +219,7 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
         host = host.to("cpu", non_blocking=True)  # into pinned memory
         ready = torch.cuda.Event()
         ready.record()
-    return Listing(masks, based, span, layout, index, cap, host, ready)
+    return Listing(masks, based, layout, index, cap, host, ready)
 
 
 def _gaps(entries: torch.Tensor, cut: list[int], starts: Sequence[int]) -> torch.Tensor:
