@@ -48,9 +48,10 @@ the receiver's half (decode and its checks); the sender's half is raysync.core.d
 #   advances by the encoding as it is written (encode's ``advance``: the FULL payloads' bytes, the GAPS values
 #   at their indices, on its device; Note [the reference advances by the encoding]), so it is what every delta
 #   receiver holds; and verify compares the receivers' result with the new tensors, what the trainer meant,
-#   so a fault in the codec shows there rather than being hidden by a reference that took it too. The reference's version is None from the first bucket of
-#   a push until the last one is applied to it; a push that fails between leaves None, and the next push is
-#   full for every receiver (a FULL chunk rewrites the reference too).
+#   so a fault in the codec shows there rather than being hidden by a reference that took it too. The
+#   reference's version is None from the first bucket of a push until the last one is applied to it; a push
+#   that fails between leaves None, and the next push is full for every receiver (a FULL chunk rewrites the
+#   reference too).
 # * plane: the bytes of a bucket are ``BucketCode.nbytes``, not the bucket's: the collective broadcasts only
 #   those (their count travels ahead, e.g. in BucketReady), the rings need nothing new.
 # * unpack (receiver): decode(buffer, destination chunk views, held_version=its version), before any write;

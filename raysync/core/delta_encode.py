@@ -99,9 +99,8 @@ class Workspace:
     bucket's elements and, where ``out`` lives on another device, a buffer to encode into first."""
 
     mask: torch.Tensor  # bool, at least the bucket's elements
-    second_mask: torch.Tensor | None = (
-        None  # the same, for a bucket compared ahead (Note [two buckets in flight])
-    )
+    # the same, for the buckets that compare into slot 1 (Note [two buckets in flight])
+    second_mask: torch.Tensor | None = None
     spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
     buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
     stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (_CopyOut)

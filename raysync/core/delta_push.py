@@ -1,6 +1,7 @@
 """Delta pushes in the push session (SyncConfig.delta, issue 24): the sender's reference of what its receivers
-hold, which pushes go as a delta, and what a push sent. The encoding itself is raysync.core.delta (Note [delta
-pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTensors) and one answer at accept.
+hold and which pushes go as a delta (what a push sent: raysync.core.delta_stats). The encoding itself is
+raysync.core.delta (Note [delta pushes]); the receiver's half is a mode of its sink
+(raysync.core.sink.IntoTensors) and one answer at accept.
 
     sender   on_plane(plane)          whether this session can send deltas at all (``off`` says why not)
              start(version, full)  ->  base version (None: this push is full; the time rule may say so)
@@ -23,12 +24,13 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # every receiver. A full push in delta mode rewrites all of it (packed through the scratch when the ring
 # lives on another device, so the bytes cross to the ring once and never back); a delta push advances it by
 # each bucket's encoding on its device (the FULL payloads, the GAPS values at their indices), which is what
-# every receiver holds after decoding (Note [the reference advances by the encoding]). A new layout makes a new reference (version None), with encode's workspace (a mask of the
-# largest bucket's elements; a staging buffer of its encoding when the ring lives on another device).
+# every receiver holds after decoding (Note [the reference advances by the encoding]). A new layout makes a new
+# reference (version None), with encode's workspace (a mask of the largest bucket's elements; a staging buffer
+# of its encoding when the ring lives on another device).
 # Where deltas go (``on_plane``; ``off`` names the reason, logged once, when they cannot):
 # * a ring the session makes (shm, cuda_ipc): its buffers are made larger by the header, table and padding of
-#   the largest bucket of the first layout (``ring_config``); a later layout whose buckets do not fit pushes
-#   full (``off`` says so).
+#   the largest bucket of the first layout (``ring_config`` in raysync.core.delta_buffers); a later layout
+#   whose buckets do not fit pushes full (``off`` says so).
 # * the collective (a broadcast group, ``transport.collective``): its buffers grow to the layout's
 #   ``buffer_bytes`` when the layout is placed, and it broadcasts only a bucket's encoded bytes (the plane's
 #   ``encoded(k, nbytes)``: its table first, then the rest, whose size the table says). A broadcast moves the
@@ -51,7 +53,8 @@ pushes]); the receiver's half is a mode of its sink (raysync.core.sink.IntoTenso
 # * N readers of one shm ring (fan-out) that do not all take the delta are served in turns, in the same push:
 #   the delta to those that take it (the others wait for their go), then a full push to the rest (those that
 #   took the delta are not in it). The sender packs twice; the report counts the bytes of both turns, as a
-#   push from no single base. A lazy source's push goes full for all instead (its packer walks once a push). WeightSync makes one session per pair, so there each pair goes its own way.
+#   push from no single base. A lazy source's push goes full for all instead (its packer walks once a push).
+#   WeightSync makes one session per pair, so there each pair goes its own way.
 """
 
 from __future__ import annotations
@@ -60,20 +63,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from raysync.core import delta
 from raysync.core.config import SyncConfig
 from raysync.core.delta_changes import SPARSE_DENSITY
 from raysync.core.delta_encode import Changes, encode, find_changes
-from raysync.core.delta_reference import ReferenceBytes, chunk_sizes
+from raysync.core.delta_reference import ReferenceBytes
 from raysync.core.delta_rule import StageClock, TimeRule
-from raysync.core.plan import Bucket, align_up, plan_buckets
+from raysync.core.delta_stats import DeltaStats
 from raysync.core.source import Packer, Source, SourcePacker
-from raysync.core.wire import TensorSpec
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
@@ -90,81 +90,6 @@ ONE_GPU_OFF = (
     "reads the reference and the new bytes once each, as much, so the time rule sends full pushes "
     "(SyncConfig(delta_by_time=False) sends deltas anyway)"
 )
-
-
-@dataclass(frozen=True)
-class DeltaStats:
-    """What one push sent, summed over its buckets (raysync.core.delta.BucketCode's fields), and why."""
-
-    base_version: int | None = None  # the version the deltas were computed from (None: a full push)
-    sent_as_delta: int = 0  # SAME and GAPS payloads, headers, tables, padding
-    sent_as_full: int = 0  # FULL payloads (a full push: every tensor byte)
-    changed: int | None = None  # elements whose bits changed (known for delta pushes only)
-    numel: int = 0
-    why: str = ""  # why the push went full, or why the time rule let it be a delta (Note [the density ...])
-    full_by_size: int = 0  # FULL payloads of a delta push whose gaps would not have been smaller
-    full_by_density: int = 0  # FULL payloads of a delta push denser than SyncConfig.delta_max_density
-
-    @property
-    def density(self) -> float | None:
-        return None if self.changed is None else self.changed / max(self.numel, 1)
-
-    @property
-    def explain(self) -> str:
-        """Which rule sent what full, and why: the report's words."""
-        parts = [self.why] if self.why else []
-        for rule, nbytes in (("size", self.full_by_size), ("density", self.full_by_density)):
-            if nbytes:
-                parts.append(f"{nbytes / 1e6:.2f} MB full by {rule}")
-        return "; ".join(parts)
-
-    def add_full(self, payload: int) -> DeltaStats:
-        """A bucket of a full push: ``payload`` tensor bytes sent whole."""
-        return dataclasses.replace(
-            self, base_version=None, sent_as_full=self.sent_as_full + payload, changed=None
-        )
-
-    def in_turns(self, full: int) -> DeltaStats:
-        """These, a push's delta turn, with its full turn's ``full`` bytes (a fan-out served in turns)."""
-        why = f"in turns: the delta turn: {self.explain}" if self.explain else "in turns"
-        return dataclasses.replace(
-            self, base_version=None, sent_as_full=self.sent_as_full + full, changed=None, why=why
-        )
-
-    def add(self, code: delta.BucketCode) -> DeltaStats:
-        changed = code.changed
-        return dataclasses.replace(
-            self,
-            sent_as_delta=self.sent_as_delta + code.sent_as_delta,
-            sent_as_full=self.sent_as_full + code.sent_as_full,
-            changed=None if self.changed is None or changed is None else self.changed + changed,
-            numel=self.numel + code.numel,
-            full_by_size=self.full_by_size + code.full_by("size"),
-            full_by_density=self.full_by_density + code.full_by("density"),
-        )
-
-
-def table_bytes(bucket: Bucket) -> int:
-    """Where bucket k's first payload starts in its encoding: the header and table, padded (what a plane that
-    moves only the bytes used sends first: the header says how many follow)."""
-    return align_up(delta.HEADER_BYTES + delta.ROW_BYTES * len(bucket.chunks), delta.PAYLOAD_ALIGN)
-
-
-def buffer_bytes(specs: Sequence[TensorSpec], bucket_bytes: int, align_bytes: int) -> int:
-    """The buffer size that holds the encoding of every bucket of this layout (at least ``bucket_bytes``)."""
-    if not specs:
-        return bucket_bytes
-    buckets = plan_buckets(specs, bucket_bytes, align_bytes)
-    need = max(delta.capacity(chunk_sizes(b, specs)) for b in buckets)
-    return max(bucket_bytes, align_up(need, align_bytes))
-
-
-def ring_config(config: SyncConfig, specs: Sequence[TensorSpec]) -> SyncConfig:
-    """The config a delta session's ring is made with: buffers that hold the largest bucket's encoding."""
-    if not config.delta or not specs:
-        return config
-    need = buffer_bytes(specs, config.bucket_bytes, config.align_bytes)
-    return dataclasses.replace(config, bucket_bytes=need)
 
 
 class Reference:
@@ -191,8 +116,8 @@ class Reference:
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
         self._in_place: list[list | None] = []  # per bucket: chunks encoded from the trainer's tensors
-        # the next bucket's changes, found while this one's bytes cross (Note [the next bucket's compare
-        # overlaps this one's copy] in raysync.core.delta_encode): (bucket, its changes)
+        # the changes of the next two buckets, found while a bucket's bytes cross (Notes [the next bucket's
+        # compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode), by bucket
         self._ahead: dict[int, Changes] = {}
         self.found_ahead = 0  # buckets of this push whose changes were found so
 
@@ -305,6 +230,7 @@ class Reference:
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
         changes = self._ahead.pop(k, None)
+        slot = k % 2 if self._looks_ahead else 0  # Note [two buckets in flight] in raysync.core.delta_encode
         in_place = self._read_in_place(k)
         sparse = False
         if changes is None:
@@ -327,9 +253,7 @@ class Reference:
             advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
             changes=changes,
             then=lambda: self._find_ahead(k),
-            slot=k % 2
-            if self._looks_ahead
-            else 0,  # Note [two buckets in flight] in raysync.core.delta_encode
+            slot=slot,
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
         ref.sparse[k] = density is not None and density <= SPARSE_DENSITY

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
-    from raysync.core.delta_push import DeltaStats
+    from raysync.core.delta_stats import DeltaStats
     from raysync.core.sink import Sink
     from raysync.core.wire import TensorSpec
 
@@ -22,7 +22,7 @@ class PushReport:
     tensors: int
     seconds: float
     skipped: bool = False  # the receiver had this version already
-    # SyncConfig.delta (raysync.core.delta_push.DeltaStats): ``bytes`` is their sum; a full push is all full
+    # SyncConfig.delta (raysync.core.delta_stats.DeltaStats): ``bytes`` is their sum; a full push is all full
     sent_as_delta: int = 0  # headers, tables, changed elements with their positions
     sent_as_full: int = 0  # tensor bytes sent whole
     density: float | None = None  # changed elements / elements (delta pushes, on the sender)

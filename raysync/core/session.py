@@ -38,7 +38,8 @@ import torch
 from raysync.core.agreement import SenderLayout
 from raysync.core.config import SyncConfig
 from raysync.core.control import SenderChannel
-from raysync.core.delta_push import Reference, ring_config
+from raysync.core.delta_buffers import ring_config
+from raysync.core.delta_push import Reference
 from raysync.core.errors import RaysyncError, RemoteError
 from raysync.core.fanout import Fanout
 from raysync.core.report import PushReport

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel, SenderChannel
 from raysync.core.delta import used_bytes
-from raysync.core.delta_push import buffer_bytes, table_bytes
+from raysync.core.delta_buffers import buffer_bytes, table_bytes
 from raysync.core.errors import BadDelta, RaysyncError, SchemaError
 from raysync.core.fanout import Fanout
 from raysync.core.plan import Bucket, plan_buckets
