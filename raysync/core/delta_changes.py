@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from raysync.core import delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class Listing:
     masks: list[torch.Tensor | None]  # the bucket's, one per chunk (None: no reference)
     based: list[torch.Tensor]  # those that are not None, one after the other in the span
     layout: SpanLayout | None
-    index: torch.Tensor | None  # the span's entries, increasing, then fill values up to ``cap``
+    index: torch.Tensor | None  # the span's entries, increasing, then (up to ``cap``) fills or nothing set
     cap: int
     crossing: torch.Tensor | None  # the cuts, then the forced counts: on the host once ``ready``
     ready: torch.cuda.Event | None  # None: ``crossing`` is on the host already
@@ -177,22 +178,44 @@ class Listing:
     ) -> tuple[list[tuple[int, int] | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Per mask: (changed, forced), its entries' indices and gaps (None for a counted span's, which lists
         its chunks as a counted bucket's are)."""
+        counts, entries = self.wait()
+        if entries is None:
+            return counts, [None] * len(self.masks), [None] * len(self.masks)
+        listed, gaps = entries.split()
+        return counts, _spread(self.masks, listed), _spread(self.masks, gaps)
+
+    def wait(self) -> tuple[list[tuple[int, int] | None], Entries | None]:
+        """Per mask: (changed, forced); and the bucket's entries, or None for a span that had more than the
+        cap (counted instead: its chunks are listed as a counted bucket's are)."""
         masks, based, layout = self.masks, self.based, self.layout
         if not based:
-            return [None] * len(masks), [None] * len(masks), [None] * len(masks)
+            return [None] * len(masks), None
         if self.ready is not None:
             self.ready.synchronize()
         host = self.crossing.tolist()
         cut, forced_n = host[: len(based) + 1], host[len(based) + 1 :]
         if cut[-1] >= self.cap:  # the listing may have missed entries: count (the forced entries are set)
             counted = [(c - f, f) for (c, _), f in zip(host_counts(based), forced_n, strict=True)]
-            return _spread(masks, counted), [None] * len(masks), [None] * len(masks)
-        entries = self.index[: cut[-1]]
-        gaps = _gaps(entries, cut, layout.starts_host)
+            return _spread(masks, counted), None
         counts = [(cut[j + 1] - cut[j] - f, f) for j, f in enumerate(forced_n)]
-        listed = [entries[cut[j] : cut[j + 1]] - layout.starts_host[j] for j in range(len(based))]
-        gap_list = [gaps[cut[j] : cut[j + 1]] for j in range(len(based))]
-        return _spread(masks, counts), _spread(masks, listed), _spread(masks, gap_list)
+        return _spread(masks, counts), Entries(self.index[: cut[-1]], cut, layout.starts_host)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """A listed bucket's entries: their increasing indices in the span, where each based chunk's entries begin
+    (and their end), and where each based chunk begins in the span (and its end)."""
+
+    index: torch.Tensor
+    cut: list[int]
+    starts: tuple[int, ...]
+
+    def split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per based chunk, its entries' indices within it and their gaps as its GAPS payload holds them."""
+        cut, starts = self.cut, self.starts
+        gaps = _gaps(self.index, cut, starts)
+        listed = [self.index[cut[j] : cut[j + 1]] - starts[j] for j in range(len(cut) - 1)]
+        return listed, [gaps[cut[j] : cut[j + 1]] for j in range(len(cut) - 1)]
 
 
 def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: dict | None = None) -> Listing:
@@ -212,8 +235,13 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     forced.index_add_(0, layout.chunk_of_forced, unset.long())
     span[layout.forced] = True
     cap = _listing_cap(span.numel(), len(based))
-    index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
-    cuts = torch.searchsorted(index, layout.starts)
+    if delta_kernels.available(span.device):  # Note [fused delta kernels]
+        index, cuts = delta_kernels.list_span(span, cap, layout.starts)
+    else:
+        index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(
+            -1
+        )  # increasing, then fills
+        cuts = torch.searchsorted(index, layout.starts)
     host, ready = torch.cat([cuts, forced]), None
     if host.is_cuda:
         host = host.to("cpu", non_blocking=True)  # into pinned memory

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raysync.core import delta_kernels
 from raysync.core.delta import (
     GAP_SPAN,
     HEADER_BYTES,
@@ -85,7 +86,7 @@ from raysync.core.delta import (
     capacity,
     gaps_bytes,
 )
-from raysync.core.delta_changes import Listing, compare, host_counts, indices, start_listing
+from raysync.core.delta_changes import Entries, Listing, compare, host_counts, indices, start_listing
 from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
 
@@ -136,12 +137,16 @@ class Changes:
     listed: list[torch.Tensor | None] | None
     gaps: list[torch.Tensor | None] | None  # a listed chunk's gaps, int16 as its payload holds them
     listing: Listing | None = None  # a listing not waited for yet (``find_changes(wait=False)``)
+    entries: Entries | None = None  # a listed bucket's, written by delta_kernels (``listed``, ``gaps``: None)
 
     def ready(self) -> Changes:
         """The counts, listings and gaps, waiting for a listing under way (its one host sync)."""
-        if self.listing is not None:
+        if self.listing is not None and delta_kernels.available(self.device):  # Note [fused delta kernels]
+            self.counts, self.entries = self.listing.wait()
+            self.listed = self.gaps = [None] * len(self.masks)
+        elif self.listing is not None:
             self.counts, self.listed, self.gaps = self.listing.result()
-            self.listing = None
+        self.listing = None
         return self
 
 
@@ -231,17 +236,24 @@ def encode(
     _write_words(out, header + [w for row in rows for w in row])  # from the host, straight into ``out``
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = _CopyOut(out, target, offset, space) if target is not out else None
+    offsets = []
+    for code in codes:
+        offsets.append(offset)
+        offset = _align(offset + code.payload_bytes)
+    fused = changes.entries is not None and target.device == device
     try:
-        for code, (old, new), mask, index, gaps in zip(
-            codes, views, masks, changes.listed, changes.gaps, strict=True
+        if fused:  # every GAPS payload at once, queued before the copies that read them
+            delta_kernels.write_listed(codes, views, offsets, changes.entries, target, advance)
+        for code, (old, new), mask, index, gaps, start in zip(
+            codes, views, masks, changes.listed, changes.gaps, offsets, strict=True
         ):
-            region = target[offset : offset + code.payload_bytes]
-            index = _write_payload(code, new, mask, index, gaps, region)
-            if advance and old is not None:
-                _advance(code, old, index, region)
-            offset = _align(offset + code.payload_bytes)
+            if not (fused and code.mode == Mode.GAPS):
+                region = target[start : start + code.payload_bytes]
+                index = _write_payload(code, new, mask, index, gaps, region)
+                if advance and old is not None:
+                    _advance(code, old, index, region)
             if copy is not None:
-                copy.written(min(offset, used))
+                copy.written(min(_align(start + code.payload_bytes), used))
     except BaseException:
         if copy is not None:  # no copy in flight into ``out`` (or out of the workspace) once encode returns
             copy.drain()

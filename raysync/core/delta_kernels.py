@@ -1,0 +1,160 @@
+"""Triton kernels for a listed bucket's delta on a CUDA device (raysync.core.delta_changes lists with them,
+raysync.core.delta_encode writes with them), used when Triton imports (it comes with torch's CUDA builds);
+without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
+
+    index, cuts = list_span(span, cap, starts)    # the increasing indices of a bool span's True elements
+    write_gaps(entries, rows, itemsize)            # GAPS payloads' gaps and values, the references advanced
+
+# Note [fused delta kernels]
+# Profiled on an H200 (a 7B delta push over shm at 5.7% changed, docs/results/delta_push_shm_h200_stages_76e65fb
+# .txt), the sender's kernels ran ~54 ms besides the 32 ms copy to the host: nonzero_static 21.5 ms (0.67 ms a
+# 512 MB bucket, where reading its 256 MB mask takes ~0.07 ms), then per chunk the values' gather (5.9 ms), the
+# reference's scatter (7.5 ms), the indices made relative (sub, 3.9 ms) and the gaps' passes; and the sender's
+# thread spent 97 ms launching ~70 operations a bucket. Here a bucket's listing is three passes that read its
+# mask at memory speed (``list_span``: each block of BLOCK mask bytes counted; an exclusive cumsum of the counts
+# gives each block's first place; each block writes its entries' indices there, ranked by a cumsum within the
+# block; the cuts at the chunks' starts are the same sums). And all of a bucket's GAPS payloads are written by
+# one kernel (``write_gaps``): per entry its gap from the entry before it in its chunk, its value, and the
+# reference's element, in one pass over the listing, from a table of each chunk's addresses (made on the host
+# once the modes are chosen, crossing with the launch). What a payload holds is what torch's path writes
+# (tests/test_delta_gpu.py compares them byte for byte).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from raysync.core.delta import Mode, _align
+
+try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without it use torch's kernels
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+BLOCK = 4096  # mask bytes a listing block reads
+WRITE_BLOCK = 1024  # entries a write block takes
+ROW_WORDS = 7  # a write table's row: first entry, entries, chunk start, new, reference, gaps, values
+
+
+def available(device: torch.device | None) -> bool:
+    """Whether a bucket on ``device`` is listed and written by these kernels."""
+    return (
+        triton is not None
+        and device is not None
+        and device.type == "cuda"
+        and os.environ.get("RAYSYNC_DELTA_KERNELS", "1") != "0"
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _count_blocks(mask_ptr, n, counts_ptr, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        tl.store(counts_ptr + b, tl.sum(m, axis=0).to(tl.int64))
+
+    @triton.jit
+    def _list_blocks(mask_ptr, n, before_ptr, out_ptr, cap, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        place = tl.load(before_ptr + b) + (tl.cumsum(m, axis=0) - m).to(tl.int64)
+        tl.store(out_ptr + place, offs, mask=(m != 0) & (place < cap))
+
+    @triton.jit
+    def _cut_at(mask_ptr, starts_ptr, before_ptr, cuts_ptr, BLOCK: tl.constexpr):
+        j = tl.program_id(0)
+        start = tl.load(starts_ptr + j)
+        b = start // BLOCK
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        m = tl.load(mask_ptr + offs, mask=offs < start, other=0).to(tl.int32)
+        tl.store(cuts_ptr + j, tl.load(before_ptr + b) + tl.sum(m, axis=0).to(tl.int64))
+
+    @triton.jit
+    def _write_gaps(entries_ptr, table_ptr, WORD: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
+        row = table_ptr + tl.program_id(1) * 7
+        first, count, start = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = k < count
+        at = tl.load(entries_ptr + first + k, mask=live, other=0) - start
+        before = tl.load(entries_ptr + first + k - 1, mask=live & (k > 0), other=start - 1) - start
+        gaps = tl.load(row + 5).to(tl.pointer_type(tl.int16))
+        tl.store(gaps + k, (at - before - 1 - 32768).to(tl.int16), mask=live)
+        new = tl.load(row + 3).to(tl.pointer_type(WORD))
+        value = tl.load(new + at, mask=live)
+        values = tl.load(row + 6).to(tl.pointer_type(WORD))
+        tl.store(values + k, value, mask=live)
+        if ADVANCE:
+            reference = tl.load(row + 4).to(tl.pointer_type(WORD))
+            tl.store(reference + at, value, mask=live)
+
+    _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def list_span(span: torch.Tensor, cap: int, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The increasing indices of ``span``'s True elements (a 1-d bool tensor), the first ``cap`` of them in
+    an int64 tensor of ``cap`` (what lies past the count is undefined), and per element of ``starts`` (int64,
+    increasing, at most the span's size) how many entries lie before it: cut at the span's end, the count.
+    No host sync (Note [fused delta kernels])."""
+    n = span.numel()
+    blocks = max(1, triton.cdiv(n, BLOCK))
+    bits = span.view(torch.uint8)
+    counts = torch.empty(blocks, dtype=torch.int64, device=span.device)
+    _count_blocks[(blocks,)](bits, n, counts, BLOCK=BLOCK)
+    before = torch.zeros(blocks + 1, dtype=torch.int64, device=span.device)
+    torch.cumsum(counts, 0, out=before[1:])
+    index = torch.empty(cap, dtype=torch.int64, device=span.device)
+    _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=BLOCK)
+    cuts = torch.empty(starts.numel(), dtype=torch.int64, device=span.device)
+    _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=BLOCK)
+    return index, cuts
+
+
+def write_listed(codes, views, offsets: list[int], entries, target: torch.Tensor, advance: bool) -> None:
+    """Every GAPS payload of a listed bucket into ``target`` (on the chunks' device) at its offset:
+    ``codes``, ``views`` (reference, new: word views) and ``offsets`` per chunk; ``entries``: the bucket's
+    listing (raysync.core.delta_changes.Entries), one range per chunk with a reference. One launch per word
+    size."""
+    rows: dict[int, list[list[int]]] = {}
+    based = 0
+    for code, (old, new), offset in zip(codes, views, offsets, strict=True):
+        if old is None:
+            continue
+        if code.mode == Mode.GAPS:
+            first, start = entries.cut[based], entries.starts[based]
+            assert entries.cut[based + 1] - first == code.entries, "a chunk's entries are not its listing's"
+            at = target.data_ptr() + offset
+            row = [
+                first,
+                code.entries,
+                start,
+                new.data_ptr(),
+                old.data_ptr(),
+                at,
+                at + _align(2 * code.entries),
+            ]
+            rows.setdefault(code.itemsize, []).append(row)
+        based += 1
+    for itemsize, same in rows.items():
+        write_gaps(entries.index, same, itemsize, advance)
+
+
+def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, advance: bool) -> None:
+    """Write GAPS payloads, one per row of ``rows``: [first entry in ``entries``, entries, the chunk's first
+    index in the span, address of its new values, of its reference, of the payload's gaps, of its values]
+    (addresses on ``entries``' device; words of ``itemsize`` bytes): each entry's gap as the payload stores it
+    (raysync.core.delta, Note [delta pushes]), its new value, and with ``advance`` the reference's element
+    set to it. One launch for all the rows."""
+    if not rows:
+        return
+    table = torch.tensor(rows, dtype=torch.int64)
+    if entries.is_cuda:  # crosses with the launch, from pinned memory (torch keeps it until the copy ran)
+        table = table.pin_memory().to(entries.device, non_blocking=True)
+    most = max(r[1] for r in rows)
+    grid = (max(1, triton.cdiv(most, WRITE_BLOCK)), len(rows))
+    _write_gaps[grid](entries, table, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK)

@@ -1,0 +1,100 @@
+"""The fused delta kernels (raysync.core.delta_kernels, Note [fused delta kernels]) write what torch's path
+writes, byte for byte, and advance the references the same way: on a GPU compiled, and wherever Triton
+imports through its interpreter on the CPU (a child process: the interpreter is chosen at import)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raysync.core import delta, delta_changes, delta_encode, delta_kernels
+
+HERE = Path(__file__).parent
+
+
+def bucket(device: str) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """(reference, new) pairs of mixed widths and densities: sparse bf16 chunks longer than a gap's span (forced
+    entries), a changed first and last element, fp8-wide and fp32 chunks, a dense chunk (FULL), an unchanged
+    one (SAME) and one without a reference (FULL)."""
+    g = torch.Generator().manual_seed(7)
+    specs = [
+        (torch.bfloat16, 200_003, 0.05),
+        (torch.bfloat16, 4096, 0.0),
+        (torch.int8, 70_001, 0.03),
+        (torch.float32, 9_999, 0.10),
+        (torch.bfloat16, 8192, 0.9),
+        (torch.bfloat16, 131_072 * 2, 0.001),
+    ]
+    pairs = []
+    for dtype, n, density in specs:
+        old = torch.randint(-100, 100, (n,), generator=g).to(dtype)
+        new = old.clone()
+        changed = torch.rand(n, generator=g) < density
+        if density:
+            changed[0] = changed[-1] = True
+        new[changed] += 1
+        pairs.append((old.to(device), new.to(device)))
+    pairs.insert(3, (None, torch.randn(5000, generator=g).to(device)))
+    return pairs
+
+
+def listed_changes(pairs, space, fused: bool) -> delta_encode.Changes:
+    """The bucket's changes found the GPU's way (a listing), with or without the kernels."""
+    views = [(None if o is None else delta._bits(o, "reference"), delta._bits(n, "new")) for o, n in pairs]
+    masks, span = delta_changes.compare(views, True, space, pairs[0][1].device)
+    os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
+    listing = delta_changes.start_listing(masks, span, space.spans)
+    return delta_encode.Changes(views, span.device, True, masks, None, None, None, listing)
+
+
+def compare_paths(device: str, interpreted: bool = False) -> None:
+    """Encode one bucket with torch's kernels and with the fused ones: the same bytes, the same references."""
+    if interpreted:  # the kernels run on CPU tensors through Triton's interpreter
+        delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
+    results = []
+    for fused in (False, True):
+        pairs = [(None if o is None else o.clone(), n) for o, n in bucket(device)]
+        sizes = [[(n.numel(), n.element_size()) for _, n in pairs]]
+        space = delta_encode.Workspace.for_buckets(sizes, torch.device(device))
+        out = torch.zeros(delta.capacity(sizes[0]), dtype=torch.uint8, device=device)
+        changes = listed_changes(pairs, space, fused)
+        code = delta_encode.encode(pairs, out, base_version=3, space=space, advance=True, changes=changes)
+        assert (changes.entries is not None) == fused
+        results.append((code, out[: code.nbytes].cpu(), [None if o is None else o.cpu() for o, _ in pairs]))
+    (torch_code, torch_bytes, torch_refs), (code, got, refs) = results
+    modes = [c.mode for c in code.chunks]
+    assert modes == [c.mode for c in torch_code.chunks]
+    assert {delta.Mode.GAPS, delta.Mode.FULL, delta.Mode.SAME} <= set(modes)
+    assert torch.equal(got, torch_bytes)
+    for r, t, (_, n) in zip(refs, torch_refs, bucket("cpu"), strict=True):
+        assert (r is None and t is None) or (torch.equal(r, t) and torch.equal(r.view(-1), n.view(-1)))
+    held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket("cpu")]
+    delta.decode(got, held, held_version=3)  # and it decodes onto the old bytes into the new ones
+    assert all(torch.equal(h, n) for h, (_, n) in zip(held, bucket("cpu"), strict=True))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tritons_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, "-c", "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch):
+    monkeypatch.setenv("RAYSYNC_DELTA_KERNELS", "1")
+    compare_paths("cuda")
