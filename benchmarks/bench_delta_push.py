@@ -60,6 +60,7 @@ import torch
 from common import emit, timed
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core import delta as raysync_delta
 from raysync.core import digest
 from raysync.tools.models import LAYOUTS
 
@@ -118,10 +119,22 @@ class Trainer:
 
 
 def engine(
-    kind: str, where, secret, config: SyncConfig, named_shapes, device: str, pushes: int, out, inbox, threads
+    kind: str,
+    where,
+    secret,
+    config: SyncConfig,
+    named_shapes,
+    device: str,
+    pushes: int,
+    out,
+    inbox,
+    threads,
+    profiled: int | None = None,
 ):
-    """The engine: bf16 tensors on ``device``, ``pushes`` receives, then the digests of what it holds; for the
-    collective, then broadcasts of the sizes the sender asks for (its floor)."""
+    """The engine: bf16 tensors on ``device``, ``pushes`` receives, then the digests of what it holds, and per
+    receive its seconds and those spent in ``delta.decode`` (the receiver's thread, its syncs included), and
+    torch.profiler's table of receive number ``profiled``; for the collective, then broadcasts of the sizes
+    the sender asks for (its floor)."""
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -136,10 +149,29 @@ def engine(
         receiver = group.join()
     else:
         receiver = WeightReceiver(where, secret, config)
+    decoding, decode = [0.0], raysync_delta.decode
+
+    def timed_decode(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return decode(*a, **k)
+        finally:
+            decoding[0] += time.perf_counter() - t0
+
+    raysync_delta.decode = timed_decode  # the benchmark's instrument: the sink calls delta.decode
+    times, table = [], None
     try:
-        for _ in range(pushes):
-            receiver.receive(into=dest)
-        out.put(digests(dest.values()))
+        for i in range(pushes):
+            decoding[0] = 0.0
+            profiler = torch.profiler.profile() if i == profiled else contextlib.nullcontext()
+            with profiler:
+                t0 = time.perf_counter()
+                receiver.receive(into=dest)
+                times.append((time.perf_counter() - t0, decoding[0]))
+            if i == profiled:
+                sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+                table = profiler.key_averages().table(sort_by=sort, row_limit=25)
+        out.put((digests(dest.values()), times, table))
         if group is not None:
             sizes = inbox.get(timeout=600)
             flat = torch.empty(max([1] + [s for s, _ in sizes]), dtype=torch.uint8)
@@ -203,9 +235,22 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
     else:
         sender = WeightSender(secret, config)
         where, engine_device = sender.endpoint, args.device
+    profiled = pushes - 2 if args.profile and delta and kind == "shm" else None  # the last delta push
     proc = ctx.Process(
         target=engine,
-        args=(kind, where, secret, config, named_shapes, engine_device, pushes, out, inbox, args.threads),
+        args=(
+            kind,
+            where,
+            secret,
+            config,
+            named_shapes,
+            engine_device,
+            pushes,
+            out,
+            inbox,
+            args.threads,
+            profiled,
+        ),
     )
     proc.start()
     rows = []
@@ -227,7 +272,12 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
                 version += 1
                 row["full"] = timed_push(sender, trainer, version, full=delta)
             rows.append(row)
-        got, want = answer(proc, out), trainer.digests()
+        (got, times, table), want = answer(proc, out), trainer.digests()
+        for r, (received, decoding) in zip(rows, times[1 :: 2 if delta else 1], strict=True):
+            if delta or rule:  # the receiver's side of each step's delta (or rule) push
+                r["delta" if delta else "rule"].update(receive_s=received, decode_s=decoding)
+        if table is not None:
+            print(f"--profile: the receiver's side of push v{version - 1}\n{table}", flush=True)
         if got != want:
             raise AssertionError(f"{kind}: the engine's weights differ from the trainer's bf16 bits")
         if group is not None:  # the floor's broadcasts, on the same group, both sides
@@ -373,6 +423,12 @@ def report(result: dict) -> None:
                 stages = r[what]["stages_s"]
                 line = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items())
                 print(f"{t['transport']:10}  {r['step']:4}  {what + ' push':10}  {line}")
+            if "decode_s" in r["delta"]:
+                d = r["delta"]
+                print(
+                    f"{t['transport']:10}  {r['step']:4}  {'receiver':10}  receive {d['receive_s'] * 1e3:.1f}  "
+                    f"in delta.decode {d['decode_s'] * 1e3:.1f} (its syncs included)"
+                )
     print("\nthe time rule (delta_by_time, its own session): what each push sent and why")
     for t in result["transports"]:
         for step, r in enumerate(t["rule"], 1):

@@ -74,9 +74,23 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
     assert torch.equal(got, torch_bytes)
     for r, t, (_, n) in zip(refs, torch_refs, bucket("cpu"), strict=True):
         assert (r is None and t is None) or (torch.equal(r, t) and torch.equal(r.view(-1), n.view(-1)))
-    held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket("cpu")]
-    delta.decode(got, held, held_version=3)  # and it decodes onto the old bytes into the new ones
-    assert all(torch.equal(h, n) for h, (_, n) in zip(held, bucket("cpu"), strict=True))
+    for fused in (False, True):  # it decodes onto the old bytes into the new ones, either way
+        os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
+        held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket(device)]
+        delta.decode(got.to(device), held, held_version=3)
+        assert all(torch.equal(h.cpu(), n) for h, (_, n) in zip(held, bucket("cpu"), strict=True))
+        # a last gap that runs past its destination: refused, and nothing written
+        hostile, first = got.clone(), code.chunks[0]
+        assert first.mode == delta.Mode.GAPS
+        start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))
+        hostile[start : start + 2 * first.entries].view(torch.int16)[-1] = 32767
+        held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket(device)]
+        with pytest.raises(delta.BadDelta, match="chunk 0: a delta writes element"):
+            delta.decode(hostile.to(device), held, held_version=3)
+        assert all(
+            torch.equal(h.cpu(), torch.zeros_like(n) if o is None else o)
+            for h, (o, n) in zip(held, bucket("cpu"), strict=True)
+        )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -76,6 +76,7 @@ from enum import IntEnum
 
 import torch
 
+from raysync.core import delta_kernels
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import Version, is_version
 
@@ -218,21 +219,29 @@ def decode(
     if len(devices) == 1 and buffer.device not in devices:  # cross once, with the bytes used only
         buffer = buffer[: code.nbytes].to(devices.pop())
     mark("copy in")
-    offset, work = _align(HEADER_BYTES + ROW_BYTES * len(dests)), []
+    offset, work, gapped = _align(HEADER_BYTES + ROW_BYTES * len(dests)), [], []
+    fused = delta_kernels.available(buffer.device)  # Note [fused delta kernels]
     for i, (c, dest) in enumerate(zip(code.chunks, dests, strict=True)):
         region = buffer[offset : offset + c.payload_bytes]
         offset = _align(offset + c.payload_bytes)
-        if c.mode == Mode.GAPS:
+        if c.mode == Mode.GAPS and fused and dest.device == buffer.device:
+            at = region.data_ptr()
+            gapped.append((i, dest.numel(), (c.entries, at, at + _align(2 * c.entries), dest)))
+        elif c.mode == Mode.GAPS:
             gaps = region[: 2 * c.entries].view(torch.int16).to(dest.device)
             index = gaps.to(torch.int64).add_(1 + 32768).cumsum_(0).sub_(1)  # gaps >= 1: strictly increasing
             values = region[_align(2 * c.entries) :].view(dest.dtype).to(dest.device)
             work.append((i, dest, index, values))
+            gapped.append((i, dest.numel(), index[-1]))
         elif c.mode == Mode.FULL:
             work.append((i, dest, None, region))
-    gapped = [(i, dest.numel(), index[-1]) for i, dest, index, _ in work if index is not None]
+    payloads = [last for _, _, last in gapped if isinstance(last, tuple)]
+    kernels = delta_kernels.GapsApply(payloads) if payloads else None
     mark("index")
-    lasts = _to_host([last for _, _, last in gapped])
+    ends = iter(kernels.ends() if kernels is not None else [])  # the last index + 1 of each
+    lasts = _to_host([None if isinstance(last, tuple) else last for _, _, last in gapped])
     for (i, numel, _), last in zip(gapped, lasts, strict=True):
+        last = next(ends) - 1 if last is None else last
         if last >= numel:
             raise BadDelta(f"chunk {i}: a delta writes element {last} of a destination of {numel} elements")
     mark("check")
@@ -241,6 +250,8 @@ def decode(
             dest.view(torch.uint8).copy_(values)
         else:
             dest.index_copy_(0, index, values)
+    if kernels is not None:
+        kernels.run()
     mark("apply")
     return code
 

@@ -243,7 +243,12 @@ def encode(
     fused = changes.entries is not None and target.device == device
     try:
         if fused:  # every GAPS payload at once, queued before the copies that read them
-            delta_kernels.write_listed(codes, views, offsets, changes.entries, target, advance)
+            at = [target.data_ptr() + o for o in offsets]
+            payloads = [
+                (c.entries, a, a + _align(2 * c.entries)) if c.mode == Mode.GAPS else None
+                for c, a in zip(codes, at, strict=True)
+            ]
+            delta_kernels.write_listed(views, payloads, changes.entries, advance)
         for code, (old, new), mask, index, gaps, start in zip(
             codes, views, masks, changes.listed, changes.gaps, offsets, strict=True
         ):

@@ -26,8 +26,6 @@ import os
 
 import torch
 
-from raysync.core.delta import Mode, _align
-
 try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without it use torch's kernels
     import triton
     import triton.language as tl
@@ -50,15 +48,16 @@ def available(device: torch.device | None) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
+    # the sizes are not specialized on (Triton compiles a variant per divisibility of each int argument):
+    # the kernels ``warm`` compiles at set-up are those every bucket launches
+    @triton.jit(do_not_specialize=["n"])
     def _count_blocks(mask_ptr, n, counts_ptr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
         tl.store(counts_ptr + b, tl.sum(m, axis=0).to(tl.int64))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "cap"])
     def _list_blocks(mask_ptr, n, before_ptr, out_ptr, cap, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -93,7 +92,58 @@ if triton is not None:
             reference = tl.load(row + 4).to(tl.pointer_type(WORD))
             tl.store(reference + at, value, mask=live)
 
+    @triton.jit(do_not_specialize=["blocks"])
+    def _gap_sums(table_ptr, sums_ptr, blocks, BLOCK: tl.constexpr):
+        r, b = tl.program_id(1), tl.program_id(0)
+        row = table_ptr + r * 4
+        k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = k < tl.load(row)
+        gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+        step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
+        tl.store(sums_ptr + r * blocks + b, tl.sum(step, axis=0))
+
+    @triton.jit(do_not_specialize=["blocks"])
+    def _apply_gaps(table_ptr, ends_ptr, blocks, WORD: tl.constexpr, BLOCK: tl.constexpr):
+        r, b = tl.program_id(1), tl.program_id(0)
+        row = table_ptr + r * 4
+        k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = k < tl.load(row)
+        gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+        step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
+        before = tl.load(ends_ptr + r * blocks + b - 1, mask=b > 0, other=0)
+        at = before + tl.cumsum(step, axis=0) - 1
+        values = tl.load(row + 2).to(tl.pointer_type(WORD))
+        dest = tl.load(row + 3).to(tl.pointer_type(WORD))
+        tl.store(dest + at, tl.load(values + k, mask=live), mask=live)
+
     _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
+    """Compile the kernels a delta push on ``device`` launches (or load them from Triton's cache), for words
+    of ``itemsizes`` bytes: the encoder's (``encode``) or the decoder's. At set-up, not in the first delta
+    push (where compiling took 0.8 s on an H200, and the time rule would measure it): once per process."""
+    key = (device, frozenset(itemsizes), encode)
+    if not available(device) or key in _warm:
+        return
+    span = torch.zeros(BLOCK + 1, dtype=torch.bool, device=device)
+    span[[0, BLOCK]] = True
+    index, _ = list_span(span, 4, torch.tensor([0, BLOCK + 1], dtype=torch.int64, device=device))
+    for itemsize in sorted(set(itemsizes)):
+        new, reference, gaps, values = torch.zeros(4, BLOCK + 1, dtype=_DTYPES[itemsize], device=device)
+        if encode:
+            row = [0, 2, 0, new.data_ptr(), reference.data_ptr(), gaps.data_ptr(), values.data_ptr()]
+            write_gaps(index, [row], itemsize, advance=True)
+        else:
+            apply = GapsApply([(1, gaps.data_ptr(), values.data_ptr(), new)])
+            apply.ends()
+            apply.run()
+    torch.cuda.synchronize(device)
+    _warm.add(key)
+
+
+_warm: set = set()
 
 
 def list_span(span: torch.Tensor, cap: int, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,30 +165,22 @@ def list_span(span: torch.Tensor, cap: int, starts: torch.Tensor) -> tuple[torch
     return index, cuts
 
 
-def write_listed(codes, views, offsets: list[int], entries, target: torch.Tensor, advance: bool) -> None:
-    """Every GAPS payload of a listed bucket into ``target`` (on the chunks' device) at its offset:
-    ``codes``, ``views`` (reference, new: word views) and ``offsets`` per chunk; ``entries``: the bucket's
-    listing (raysync.core.delta_changes.Entries), one range per chunk with a reference. One launch per word
-    size."""
+def write_listed(views, payloads, entries, advance: bool) -> None:
+    """Every GAPS payload of a listed bucket: per chunk its (reference, new) word views and its payload's
+    (entries, address of its gaps, of its values) on the chunks' device, or None for a chunk that goes
+    another way; ``entries``: the bucket's listing (raysync.core.delta_changes.Entries), one range per
+    chunk with a reference. One launch per word size."""
     rows: dict[int, list[list[int]]] = {}
     based = 0
-    for code, (old, new), offset in zip(codes, views, offsets, strict=True):
+    for (old, new), payload in zip(views, payloads, strict=True):
         if old is None:
             continue
-        if code.mode == Mode.GAPS:
+        if payload is not None:
+            count, gaps, values = payload
             first, start = entries.cut[based], entries.starts[based]
-            assert entries.cut[based + 1] - first == code.entries, "a chunk's entries are not its listing's"
-            at = target.data_ptr() + offset
-            row = [
-                first,
-                code.entries,
-                start,
-                new.data_ptr(),
-                old.data_ptr(),
-                at,
-                at + _align(2 * code.entries),
-            ]
-            rows.setdefault(code.itemsize, []).append(row)
+            assert entries.cut[based + 1] - first == count, "a chunk's entries are not its listing's"
+            row = [first, count, start, new.data_ptr(), old.data_ptr(), gaps, values]
+            rows.setdefault(new.element_size(), []).append(row)
         based += 1
     for itemsize, same in rows.items():
         write_gaps(entries.index, same, itemsize, advance)
@@ -152,9 +194,47 @@ def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, adva
     set to it. One launch for all the rows."""
     if not rows:
         return
-    table = torch.tensor(rows, dtype=torch.int64)
-    if entries.is_cuda:  # crosses with the launch, from pinned memory (torch keeps it until the copy ran)
-        table = table.pin_memory().to(entries.device, non_blocking=True)
+    table = _to_device(rows, entries.device)
     most = max(r[1] for r in rows)
     grid = (max(1, triton.cdiv(most, WRITE_BLOCK)), len(rows))
     _write_gaps[grid](entries, table, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK)
+
+
+class GapsApply:
+    """GAPS payloads decoded on a CUDA device (the receiver's half, raysync.core.delta.decode): per payload
+    (entries, address of its gaps, of its values, its destination, all on one device). Made: each block of
+    entries' index sum queued; ``ends`` (one host sync): per payload its last index + 1, to be checked
+    before ``run`` writes anything (gaps are at least 1: the indices increase strictly, the last is the
+    largest); ``run``: every destination's elements written, one launch per word size."""
+
+    def __init__(self, payloads: list[tuple[int, int, int, torch.Tensor]]):
+        by_size: dict[int, list[int]] = {}
+        for i, (_, _, _, dest) in enumerate(payloads):
+            by_size.setdefault(dest.element_size(), []).append(i)
+        self.groups, self.order = [], [i for same in by_size.values() for i in same]
+        for itemsize, same in by_size.items():
+            rows = [[payloads[i][0], payloads[i][1], payloads[i][2], payloads[i][3].data_ptr()] for i in same]
+            device = payloads[same[0]][3].device
+            table = _to_device(rows, device)
+            blocks = max(1, triton.cdiv(max(r[0] for r in rows), WRITE_BLOCK))
+            sums = torch.empty(len(rows), blocks, dtype=torch.int64, device=device)
+            _gap_sums[(blocks, len(rows))](table, sums, blocks, BLOCK=WRITE_BLOCK)
+            self.groups.append((itemsize, table, sums.cumsum_(1), blocks, len(rows)))
+
+    def ends(self) -> list[int]:
+        """Per payload, in the order given: its last index + 1 (0 without entries)."""
+        crossed = torch.cat([ends[:, -1] for _, _, ends, _, _ in self.groups]).tolist()
+        out = [0] * len(crossed)
+        for i, end in zip(self.order, crossed, strict=True):
+            out[i] = end
+        return out
+
+    def run(self) -> None:
+        for itemsize, table, ends, blocks, rows in self.groups:
+            _apply_gaps[(blocks, rows)](table, ends, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
+
+
+def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """An int64 table, crossing with the launches (from pinned memory, which torch keeps until the copy ran)."""
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table

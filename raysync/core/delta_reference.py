@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raysync.core import delta
+from raysync.core import delta, delta_kernels
 from raysync.core.delta_encode import Workspace
 from raysync.core.plan import Bucket, align_up
 from raysync.core.wire import DTYPES, TensorSpec
@@ -61,6 +61,7 @@ class ReferenceBytes:
             self.space.staging(max((delta.capacity(c) for c in chunks), default=0), device)
         self.scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
         self.space.touch()
+        delta_kernels.warm(device, {size for c in chunks for _, size in c})  # Note [fused delta kernels]
         self.pairs = [
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raysync.core import delta, digest
+from raysync.core import delta, delta_kernels, digest
 from raysync.core.copies import CopyList
 from raysync.core.delta import delta_applies
 from raysync.core.errors import LayoutError, WeightsMixed
@@ -121,6 +121,10 @@ class IntoTensors(Sink):
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
+        if self.takes_delta:  # Note [fused delta kernels]: compiled now, not in the first delta push
+            for device in self._devices:
+                sizes = {min(s.itemsize, 8) for s, t in zip(specs, final, strict=True) if t.device == device}
+                delta_kernels.warm(device, sizes, encode=False)
 
     def reset(self) -> None:
         self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
