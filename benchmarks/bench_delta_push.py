@@ -214,7 +214,7 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
     config = SyncConfig(
         transport="shm" if kind == "collective" else kind,
         bucket_bytes=args.bucket_mib.get(kind) * MiB,
-        num_buffers=2,
+        num_buffers=args.buffers,
         direct=False,
         cast_dtype="bfloat16",
         delta=delta or rule,
@@ -291,7 +291,13 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
     finally:
         (group or sender).close()
         proc.join(timeout=600)
-    return {"transport": kind, "delta": delta, "bucket_bytes": config.bucket_bytes, "steps": rows}
+    return {
+        "transport": kind,
+        "delta": delta,
+        "bucket_bytes": config.bucket_bytes,
+        "num_buffers": config.num_buffers,
+        "steps": rows,
+    }
 
 
 def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool = False) -> dict:
@@ -458,6 +464,7 @@ def main() -> None:
     p.add_argument("--shm-mib", type=int, default=None, help="shm bucket_bytes (default: 8 CPU, 512 GPU)")
     p.add_argument("--ipc-mib", type=int, default=2048, help="cuda_ipc ring bucket_bytes (one GPU)")
     p.add_argument("--gloo-mib", type=int, default=64, help="collective bucket_bytes")
+    p.add_argument("--buffers", type=int, default=2, help="num_buffers: the ring's buffers")
     p.add_argument(
         "--bf16-params", action="store_true", help="push bf16 weights cast from the master (in place)"
     )
