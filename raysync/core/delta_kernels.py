@@ -146,22 +146,24 @@ def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
 _warm: set = set()
 
 
-def list_span(span: torch.Tensor, cap: int, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def list_span(
+    span: torch.Tensor, cap: int, starts: torch.Tensor, block: int = BLOCK, warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The increasing indices of ``span``'s True elements (a 1-d bool tensor), the first ``cap`` of them in
     an int64 tensor of ``cap`` (what lies past the count is undefined), and per element of ``starts`` (int64,
     increasing, at most the span's size) how many entries lie before it: cut at the span's end, the count.
     No host sync (Note [fused delta kernels])."""
     n = span.numel()
-    blocks = max(1, triton.cdiv(n, BLOCK))
+    blocks = max(1, triton.cdiv(n, block))
     bits = span.view(torch.uint8)
     counts = torch.empty(blocks, dtype=torch.int64, device=span.device)
-    _count_blocks[(blocks,)](bits, n, counts, BLOCK=BLOCK)
+    _count_blocks[(blocks,)](bits, n, counts, BLOCK=block)
     before = torch.zeros(blocks + 1, dtype=torch.int64, device=span.device)
     torch.cumsum(counts, 0, out=before[1:])
     index = torch.empty(cap, dtype=torch.int64, device=span.device)
-    _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=BLOCK)
+    _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=block, num_warps=warps)
     cuts = torch.empty(starts.numel(), dtype=torch.int64, device=span.device)
-    _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=BLOCK)
+    _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=block)
     return index, cuts
 
 

@@ -1,0 +1,97 @@
+"""Benchmark: the fused delta kernels (raysync.core.delta_kernels, Note [fused delta kernels]) on one bucket,
+beside torch's operations they replace, on a CUDA device; the listing's block size and warps swept.
+
+    python benchmarks/bench_delta_kernels.py [--mb 512] [--density 0.05] [--json out.json]
+
+Rows (median ms of --repeats): the floor (one read of the bucket's bf16 mask bytes: a sum), torch's listing
+(nonzero_static with the cap, then searchsorted), the kernels' listing per (block, warps), the GAPS write of
+every entry (the kernel against torch's gather + the reference's index_copy_), and the receiver's apply (the
+kernels against torch's int64 cumsum + index_copy_)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import emit, timed_cuda
+
+from raysync.core import delta_kernels
+from raysync.core.delta_changes import _listing_cap
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=512, help="the bucket's bf16 bytes")
+    p.add_argument("--density", type=float, default=0.05)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    n = args.mb * 2**20 // 2
+    g = torch.Generator(device=device).manual_seed(0)
+    mask = torch.rand(n, device=device, generator=g) < args.density
+    entries = int(mask.sum())
+    cap = _listing_cap(n, 1)
+    starts = torch.tensor([0, n], dtype=torch.int64, device=device)
+    rows = {
+        "floor: sum of the mask's bytes": lambda: mask.view(torch.uint8).sum(dtype=torch.int32),
+        "torch: nonzero_static + searchsorted": lambda: torch.searchsorted(
+            torch.nonzero_static(mask, size=cap, fill_value=n).view(-1), starts
+        ),
+    }
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            rows[f"kernels: list_span block {block} warps {warps}"] = lambda b=block, w=warps: (
+                delta_kernels.list_span(mask, cap, starts, b, w)
+            )
+    index, _ = delta_kernels.list_span(mask, cap, starts)
+    index = index[:entries]
+    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=device)
+    reference = new.clone()
+    out = torch.empty(2 * entries + 16, dtype=torch.int16, device=device)
+    gaps, values = out[:entries], out[entries + 8 : 2 * entries + 8]
+    row = [0, entries, 0, new.data_ptr(), reference.data_ptr(), gaps.data_ptr(), values.data_ptr()]
+    rows["kernels: write_gaps (gaps, values, reference)"] = lambda: delta_kernels.write_gaps(
+        index, [row], 2, advance=True
+    )
+
+    def torch_write() -> None:
+        torch.index_select(new, 0, index, out=values)
+        reference.index_copy_(0, index, values)
+
+    rows["torch: gather values + reference index_copy_"] = torch_write
+    delta_kernels.write_gaps(index, [row], 2, advance=True)  # real gaps for the receiver's rows
+    dest = torch.empty_like(new)
+
+    def kernels_apply() -> None:
+        apply = delta_kernels.GapsApply([(entries, gaps.data_ptr(), values.data_ptr(), dest)])
+        apply.ends()
+        apply.run()
+
+    def torch_apply() -> None:
+        at = gaps.to(torch.int64).add_(1 + 32768).cumsum_(0).sub_(1)
+        int(at[-1])
+        dest.index_copy_(0, at, values)
+
+    rows["kernels: GapsApply (sums, one sync, apply)"] = kernels_apply
+    rows["torch: int64 cumsum, one sync, index_copy_"] = torch_apply
+    ms = {name: 1e3 * timed_cuda(fn, args.repeats) for name, fn in rows.items()}
+    kernels_apply()
+    assert torch.equal(dest[index], values), "the receiver's kernels put the values elsewhere"
+    print(f"{torch.cuda.get_device_name()}: {args.mb} MB bf16 bucket, {entries} entries ({entries / n:.2%})")
+    for name, t in ms.items():
+        print(f"{name:52s} {t:8.3f} ms")
+    emit(
+        {
+            "bucket_mb": args.mb,
+            "density": args.density,
+            "entries": entries,
+            "ms": ms,
+            "gpu": torch.cuda.get_device_name(),
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
