@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import gc
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -63,6 +64,8 @@ from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.core import delta as raysync_delta
 from raysync.core import digest
 from raysync.tools.models import LAYOUTS
+
+TRACE = "RAYSYNC_BENCH_TRACE"  # --trace's folder, for both processes
 
 MiB = 1 << 20
 
@@ -171,6 +174,8 @@ def engine(
             if i == profiled:
                 sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
                 table = profiler.key_averages().table(sort_by=sort, row_limit=25)
+                if os.environ.get(TRACE):  # --trace: the timeline too
+                    profiler.export_chrome_trace(os.path.join(os.environ[TRACE], "receiver.json"))
         out.put((digests(dest.values()), times, table))
         if group is not None:
             sizes = inbox.get(timeout=600)
@@ -312,6 +317,8 @@ def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool
         print(f"--profile: push v{version}, {seconds * 1e3:.1f} ms under the profiler")
         sort = "self_cuda_time_total" if trainer.params[0][1].is_cuda else "self_cpu_time_total"
         print(profiler.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+        if os.environ.get(TRACE):
+            profiler.export_chrome_trace(os.path.join(os.environ[TRACE], "sender.json"))
     stages = dict(sender._delta.clock.seconds) if sender._delta.clock.enabled else {}
     if stages:
         stages["rest"] = seconds - sum(stages.values())
@@ -476,8 +483,15 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="print torch.profiler's table of the last delta push over shm"
     )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="with --profile: write both sides' timelines (chrome traces) into this folder",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.trace:
+        os.environ[TRACE] = args.trace  # the engine's process inherits it
     if args.threads:
         torch.set_num_threads(args.threads)
     shm = args.shm_mib or (512 if args.device.startswith("cuda") else 8)

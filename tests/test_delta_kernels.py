@@ -97,12 +97,49 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
         )
 
 
+def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) -> None:
+    """A bucket of GAPS and SAME payloads only, decoded with ``unsettled``: right, or (indices past a
+    destination) nothing of it written and BadDelta at ``settle``, not before."""
+    if interpreted:
+        delta_kernels.available = lambda d: True
+    os.environ["RAYSYNC_DELTA_KERNELS"] = "1"
+    pairs = [p for i, p in enumerate(bucket("cpu")) if i in (0, 1, 2, 6)]  # sparse, SAME, fp8-wide, sparse
+    sizes = [(n.numel(), n.element_size()) for _, n in pairs]
+    out = torch.zeros(delta.capacity(sizes), dtype=torch.uint8)
+    code = delta_encode.encode(pairs, out, base_version=3)
+    assert {c.mode for c in code.chunks} == {delta.Mode.GAPS, delta.Mode.SAME}
+    start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))
+    hostile = out.clone()
+    hostile[start : start + 2 * code.chunks[0].entries].view(torch.int16)[-1] = 32767
+    for buffer, bad in ((out, False), (hostile, True)):
+        held = [o.clone().to(device) for o, _ in pairs]
+        unsettled: list = []
+        delta.decode(buffer, held, held_version=3, unsettled=unsettled)  # a host buffer, as from a ring
+        assert len(unsettled) == 1
+        if bad:
+            with pytest.raises(
+                delta.BadDelta,
+                match="chunk 0: a delta writes element .*none of its bucket's payloads was written",
+            ):
+                delta.settle(unsettled)
+            assert all(torch.equal(h.cpu(), o) for h, (o, _) in zip(held, pairs, strict=True))
+        else:
+            delta.settle(unsettled)
+            assert all(torch.equal(h.cpu(), n) for h, (_, n) in zip(held, pairs, strict=True))
+        assert not unsettled
+
+
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed (ci/test.sh installs it for this test)")
 def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tritons_interpreter():
     path = [str(HERE), *sys.path, str(APART)]  # the venv's own Triton first, if it has one
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
     run = subprocess.run(
-        [sys.executable, "-c", "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True)"],
+        [
+            sys.executable,
+            "-c",
+            "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True); "
+            "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True)",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -117,3 +154,4 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tr
 def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch):
     monkeypatch.setenv("RAYSYNC_DELTA_KERNELS", "1")
     compare_paths("cuda")
+    sparse_bucket_checked_on_the_device("cuda")

@@ -199,14 +199,18 @@ def decode(
     *,
     held_version: Version,
     mark: Callable[[str], None] | None = None,
+    unsettled: list | None = None,
 ) -> BucketCode:
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
     destination, every payload within the bytes used, every index within its destination, and the base
     version against ``held_version`` (BadDelta, BaseMismatch). Destinations on another device than
     ``buffer`` (a GPU engine reading a host ring) get the bytes used in one copy, then everything runs
-    there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``mark(stage)``
-    ends each stage when given (raysync.core.delta_rule.StageClock)."""
+    there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``unsettled``:
+    a bucket of GAPS payloads that the fused kernels write (Note [fused delta kernels]) is checked on the
+    device instead, where none of its payloads is written unless all fit, and the check is appended here for
+    ``settle`` (which raises the BadDelta): the bucket waits only for its copy in. ``mark(stage)`` ends each
+    stage when given (raysync.core.delta_rule.StageClock)."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
     code = _read_table(buffer, dests)
@@ -216,8 +220,12 @@ def decode(
         check_base(held_version, code.base_version)
     mark = mark or _no_mark
     devices = {d.device for d in dests}
+    copied = None
     if len(devices) == 1 and buffer.device not in devices:  # cross once, with the bytes used only
-        buffer = buffer[: code.nbytes].to(devices.pop())
+        buffer = buffer[: code.nbytes].to(devices.pop(), non_blocking=True)
+        if buffer.is_cuda:  # waited for before returning: the caller reuses the host buffer then
+            copied = torch.cuda.Event()
+            copied.record()
     mark("copy in")
     offset, work, gapped = _align(HEADER_BYTES + ROW_BYTES * len(dests)), [], []
     fused = delta_kernels.available(buffer.device)  # Note [fused delta kernels]
@@ -238,12 +246,12 @@ def decode(
     payloads = [last for _, _, last in gapped if isinstance(last, tuple)]
     kernels = delta_kernels.GapsApply(payloads) if payloads else None
     mark("index")
-    ends = iter(kernels.ends() if kernels is not None else [])  # the last index + 1 of each
-    lasts = _to_host([None if isinstance(last, tuple) else last for _, _, last in gapped])
-    for (i, numel, _), last in zip(gapped, lasts, strict=True):
-        last = next(ends) - 1 if last is None else last
-        if last >= numel:
-            raise BadDelta(f"chunk {i}: a delta writes element {last} of a destination of {numel} elements")
+    deferred = unsettled is not None and kernels is not None and not work  # only the kernels write
+    if not deferred:
+        ends = iter(kernels.ends() if kernels is not None else [])  # the last index + 1 of each
+        lasts = _to_host([None if isinstance(last, tuple) else last for _, _, last in gapped])
+        for (i, numel, _), last in zip(gapped, lasts, strict=True):
+            _check_last(i, next(ends) - 1 if last is None else last, numel)
     mark("check")
     for _, dest, index, values in work:  # nothing was written before this loop
         if index is None:
@@ -252,8 +260,31 @@ def decode(
             dest.index_copy_(0, index, values)
     if kernels is not None:
         kernels.run()
+    if deferred:
+        unsettled.append((kernels, [(i, numel) for i, numel, _ in gapped]))
+    if copied is not None:
+        copied.synchronize()
     mark("apply")
     return code
+
+
+def settle(unsettled: list) -> None:
+    """The checks that ``decode(..., unsettled=)`` left on the device, one host sync per device: BadDelta for
+    the first bucket whose indices ran past a destination (the kernels wrote none of its payloads)."""
+    checks, crossed = list(unsettled), {}
+    unsettled.clear()  # checked once, raising or not
+    for device in {kernels.lasts.device for kernels, _ in checks}:
+        mine = [kernels.lasts for kernels, _ in checks if kernels.lasts.device == device]
+        crossed[device] = iter(torch.cat(mine).tolist())
+    for kernels, chunks in checks:
+        lasts = [next(crossed[kernels.lasts.device]) for _ in chunks]
+        for (i, numel), end in zip(chunks, kernels.ends(lasts), strict=True):
+            _check_last(i, end - 1, numel, " (none of its bucket's payloads was written)")
+
+
+def _check_last(i: int, last: int, numel: int, more: str = "") -> None:
+    if last >= numel:
+        raise BadDelta(f"chunk {i}: a delta writes element {last} of a destination of {numel} elements{more}")
 
 
 def _no_mark(stage: str) -> None:

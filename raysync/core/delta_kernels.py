@@ -95,7 +95,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["blocks"])
     def _gap_sums(table_ptr, sums_ptr, blocks, BLOCK: tl.constexpr):
         r, b = tl.program_id(1), tl.program_id(0)
-        row = table_ptr + r * 4
+        row = table_ptr + r * 5
         k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = k < tl.load(row)
         gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
@@ -103,11 +103,12 @@ if triton is not None:
         tl.store(sums_ptr + r * blocks + b, tl.sum(step, axis=0))
 
     @triton.jit(do_not_specialize=["blocks"])
-    def _apply_gaps(table_ptr, ends_ptr, blocks, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    def _apply_gaps(table_ptr, ends_ptr, fits_ptr, blocks, WORD: tl.constexpr, BLOCK: tl.constexpr):
         r, b = tl.program_id(1), tl.program_id(0)
-        row = table_ptr + r * 4
+        row = table_ptr + r * 5
         k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = k < tl.load(row)
+        count = tl.where(tl.load(fits_ptr) != 0, tl.load(row), 0)  # no row is written unless all of them fit
+        live = k < count
         gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
         before = tl.load(ends_ptr + r * blocks + b - 1, mask=b > 0, other=0)
@@ -205,9 +206,10 @@ def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, adva
 class GapsApply:
     """GAPS payloads decoded on a CUDA device (the receiver's half, raysync.core.delta.decode): per payload
     (entries, address of its gaps, of its values, its destination, all on one device). Made: each block of
-    entries' index sum queued; ``ends`` (one host sync): per payload its last index + 1, to be checked
-    before ``run`` writes anything (gaps are at least 1: the indices increase strictly, the last is the
-    largest); ``run``: every destination's elements written, one launch per word size."""
+    entries' index sum queued, and from them on the device each payload's last index + 1 (``lasts``) and
+    whether every one fits its destination (gaps are at least 1: the indices increase strictly, the last is
+    the largest). ``run``: every destination's elements written, one launch per word size, and nothing at all
+    unless every payload fits; ``ends`` (one host sync) says whether they did."""
 
     def __init__(self, payloads: list[tuple[int, int, int, torch.Tensor]]):
         by_size: dict[int, list[int]] = {}
@@ -215,17 +217,22 @@ class GapsApply:
             by_size.setdefault(dest.element_size(), []).append(i)
         self.groups, self.order = [], [i for same in by_size.values() for i in same]
         for itemsize, same in by_size.items():
-            rows = [[payloads[i][0], payloads[i][1], payloads[i][2], payloads[i][3].data_ptr()] for i in same]
+            rows = [[e, gaps, values, dest.data_ptr(), dest.numel()] for e, gaps, values, dest in payloads]
+            rows = [rows[i] for i in same]
             device = payloads[same[0]][3].device
             table = _to_device(rows, device)
             blocks = max(1, triton.cdiv(max(r[0] for r in rows), WRITE_BLOCK))
             sums = torch.empty(len(rows), blocks, dtype=torch.int64, device=device)
             _gap_sums[(blocks, len(rows))](table, sums, blocks, BLOCK=WRITE_BLOCK)
             self.groups.append((itemsize, table, sums.cumsum_(1), blocks, len(rows)))
+        self.lasts = torch.cat([ends[:, -1] for _, _, ends, _, _ in self.groups])  # in ``order``
+        numels = torch.cat([table[:, 4] for _, table, _, _, _ in self.groups])
+        self.fits = (self.lasts <= numels).all().view(torch.uint8)
 
-    def ends(self) -> list[int]:
-        """Per payload, in the order given: its last index + 1 (0 without entries)."""
-        crossed = torch.cat([ends[:, -1] for _, _, ends, _, _ in self.groups]).tolist()
+    def ends(self, crossed: list[int] | None = None) -> list[int]:
+        """Per payload, in the order given: its last index + 1 (0 without entries); ``crossed``: ``lasts``,
+        on the host already."""
+        crossed = self.lasts.tolist() if crossed is None else crossed
         out = [0] * len(crossed)
         for i, end in zip(self.order, crossed, strict=True):
             out[i] = end
@@ -233,7 +240,8 @@ class GapsApply:
 
     def run(self) -> None:
         for itemsize, table, ends, blocks, rows in self.groups:
-            _apply_gaps[(blocks, rows)](table, ends, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
+            grid = (blocks, rows)
+            _apply_gaps[grid](table, ends, self.fits, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
 
 
 def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -121,6 +121,7 @@ class IntoTensors(Sink):
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
+        self._unsettled: list = []  # delta buckets checked on the device: settled before digests and commit
         if self.takes_delta:  # Note [fused delta kernels]: compiled now, not in the first delta push
             for device in self._devices:
                 sizes = {min(s.itemsize, 8) for s, t in zip(specs, final, strict=True) if t.device == device}
@@ -128,6 +129,7 @@ class IntoTensors(Sink):
 
     def reset(self) -> None:
         self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
+        self._unsettled.clear()
 
     def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
         if self.delta_base is not None:
@@ -159,14 +161,16 @@ class IntoTensors(Sink):
             for c in bucket.chunks:
                 width = min(self.specs[c.index].itemsize, 8)
                 dests.append(self.target(c).view(delta.WORDS[width]))
-            code = delta.decode(buffer, dests, held_version=self.delta_base)
+            code = delta.decode(buffer, dests, held_version=self.delta_base, unsettled=self._unsettled)
             self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
             self.landed(bucket)
 
     def digests(self) -> list[int]:
+        delta.settle(self._unsettled)
         return digest.combine([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
 
     def commit(self) -> None:
+        delta.settle(self._unsettled)  # BadDelta for a bucket the kernels refused to write
         if self._apply is None:
             return
         try:
