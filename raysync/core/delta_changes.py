@@ -233,7 +233,7 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     unset = ~span[layout.forced]  # before the forced entries are set
     forced = torch.zeros(len(based), dtype=torch.int64, device=span.device)
     forced.index_add_(0, layout.chunk_of_forced, unset.long())
-    span[layout.forced] = True
+    span.index_fill_(0, layout.forced, True)  # not ``span[forced] = True``: its value crosses, a host sync
     cap = _listing_cap(span.numel(), len(based))
     if delta_kernels.available(span.device):  # Note [fused delta kernels]
         index, cuts = delta_kernels.list_span(span, cap, layout.starts)
