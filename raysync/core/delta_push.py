@@ -256,7 +256,7 @@ class Reference:
             slot=slot,
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
-        ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
+        ref.sparse[k] = ref.listed_first if density is None else density <= SPARSE_DENSITY
         self.stats = self.stats.add(code)
         return code.nbytes
 

@@ -66,8 +66,10 @@ class ReferenceBytes:
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
         ]  # the same offsets in both
-        # bucket k had few changes at its last delta push (encode's ``sparse``)
-        self.sparse = [False] * len(buckets)
+        # bucket k is listed, not counted (encode's ``sparse``): it had few changes at its last delta push, or
+        # (the kernels list at the speed of a count: Note [fused delta kernels]) it had no delta push yet
+        self.listed_first = delta_kernels.available(device)
+        self.sparse = [self.listed_first] * len(buckets)
 
     @property
     def off(self) -> str | None:
