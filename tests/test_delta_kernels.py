@@ -97,6 +97,27 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
         )
 
 
+def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> None:
+    """A bucket with more changes than a listing holds (its first delta push, listed on a guess): counted
+    after all, and written as torch's path writes it."""
+    if interpreted:
+        delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(-100, 100, (300_000,), generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new[torch.rand(old.numel(), generator=g) < 0.4] += 1  # 40%: past the cap (twice SPARSE_DENSITY)
+    got = []
+    for fused in (False, True):
+        pairs = [(old.clone().to(device), new.to(device))]
+        space = delta_encode.Workspace.for_buckets([[(new.numel(), 2)]], torch.device(device))
+        out = torch.zeros(delta.capacity([(new.numel(), 2)]), dtype=torch.uint8, device=device)
+        changes = listed_changes(pairs, space, fused)
+        code = delta_encode.encode(pairs, out, base_version=1, space=space, advance=True, changes=changes)
+        assert changes.entries is None and code.chunks[0].mode == delta.Mode.GAPS
+        got.append((out[: code.nbytes].cpu(), pairs[0][0].cpu()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[1][1], new)
+
+
 def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) -> None:
     """A bucket of GAPS and SAME payloads only, decoded with ``unsettled``: right, or (indices past a
     destination) nothing of it written and BadDelta at ``settle``, not before."""
@@ -138,7 +159,8 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tr
             sys.executable,
             "-c",
             "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True); "
-            "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True)",
+            "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True); "
+            "t.dense_bucket_counted_after_all('cpu', interpreted=True)",
         ],
         env=env,
         capture_output=True,
@@ -155,3 +177,4 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch)
     monkeypatch.setenv("RAYSYNC_DELTA_KERNELS", "1")
     compare_paths("cuda")
     sparse_bucket_checked_on_the_device("cuda")
+    dense_bucket_counted_after_all("cuda")
