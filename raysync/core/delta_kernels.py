@@ -1,9 +1,12 @@
-"""Triton kernels for a listed bucket's delta on a CUDA device (raysync.core.delta_changes lists with them,
-raysync.core.delta_encode writes with them), used when Triton imports (it comes with torch's CUDA builds);
+"""Triton kernels for a delta on a CUDA device: the sender's listing and GAPS payloads of a listed bucket
+(raysync.core.delta_changes lists with them, raysync.core.delta_encode writes with them) and the receiver's
+decoding of GAPS payloads (raysync.core.delta.decode). Used when Triton imports (torch's CUDA builds bring it);
 without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
 
-    index, cuts = list_span(span, cap, starts)    # the increasing indices of a bool span's True elements
-    write_gaps(entries, rows, itemsize)            # GAPS payloads' gaps and values, the references advanced
+    warm(device, itemsizes, encode=True)              # at set-up: compiled, not in the first delta push
+    index, cuts = list_span(span, cap, starts)        # the increasing indices of a bool span's True elements
+    write_listed(views, payloads, entries, advance)   # a bucket's GAPS payloads, the references advanced
+    apply = GapsApply(payloads); apply.run()          # the receiver's: checked on the device, then written
 
 # Note [fused delta kernels]
 # Profiled on an H200 (a 7B delta push over shm at 5.7% changed, docs/results/delta_push_shm_h200_stages_76e65fb
@@ -11,13 +14,19 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 # 512 MB bucket, where reading its 256 MB mask takes ~0.07 ms), then per chunk the values' gather (5.9 ms), the
 # reference's scatter (7.5 ms), the indices made relative (sub, 3.9 ms) and the gaps' passes; and the sender's
 # thread spent 97 ms launching ~70 operations a bucket. Here a bucket's listing is three passes that read its
-# mask at memory speed (``list_span``: each block of BLOCK mask bytes counted; an exclusive cumsum of the counts
-# gives each block's first place; each block writes its entries' indices there, ranked by a cumsum within the
-# block; the cuts at the chunks' starts are the same sums). And all of a bucket's GAPS payloads are written by
-# one kernel (``write_gaps``): per entry its gap from the entry before it in its chunk, its value, and the
-# reference's element, in one pass over the listing, from a table of each chunk's addresses (made on the host
-# once the modes are chosen, crossing with the launch). What a payload holds is what torch's path writes
-# (tests/test_delta_gpu.py compares them byte for byte).
+# mask (``list_span``: each block of BLOCK mask bytes counted; an exclusive cumsum of the counts gives each
+# block's first place; each block writes its entries' indices there, ranked by a cumsum within the block; the
+# cuts at the chunks' starts are the same sums). All of a bucket's GAPS payloads are written by one kernel
+# (``write_gaps``): per entry its gap from the entry before it in its chunk, its value, and the reference's
+# element, from a table of each chunk's addresses (made on the host once the modes are chosen, crossing with
+# the launch). The receiver's ``GapsApply`` sums each block's gaps (the running sum is the index), checks on the
+# device that every payload's last index fits its destination, and one kernel writes the values, none of them
+# unless all fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.
+# core.delta: the bucket then waits only for its copy in). Alone each kernel is about as fast as the torch
+# operations it replaces (benchmarks/bench_delta_kernels.py); what they spare is launches (one a bucket, not
+# several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms (docs/benchmarks.md,
+# section 12a). What a payload holds, and what a destination ends with, is what torch's path gives
+# (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's interpreter).
 """
 
 from __future__ import annotations
