@@ -118,6 +118,17 @@ def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> No
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[1][1], new)
 
 
+def warmed(device: str, interpreted: bool = False) -> None:
+    """``warm`` launches each kernel once (the encoder's for three word sizes, the decoder's) and says so."""
+    if interpreted:
+        delta_kernels.available = lambda d: True
+    os.environ["RAYSYNC_DELTA_KERNELS"] = "1"
+    delta_kernels.warm(torch.device(device), {1, 2, 4})
+    delta_kernels.warm(torch.device(device), {2}, encode=False)
+    assert (torch.device(device), frozenset({1, 2, 4}), True) in delta_kernels._warm
+    assert (torch.device(device), frozenset({2}), False) in delta_kernels._warm
+
+
 def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) -> None:
     """A bucket of GAPS and SAME payloads only, decoded with ``unsettled``: right, or (indices past a
     destination) nothing of it written and BadDelta at ``settle``, not before."""
@@ -160,7 +171,7 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tr
             "-c",
             "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True); "
             "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True); "
-            "t.dense_bucket_counted_after_all('cpu', interpreted=True)",
+            "t.dense_bucket_counted_after_all('cpu', interpreted=True); t.warmed('cpu', interpreted=True)",
         ],
         env=env,
         capture_output=True,
@@ -178,3 +189,4 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch)
     compare_paths("cuda")
     sparse_bucket_checked_on_the_device("cuda")
     dense_bucket_counted_after_all("cuda")
+    warmed("cuda")
