@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 7 minutes).
+# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 8 minutes).
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
-# Each step's output goes to $OUT/<step>.txt (and .json), its exit status to $OUT/summary.txt; a step that fails
+# Each step's output goes to $OUT/<step>.txt, its exit status to $OUT/summary.txt; a step that fails
 # or runs out of its time does not stop the next.
 set -u
 OUT=${OUT:-/tmp/gpu_pending}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# the device tool brings back at most 8 files: the commit and the GPU go into the summary
+# the device tool brings back at most 8 files (each .txt ends with its run's JSON): the commit and the GPU go into
+# the summary
 git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/summary.txt" 2>&1 || true
 
@@ -23,13 +24,16 @@ step() {  # step NAME SECONDS COMMAND...
 
 # 19: WeightSync with the default config and each forced mode (Ray actors sharing the GPU), 7B and 1.5B, with the
 # raw session's figure and the floors in the same run.
-step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda --out "$OUT/weightsync.json"
-# 24: delta pushes over shm, bf16 weights read in place (ordinary pushes, then with the stages timed and the
-# last push profiled), and the fp32 master cast on the way.
+step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda
+# 24: delta pushes over shm, bf16 weights read in place (ordinary pushes, then the last push profiled with both
+# sides' timelines, then torch's kernels instead of Triton's), and the fp32 master cast on the way.
 step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 4 --bf16-params --json "$OUT/delta_shm_bf16.json"
-step delta_stages 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 3 --bf16-params --stages --profile
+    --steps 4 --bf16-params
+step delta_trace 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+    --steps 3 --bf16-params --profile --trace "$OUT"
+gzip -f "$OUT/sender.json" "$OUT/receiver.json" 2>/dev/null  # both sides' timelines of the last delta push
+step delta_kernels_off 120 env RAYSYNC_DELTA_KERNELS=0 python3 benchmarks/bench_delta_push.py --device cuda \
+    --layout qwen2.5-7b --transports shm --steps 4 --bf16-params
 step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 3 --json "$OUT/delta_shm.json"
+    --steps 3
 cat "$OUT/summary.txt"
