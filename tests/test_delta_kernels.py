@@ -84,17 +84,20 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
         delta.decode(got.to(device), held, held_version=3)
         assert all(torch.equal(h.cpu(), n) for h, (_, n) in zip(held, bucket("cpu"), strict=True))
         # a last gap that runs past its destination: refused, and nothing written
-        hostile, first = got.clone(), code.chunks[0]
+        first = code.chunks[0]
         assert first.mode == delta.Mode.GAPS
         start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))
-        hostile[start : start + 2 * first.entries].view(torch.int16)[-1] = 32767
-        held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket(device)]
-        with pytest.raises(delta.BadDelta, match="chunk 0: a delta writes element"):
-            delta.decode(hostile.to(device), held, held_version=3)
-        assert all(
-            torch.equal(h.cpu(), torch.zeros_like(n) if o is None else o)
-            for h, (o, n) in zip(held, bucket("cpu"), strict=True)
-        )
+        for last_gap in (32767, None):  # far past its destination, and one past (its last index: numel)
+            hostile = got.clone()
+            gaps = hostile[start : start + 2 * first.entries].view(torch.int16)
+            gaps[-1] = last_gap if last_gap is not None else gaps[-1] + 1
+            held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket(device)]
+            with pytest.raises(delta.BadDelta, match="chunk 0: a delta writes element"):
+                delta.decode(hostile.to(device), held, held_version=3)
+            assert all(
+                torch.equal(h.cpu(), torch.zeros_like(n) if o is None else o)
+                for h, (o, n) in zip(held, bucket("cpu"), strict=True)
+            )
 
 
 def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> None:
@@ -116,6 +119,36 @@ def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> No
         assert changes.entries is None and code.chunks[0].mode == delta.Mode.GAPS
         got.append((out[: code.nbytes].cpu(), pairs[0][0].cpu()))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[1][1], new)
+
+
+def a_sink_settles_a_refused_bucket_before_it_commits(device: str, interpreted: bool = False) -> None:
+    """IntoTensors decodes a bucket of GAPS payloads checked on the device: a hostile one reaches commit,
+    which names it (BadDelta), and its tensors count as undelivered, unwritten."""
+    from raysync import SyncConfig
+    from raysync.core.plan import plan_buckets
+    from raysync.core.sink import IntoTensors
+    from raysync.core.source import select
+
+    if interpreted:
+        delta_kernels.available = lambda d: True
+    os.environ["RAYSYNC_DELTA_KERNELS"] = "1"
+    pairs = [p for i, p in enumerate(bucket("cpu")) if i in (0, 6)]  # two sparse bf16 chunks
+    named = {f"w{i}": n for i, (_, n) in enumerate(pairs)}
+    specs = [s.spec for s in select(named.items(), SyncConfig(bucket_bytes=1 << 22))]
+    (only,) = plan_buckets(specs, 1 << 22, 256)
+    out = torch.zeros(delta.capacity([(n.numel(), 2) for _, n in pairs]), dtype=torch.uint8)
+    code = delta_encode.encode(pairs, out, base_version=3)
+    start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))
+    out[start : start + 2 * code.chunks[0].entries].view(torch.int16)[-1] = 32767
+    held = {f"w{i}": o.clone().to(device) for i, (o, _) in enumerate(pairs)}
+    sink = IntoTensors(specs, held)
+    sink.delta_base = 3
+    sink.write(only, out)
+    assert sink.undelivered() == []  # landed, not yet settled
+    with pytest.raises(delta.BadDelta, match="bucket 0: chunk 0: a delta writes element"):
+        sink.commit()
+    assert sorted(sink.undelivered()) == ["w0", "w1"]
+    assert all(torch.equal(held[f"w{i}"].cpu(), o) for i, (o, _) in enumerate(pairs))
 
 
 def warmed(device: str, interpreted: bool = False) -> None:
@@ -141,9 +174,10 @@ def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) 
     code = delta_encode.encode(pairs, out, base_version=3)
     assert {c.mode for c in code.chunks} == {delta.Mode.GAPS, delta.Mode.SAME}
     start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES * len(code.chunks))
-    hostile = out.clone()
-    hostile[start : start + 2 * code.chunks[0].entries].view(torch.int16)[-1] = 32767
-    for buffer, bad in ((out, False), (hostile, True)):
+    far, one_past = out.clone(), out.clone()
+    far[start : start + 2 * code.chunks[0].entries].view(torch.int16)[-1] = 32767
+    one_past[start : start + 2 * code.chunks[0].entries].view(torch.int16)[-1] += 1  # its last index: numel
+    for buffer, bad in ((out, False), (far, True), (one_past, True)):
         held = [o.clone().to(device) for o, _ in pairs]
         unsettled: list = []
         delta.decode(buffer, held, held_version=3, unsettled=unsettled)  # a host buffer, as from a ring
@@ -171,7 +205,8 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tr
             "-c",
             "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True); "
             "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True); "
-            "t.dense_bucket_counted_after_all('cpu', interpreted=True); t.warmed('cpu', interpreted=True)",
+            "t.dense_bucket_counted_after_all('cpu', interpreted=True); t.warmed('cpu', interpreted=True); "
+            "t.a_sink_settles_a_refused_bucket_before_it_commits('cpu', interpreted=True)",
         ],
         env=env,
         capture_output=True,
@@ -190,3 +225,4 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch)
     sparse_bucket_checked_on_the_device("cuda")
     dense_bucket_counted_after_all("cuda")
     warmed("cuda")
+    a_sink_settles_a_refused_bucket_before_it_commits("cuda")

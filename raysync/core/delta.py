@@ -200,6 +200,7 @@ def decode(
     held_version: Version,
     mark: Callable[[str], None] | None = None,
     unsettled: list | None = None,
+    tag: object = None,
 ) -> BucketCode:
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
@@ -209,7 +210,7 @@ def decode(
     there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``unsettled``:
     a bucket of GAPS payloads that the fused kernels write (Note [fused delta kernels]) is checked on the
     device instead, where none of its payloads is written unless all fit, and the check is appended here for
-    ``settle`` (which raises the BadDelta): the bucket waits only for its copy in. ``mark(stage)`` ends each
+    ``settle`` (which raises the BadDelta, its ``tag`` that given here): the bucket waits only for its copy in. ``mark(stage)`` ends each
     stage when given (raysync.core.delta_rule.StageClock)."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
@@ -222,10 +223,14 @@ def decode(
     devices = {d.device for d in dests}
     copied = None
     if len(devices) == 1 and buffer.device not in devices:  # cross once, with the bytes used only
-        buffer = buffer[: code.nbytes].to(devices.pop(), non_blocking=True)
-        if buffer.is_cuda:  # waited for before returning: the caller reuses the host buffer then
+        device = devices.pop()
+        ahead = (
+            buffer.device.type == "cpu" and device.type == "cuda"
+        )  # into a GPU: waited for before returning
+        buffer = buffer[: code.nbytes].to(device, non_blocking=ahead)
+        if ahead:  # (the caller reuses the host buffer then); any other way, the copy was waited for here
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(device))
     mark("copy in")
     offset, work, gapped = _align(HEADER_BYTES + ROW_BYTES * len(dests)), [], []
     fused = delta_kernels.available(buffer.device)  # Note [fused delta kernels]
@@ -261,7 +266,7 @@ def decode(
     if kernels is not None:
         kernels.run()
     if deferred:
-        unsettled.append((kernels, [(i, numel) for i, numel, _ in gapped]))
+        unsettled.append((kernels, [(i, numel) for i, numel, _ in gapped], tag))
     if copied is not None:
         copied.synchronize()
     mark("apply")
@@ -270,16 +275,21 @@ def decode(
 
 def settle(unsettled: list) -> None:
     """The checks that ``decode(..., unsettled=)`` left on the device, one host sync per device: BadDelta for
-    the first bucket whose indices ran past a destination (the kernels wrote none of its payloads)."""
+    the first bucket whose indices ran past a destination (the kernels wrote none of its payloads), its
+    ``tag`` the one decode was given."""
     checks, crossed = list(unsettled), {}
     unsettled.clear()  # checked once, raising or not
-    for device in {kernels.lasts.device for kernels, _ in checks}:
-        mine = [kernels.lasts for kernels, _ in checks if kernels.lasts.device == device]
+    for device in {kernels.lasts.device for kernels, _, _ in checks}:
+        mine = [kernels.lasts for kernels, _, _ in checks if kernels.lasts.device == device]
         crossed[device] = iter(torch.cat(mine).tolist())
-    for kernels, chunks in checks:
+    for kernels, chunks, tag in checks:
         lasts = [next(crossed[kernels.lasts.device]) for _ in chunks]
         for (i, numel), end in zip(chunks, kernels.ends(lasts), strict=True):
-            _check_last(i, end - 1, numel, " (none of its bucket's payloads was written)")
+            try:
+                _check_last(i, end - 1, numel, " (none of its bucket's payloads was written)")
+            except BadDelta as e:
+                e.tag = tag
+                raise
 
 
 def _check_last(i: int, last: int, numel: int, more: str = "") -> None:

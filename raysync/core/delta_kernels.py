@@ -31,6 +31,7 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -83,11 +84,16 @@ if triton is not None:
         m = tl.load(mask_ptr + offs, mask=offs < start, other=0).to(tl.int32)
         tl.store(cuts_ptr + j, tl.load(before_ptr + b) + tl.sum(m, axis=0).to(tl.int64))
 
-    @triton.jit
-    def _write_gaps(entries_ptr, table_ptr, WORD: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
-        row = table_ptr + tl.program_id(1) * 7
+    # the write and decode kernels run one program per (row, block of entries), flat: program p is row
+    # p // blocks, block p % blocks (a grid's second dimension holds at most 65535, rows can be more)
+    @triton.jit(do_not_specialize=["blocks"])
+    def _write_gaps(
+        entries_ptr, table_ptr, blocks, WORD: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        p = tl.program_id(0).to(tl.int64)
+        row = table_ptr + (p // blocks) * 7
         first, count, start = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-        k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        k = (p % blocks) * BLOCK + tl.arange(0, BLOCK)
         live = k < count
         at = tl.load(entries_ptr + first + k, mask=live, other=0) - start
         before = tl.load(entries_ptr + first + k - 1, mask=live & (k > 0), other=start - 1) - start
@@ -103,9 +109,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["blocks"])
     def _gap_sums(table_ptr, sums_ptr, blocks, BLOCK: tl.constexpr):
-        r, b = tl.program_id(1), tl.program_id(0)
+        p = tl.program_id(0).to(tl.int64)
+        r, b = p // blocks, p % blocks
         row = table_ptr + r * 5
-        k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        k = b * BLOCK + tl.arange(0, BLOCK)
         live = k < tl.load(row)
         gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
@@ -113,9 +120,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["blocks"])
     def _apply_gaps(table_ptr, ends_ptr, fits_ptr, blocks, WORD: tl.constexpr, BLOCK: tl.constexpr):
-        r, b = tl.program_id(1), tl.program_id(0)
+        p = tl.program_id(0).to(tl.int64)
+        r, b = p // blocks, p % blocks
         row = table_ptr + r * 5
-        k = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        k = b * BLOCK + tl.arange(0, BLOCK)
         count = tl.where(tl.load(fits_ptr) != 0, tl.load(row), 0)  # no row is written unless all of them fit
         live = k < count
         gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
@@ -166,17 +174,18 @@ def list_span(
     an int64 tensor of ``cap`` (what lies past the count is undefined), and per element of ``starts`` (int64,
     increasing, at most the span's size) how many entries lie before it: cut at the span's end, the count.
     No host sync (Note [fused delta kernels])."""
-    n = span.numel()
+    n, device = span.numel(), span.device
     blocks = max(1, triton.cdiv(n, block))
     bits = span.view(torch.uint8)
-    counts = torch.empty(blocks, dtype=torch.int64, device=span.device)
-    _count_blocks[(blocks,)](bits, n, counts, BLOCK=block)
-    before = torch.zeros(blocks + 1, dtype=torch.int64, device=span.device)
-    torch.cumsum(counts, 0, out=before[1:])
-    index = torch.empty(cap, dtype=torch.int64, device=span.device)
-    _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=block, num_warps=warps)
-    cuts = torch.empty(starts.numel(), dtype=torch.int64, device=span.device)
-    _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=block)
+    counts = torch.empty(blocks, dtype=torch.int64, device=device)
+    before = torch.zeros(blocks + 1, dtype=torch.int64, device=device)
+    index = torch.empty(cap, dtype=torch.int64, device=device)
+    cuts = torch.empty(starts.numel(), dtype=torch.int64, device=device)
+    with _on(device):
+        _count_blocks[(blocks,)](bits, n, counts, BLOCK=block)
+        torch.cumsum(counts, 0, out=before[1:])
+        _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=block, num_warps=warps)
+        _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=block)
     return index, cuts
 
 
@@ -211,8 +220,11 @@ def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, adva
         return
     table = _to_device(rows, entries.device)
     most = max(r[1] for r in rows)
-    grid = (max(1, triton.cdiv(most, WRITE_BLOCK)), len(rows))
-    _write_gaps[grid](entries, table, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK)
+    blocks = max(1, triton.cdiv(most, WRITE_BLOCK))
+    with _on(entries.device):
+        _write_gaps[(blocks * len(rows),)](
+            entries, table, blocks, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK
+        )
 
 
 class GapsApply:
@@ -235,7 +247,8 @@ class GapsApply:
             table = _to_device(rows, device)
             blocks = max(1, triton.cdiv(max(r[0] for r in rows), WRITE_BLOCK))
             sums = torch.empty(len(rows), blocks, dtype=torch.int64, device=device)
-            _gap_sums[(blocks, len(rows))](table, sums, blocks, BLOCK=WRITE_BLOCK)
+            with _on(device):
+                _gap_sums[(blocks * len(rows),)](table, sums, blocks, BLOCK=WRITE_BLOCK)
             self.groups.append((itemsize, table, sums.cumsum_(1), blocks, len(rows)))
         self.lasts = torch.cat([ends[:, -1] for _, _, ends, _, _ in self.groups])  # in ``order``
         numels = torch.cat([table[:, 4] for _, table, _, _, _ in self.groups])
@@ -252,8 +265,14 @@ class GapsApply:
 
     def run(self) -> None:
         for itemsize, table, ends, blocks, rows in self.groups:
-            grid = (blocks, rows)
-            _apply_gaps[grid](table, ends, self.fits, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
+            with _on(table.device):
+                grid = (blocks * rows,)
+                _apply_gaps[grid](table, ends, self.fits, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: that of the tensors (Triton's interpreter: the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:

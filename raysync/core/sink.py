@@ -112,11 +112,13 @@ class IntoTensors(Sink):
         dest: Mapping[str, torch.Tensor],
         staged: bool = False,
         graphs: bool = True,
+        deltas: bool = True,
     ):
         super().__init__(specs)
         final = [byte_view(spec, dest) for spec in specs]  # checks everything before any byte moves
         self._bytes = [torch.empty_like(t) for t in final] if staged else final
-        self.in_place = self.takes_delta = not staged
+        self.in_place = not staged
+        self.takes_delta = deltas and not staged
         self._graphs = graphs  # raysync.core.copies: lists on one GPU replayed from a CUDA graph
         self._apply = CopyList(list(zip(final, self._bytes, strict=True)), graphs) if staged else None
         self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
@@ -161,16 +163,18 @@ class IntoTensors(Sink):
             for c in bucket.chunks:
                 width = min(self.specs[c.index].itemsize, 8)
                 dests.append(self.target(c).view(delta.WORDS[width]))
-            code = delta.decode(buffer, dests, held_version=self.delta_base, unsettled=self._unsettled)
+            code = delta.decode(
+                buffer, dests, held_version=self.delta_base, unsettled=self._unsettled, tag=bucket
+            )
             self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
             self.landed(bucket)
 
     def digests(self) -> list[int]:
-        delta.settle(self._unsettled)
+        self._settle()
         return digest.combine([[digest.partial(t, 0)] for t in self._bytes])  # staged: checked before applied
 
     def commit(self) -> None:
-        delta.settle(self._unsettled)  # BadDelta for a bucket the kernels refused to write
+        self._settle()
         if self._apply is None:
             return
         try:
@@ -179,6 +183,18 @@ class IntoTensors(Sink):
                 torch.cuda.current_stream(device).synchronize()  # applied means in place
         except Exception as e:  # some destinations may hold the new bytes already
             raise WeightsMixed(f"applying the staged push failed part-way: {type(e).__name__}: {e}") from e
+
+    def _settle(self) -> None:
+        """The delta buckets checked on the device (raysync.core.delta.settle): BadDelta for one the kernels
+        refused to write, which names it, and whose tensors count as undelivered."""
+        try:
+            delta.settle(self._unsettled)
+        except delta.BadDelta as e:
+            bucket = getattr(e, "tag", None)
+            if bucket is None:
+                raise
+            self.done -= {c.index for c in bucket.chunks}
+            raise delta.BadDelta(f"bucket {bucket.index}: {e}") from e
 
     def target(self, chunk: Chunk) -> torch.Tensor:
         """The destination bytes of ``chunk`` (a staged sink's: its copy of the destinations)."""
@@ -252,8 +268,8 @@ class StagingSink(IntoTensors):
     chunk waits until the engine flipped it (the groups share the memory). Nothing reaches the live weights."""
 
     def __init__(self, specs: Sequence[TensorSpec], staging: Staging, graphs: bool):
-        super().__init__(specs, staging.memory.views, staged=False, graphs=graphs)
-        self.takes_delta = False  # the staging memory holds no version the delta is from
+        # no delta: the staging memory holds no version the delta is from
+        super().__init__(specs, staging.memory.views, staged=False, graphs=graphs, deltas=False)
         self._staging, self._group_of = staging, staging.memory.plan.group_of
         self._segments: dict[tuple, list[tuple[int, CopyList]]] = {}
         self._group = 0
