@@ -210,8 +210,8 @@ def decode(
     there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``unsettled``:
     a bucket of GAPS payloads that the fused kernels write (Note [fused delta kernels]) is checked on the
     device instead, where none of its payloads is written unless all fit, and the check is appended here for
-    ``settle`` (which raises the BadDelta, its ``tag`` that given here): the bucket waits only for its copy in. ``mark(stage)`` ends each
-    stage when given (raysync.core.delta_rule.StageClock)."""
+    ``settle``, which raises the BadDelta with ``tag`` on it: the bucket waits only for its copy in.
+    ``mark(stage)`` ends each stage when given (raysync.core.delta_rule.StageClock)."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
     code = _read_table(buffer, dests)
@@ -224,11 +224,11 @@ def decode(
     copied = None
     if len(devices) == 1 and buffer.device not in devices:  # cross once, with the bytes used only
         device = devices.pop()
-        ahead = (
-            buffer.device.type == "cpu" and device.type == "cuda"
-        )  # into a GPU: waited for before returning
+        # a copy into a GPU is left in flight and waited for before returning (the caller reuses the host
+        # buffer then); any other way it is waited for here
+        ahead = buffer.device.type == "cpu" and device.type == "cuda"
         buffer = buffer[: code.nbytes].to(device, non_blocking=ahead)
-        if ahead:  # (the caller reuses the host buffer then); any other way, the copy was waited for here
+        if ahead:
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(device))
     mark("copy in")

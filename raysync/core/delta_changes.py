@@ -238,9 +238,8 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     if delta_kernels.available(span.device):  # Note [fused delta kernels]
         index, cuts = delta_kernels.list_span(span, cap, layout.starts)
     else:
-        index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(
-            -1
-        )  # increasing, then fills
+        # increasing, then fills
+        index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)
         cuts = torch.searchsorted(index, layout.starts)
     host, ready = torch.cat([cuts, forced]), None
     if host.is_cuda:

@@ -61,8 +61,8 @@ from raysync.core.errors import (
     StaleWeights,
     WeightsMixed,
 )
-from raysync.core.sink import StagingSink
 from raysync.core.staging_memory import StagingMemory
+from raysync.core.staging_sink import StagingSink
 from raysync.core.version import MIXED, Version, is_version
 from raysync.core.wire import TensorSpec
 
