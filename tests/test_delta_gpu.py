@@ -71,13 +71,17 @@ def test_under_the_time_rule_a_ring_read_on_the_trainers_gpu_pushes_full_without
     assert child.exitcode == 0
 
 
+@pytest.mark.parametrize("buffers", [1, 2])
 def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_while_a_bucket_crosses(
-    spawn, no_leftovers
+    spawn, no_leftovers, buffers
 ):
-    """bf16 tensors on the GPU, read in place, to an engine over a host ring: every bucket after the first has
-    its changes found while the one before crosses to the host (Note [the next bucket's compare overlaps this
-    one's copy]), and each verified push arrives bit-exact as a delta on the last version."""
+    """bf16 tensors on the GPU, read in place, to an engine over a host ring of one or two buffers: every
+    bucket after the first has its changes found while the one before crosses to the host (Note [the next
+    bucket's compare overlaps this one's copy]) and is encoded into a staging buffer before the one before is
+    published (Note [a bucket is encoded while the one before crosses]), and each verified push arrives
+    bit-exact as a delta on the last version."""
     config = SyncConfig(
+        num_buffers=buffers,
         transport="shm",
         delta=True,
         delta_by_time=False,
@@ -93,6 +97,7 @@ def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_wh
             report = sender.push(named.items(), version)
             if version > 1:
                 assert report.base_version == version - 1 and report.bytes < full / 4, report
+                assert sender._delta.stages  # Note [a bucket is encoded while the one before crosses]
                 assert sender._delta.found_ahead == report.buckets - 1 > 1, (
                     sender._delta.found_ahead,
                     report,

@@ -14,8 +14,7 @@ from conftest import same_bits, session_pair
 from test_delta_push import CFG, bf16, rl_step, small_model
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.core.delta_push import choose
-from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule
+from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule, choose
 
 GB = 10**9
 

@@ -56,7 +56,7 @@ from raysync.core import delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
 
 if TYPE_CHECKING:
-    from raysync.core.delta_encode import Workspace
+    from raysync.core.delta_workspace import Workspace
 
 SPARSE_DENSITY = 1 / 8  # a bucket at most this dense at its last push is listed, not counted first
 

@@ -39,7 +39,7 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
 #
 # Note [the next bucket's compare overlaps this one's copy]
-# A staged encoding on CUDA ends in a wait for its last bytes to cross (``_CopyOut.finish``); the compare of the
+# A staged encoding on CUDA ends in a wait for its last bytes to cross (``CopyOut.finish``); the compare of the
 # next bucket needs none of them. So the caller may pass ``then``, which encode calls once the payloads' kernels
 # are queued and before that wait: raysync.core.delta_push finds the next bucket's changes there
 # (``find_changes``, its host sync included), and the GPU compares bucket k + 1 while the copy engine moves
@@ -65,7 +65,7 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -87,41 +87,11 @@ from raysync.core.delta import (
     gaps_bytes,
 )
 from raysync.core.delta_changes import Entries, Listing, compare, host_counts, indices, start_listing
+from raysync.core.delta_workspace import CopyOut, Workspace
 from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
 
 Mark = Callable[[str], None]
-COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
-
-
-@dataclass
-class Workspace:
-    """Work tensors one bucket's encoding needs, made once and reused by every push: a bool mask of the
-    bucket's elements and, where ``out`` lives on another device, a buffer to encode into first."""
-
-    mask: torch.Tensor  # bool, at least the bucket's elements
-    # the same, for the buckets that compare into slot 1 (Note [two buckets in flight])
-    second_mask: torch.Tensor | None = None
-    spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
-    buffer: torch.Tensor | None = None  # uint8 of ``capacity`` bytes on the chunks' device (made when needed)
-    stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (_CopyOut)
-
-    @classmethod
-    def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
-        """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each."""
-        elements = max((sum(n for n, _ in chunks) for chunks in sizes), default=0)
-        return cls(torch.empty(elements, dtype=torch.bool, device=device))
-
-    def touch(self) -> None:
-        """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
-        self.mask.zero_()
-        if self.buffer is not None:
-            self.buffer.zero_()
-
-    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.buffer[:nbytes]
 
 
 @dataclass
@@ -202,7 +172,8 @@ def encode(
     bucket's ``find_changes``, made ahead (for these pairs and ``space``). ``then``: called once the payloads'
     kernels are queued, while their bytes cross to ``out`` on the copy stream, before the wait for them (Note
     [the next bucket's compare overlaps this one's copy]); on a CUDA device with a staged encoding only.
-    ``slot``: the workspace's mask this bucket's compare uses (Note [two buckets in flight])."""
+    ``slot``: the workspace's mask this bucket's compare uses (Note [two buckets in flight]), and its staging
+    buffer (Note [a bucket is encoded while the one before crosses] in raysync.core.delta_workspace)."""
     _check_buffer(out, "out")
     if base_version is not None and not (is_version(base_version) and 0 <= base_version < 1 << 63):
         raise LayoutError(  # the header stores it in an int64, -1 meaning none: a version never reads as another
@@ -230,12 +201,12 @@ def encode(
         staged = device is not None and out.device != device  # Note [where a delta is encoded]
     if staged:
         space = space or Workspace(torch.empty(0, dtype=torch.bool, device=device))
-        target = space.staging(used, device)
+        target = space.staging(used, device, slot)
     header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
     rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
     _write_words(out, header + [w for row in rows for w in row])  # from the host, straight into ``out``
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
-    copy = _CopyOut(out, target, offset, space) if target is not out else None
+    copy = CopyOut(out, target, offset, space, slot) if target is not out else None
     offsets = []
     for code in codes:
         offsets.append(offset)
@@ -271,50 +242,6 @@ def encode(
         copy.finish(used)
         mark("copy out")
     return BucketCode(base_version, codes, used)
-
-
-class _CopyOut:
-    """The staged payloads' way into ``out``. On a CUDA device in runs of at least ``COPY_RUN_BYTES``, on a
-    side stream, as the payloads are written: the copy engine moves the first chunks across while the next
-    ones are compacted; ``finish`` copies the rest and waits. Elsewhere one copy, at ``finish``."""
-
-    def __init__(self, out: torch.Tensor, staged: torch.Tensor, start: int, space: Workspace):
-        self.out, self.staged, self.done, self.stream = out, staged, start, None
-        if staged.device.type == "cuda":
-            if space.stream is None or space.stream.device != staged.device:
-                space.stream = torch.cuda.Stream(staged.device)
-            self.stream = space.stream
-            if out.is_cuda and out.device != staged.device:  # a ring on another GPU: the side stream's writes
-                free = torch.cuda.Event()  # wait for what that GPU's stream waits for (its reader's release)
-                free.record(torch.cuda.current_stream(out.device))
-                self.stream.wait_event(free)
-
-    def written(self, end: int) -> None:
-        """The payloads up to byte ``end`` are written (their kernels enqueued on the current stream)."""
-        if self.stream is not None and end - self.done >= COPY_RUN_BYTES:
-            self._copy(end)
-
-    def finish(self, used: int) -> None:
-        if self.stream is None:
-            self.out[self.done : used].copy_(self.staged[self.done : used])
-            return
-        if used > self.done:
-            self._copy(used)
-        self.stream.synchronize()  # the one wait: every byte is in ``out`` when encode returns
-
-    def drain(self) -> None:
-        """Encode failed part-way: wait for the runs already queued, so none writes into ``out`` or reads the
-        workspace after encode returned (the next bucket's compaction reuses it on the current stream)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def _copy(self, end: int) -> None:
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.staged.device))  # after the kernels that wrote them
-        self.stream.wait_event(written)
-        with torch.cuda.stream(self.stream):
-            self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
-        self.done = end
 
 
 def _check_pairs(pairs, views) -> torch.device | None:
@@ -392,7 +319,11 @@ def _advance(code: ChunkCode, old: torch.Tensor, index: torch.Tensor | None, reg
 
 
 def _write_words(out: torch.Tensor, words: list[int]) -> None:
-    out[: 8 * len(words)].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+    """From the host: into a GPU buffer through pinned memory, queued (a pageable copy would wait for the stream)."""
+    words = torch.tensor(words, dtype=torch.int64)
+    if out.is_cuda:
+        words = words.pin_memory()
+    out[: 8 * len(words)].view(torch.int64).copy_(words, non_blocking=out.is_cuda)
 
 
 __all__ = ["Changes", "Workspace", "encode", "find_changes", "capacity"]

@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,8 +71,9 @@ from raysync.core.config import SyncConfig
 from raysync.core.delta_changes import SPARSE_DENSITY
 from raysync.core.delta_encode import Changes, encode, find_changes
 from raysync.core.delta_reference import ReferenceBytes
-from raysync.core.delta_rule import StageClock, TimeRule
+from raysync.core.delta_rule import StageClock, TimeRule, choose
 from raysync.core.delta_stats import DeltaStats
+from raysync.core.delta_workspace import CopyOut
 from raysync.core.source import Packer, Source, SourcePacker
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class Reference:
         # the changes of the next two buckets, found while a bucket's bytes cross (Notes [the next bucket's
         # compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode), by bucket
         self._ahead: dict[int, Changes] = {}
+        # buckets of this push encoded into a staging buffer (``stage``): their bytes, and the event of their end
+        self._staged: dict[int, tuple[int, torch.cuda.Event]] = {}
         self.found_ahead = 0  # buckets of this push whose changes were found so
 
     def on_plane(self, plane: object, made_here: bool) -> None:
@@ -153,7 +156,7 @@ class Reference:
         self._measured = self._usable = usable
         self._refused = False
         self._full_from = None
-        self._ahead, self.found_ahead = {}, 0
+        self._ahead, self._staged, self.found_ahead = {}, {}, 0
         based = usable and self.version is not None
         as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
         self.base = self.version if as_delta else None
@@ -169,6 +172,7 @@ class Reference:
         self._refused = refused and (self._refused or self.base is not None)
         self.base, self.stats, self._measured = None, DeltaStats(why=why), False
         self._ahead = {}
+        self.drain()  # no encoding still crossing into a buffer the full push packs
 
     def prepare(self, agreed: SenderLayout, buffers: Sequence[torch.Tensor]) -> None:
         """After the layout agreement made new copies (new tensors, or a new layout): a new reference for a
@@ -221,12 +225,55 @@ class Reference:
         than the reference (a host ring of a GPU trainer: that copy would cross PCIe a second time)."""
         return self.lazy or (self._ref is not None and self._ref.ring_device != self._ref.device)
 
+    @property
+    def stages(self) -> bool:
+        """This delta push encodes each bucket into a staging buffer on the trainer's GPU, ahead of the claim
+        of its ring buffer (``stage``), and then only copies it across (``send``, ``copied``): Note [a bucket
+        is encoded while the one before crosses] in raysync.core.delta_workspace."""
+        return self.active and self.base is not None and self._ref is not None and self._looks_ahead
+
+    def stage(self, k: int) -> None:
+        """Encode bucket k of a delta push into staging buffer k % 2 (``stages``)."""
+        if k not in self._staged:
+            target = self._ref.staging(k % 2)
+            nbytes = self._encode(k, target, then=None)
+            written = torch.cuda.Event()  # its copy across waits for this, not for the compares queued next
+            written.record(torch.cuda.current_stream(target.device))
+            self._staged[k] = (nbytes, written)
+            self._find_ahead(k)  # queued after this bucket's payloads (Note [two buckets in flight])
+
+    def send(self, k: int, buffer: torch.Tensor) -> int:
+        """Bucket k, staged (``stage``), on its way into ``buffer`` on the copy stream; ``copied(k)`` waits for
+        it. Returns the bytes of ``buffer`` the encoding uses."""
+        self.stage(k)
+        nbytes, written = self._staged.pop(k)
+        self.clock.restart()
+        staged = self._ref.space.buffers[k % 2][:nbytes]
+        CopyOut(buffer, staged, 0, self._ref.space, k % 2, written).finish(nbytes, wait=False)
+        self.clock.mark("copy queued")
+        return nbytes
+
+    def copied(self, k: int) -> None:
+        """Wait until bucket k's encoding is in its ring buffer (``send``)."""
+        self.clock.restart()
+        self._ref.space.wait_copied(k % 2)
+        self.clock.mark("copy out")
+
+    def drain(self) -> None:
+        """No encoding crosses into a ring buffer once this returns (a failed or demoted push)."""
+        self._staged = {}
+        if self._ref is not None:
+            self._ref.space.wait_copied()
+
     def encode(self, k: int, buffer: torch.Tensor) -> int:
         """A delta push's bucket k: pack it into the scratch bucket (unless it is read in place: Note [a delta
         read in place] in raysync.core.delta_reference), encode it into ``buffer`` against the reference (on
         the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded] in
         raysync.core.delta_encode), and the reference advances by the encoding (Note [the reference advances
         by the encoding]). Returns the bytes of ``buffer`` the encoding uses."""
+        return self._encode(k, buffer, then=lambda: self._find_ahead(k))
+
+    def _encode(self, k: int, buffer: torch.Tensor, then: Callable[[], None] | None) -> int:
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
         changes = self._ahead.pop(k, None)
@@ -252,7 +299,7 @@ class Reference:
             sparse=sparse,
             advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
             changes=changes,
-            then=lambda: self._find_ahead(k),
+            then=then,
             slot=slot,
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
@@ -350,19 +397,3 @@ class Reference:
             self.rule.observe(self.base is not None or refused_again, seconds, self._ref.offsets[-1])
         self.version = version
         self._since_full = self._since_full + 1 if self.base is not None else 0
-
-
-def choose(
-    config: SyncConfig, rule: TimeRule, based: bool, full: bool, deltas_since_full: int
-) -> tuple[bool, str]:
-    """(this push goes as a delta, why): not without a reference at the receivers' version (``based``), nor
-    when asked ``full``, nor when an anchor is due (SyncConfig.delta_full_every); else as the time rule
-    says (SyncConfig.delta_by_time), or always."""
-    every = config.delta_full_every
-    if not based:
-        return False, "no reference of the receivers' version: full"
-    if full:
-        return False, "full=True"
-    if every > 0 and deltas_since_full + 1 >= every:
-        return False, f"an anchor (delta_full_every={every})"
-    return rule.choose() if config.delta_by_time else (True, "")

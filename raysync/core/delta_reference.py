@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysync.core import delta, delta_kernels
-from raysync.core.delta_encode import Workspace
+from raysync.core.delta_workspace import SLOTS, Workspace
 from raysync.core.plan import Bucket, align_up
 from raysync.core.wire import DTYPES, TensorSpec
 
@@ -57,8 +57,13 @@ class ReferenceBytes:
         self.fits = all(delta.capacity(c) <= self.room for c in chunks)
         self.space = Workspace.for_buckets(chunks, device)
         self.ring_device = buffers[0].device if buffers else device
-        if self.ring_device != device:  # encoded here first, then copied (Note [where a delta is encoded])
-            self.space.staging(max((delta.capacity(c) for c in chunks), default=0), device)
+        self.staging_bytes = max((delta.capacity(c) for c in chunks), default=0)
+        if (
+            self.ring_device != device
+        ):  # encoded here first, then copied (Note [where a delta is encoded]); on
+            # CUDA in two buffers (Note [a bucket is encoded while the one before crosses])
+            for slot in range(SLOTS if device.type == "cuda" else 1):
+                self.staging(slot)
         self.scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
         self.space.touch()
         delta_kernels.warm(device, {size for c in chunks for _, size in c})  # Note [fused delta kernels]
@@ -70,6 +75,10 @@ class ReferenceBytes:
         # (the kernels list at the speed of a count: Note [fused delta kernels]) it had no delta push yet
         self.listed_first = delta_kernels.available(device)
         self.sparse = [self.listed_first] * len(buckets)
+
+    def staging(self, slot: int) -> torch.Tensor:
+        """Staging buffer ``slot``: a bucket's encoding on its way to a ring on another device."""
+        return self.space.staging(self.staging_bytes, self.device, slot)
 
     @property
     def off(self) -> str | None:

@@ -49,8 +49,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from raysync.core.config import SyncConfig
 
 PROBE_EVERY = 8  # pushes of the faster kind before the other is measured again (doubling, Note above)
 FALL_BEHIND = 1.1  # a delta push goes on full past this x a full push's time for its bytes so far
@@ -154,3 +158,19 @@ class StageClock:
     def _sync(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def choose(
+    config: SyncConfig, rule: TimeRule, based: bool, full: bool, deltas_since_full: int
+) -> tuple[bool, str]:
+    """(this push goes as a delta, why): not without a reference at the receivers' version (``based``), nor
+    when asked ``full``, nor when an anchor is due (SyncConfig.delta_full_every); else as the time rule
+    says (SyncConfig.delta_by_time), or always."""
+    every = config.delta_full_every
+    if not based:
+        return False, "no reference of the receivers' version: full"
+    if full:
+        return False, "full=True"
+    if every > 0 and deltas_since_full + 1 >= every:
+        return False, f"an anchor (delta_full_every={every})"
+    return rule.choose() if config.delta_by_time else (True, "")

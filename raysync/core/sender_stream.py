@@ -4,6 +4,10 @@ every buffer released.
 
     claim(k) -> pack (the Packer's copies; in delta mode: raysync.core.delta_push) -> packed(k) -> publish(k)
 
+A delta push whose encoding crosses to the ring on a copy stream (``Reference.stages``) encodes bucket k + 1
+into a staging buffer once bucket k's copy is queued, before it publishes bucket k and claims bucket k + 1's
+buffer (Note [a bucket is encoded while the one before crosses] in raysync.core.delta_workspace).
+
 In a delta push a bucket's encoding may use fewer bytes than the bucket: a plane that moves only the bytes
 used (the collective's ``encoded(k, nbytes)``) hears how many right before ``publish(k)``.
 """
@@ -67,6 +71,7 @@ class SenderStream:
             try:
                 self._pack(k)
             except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
+                self._ref.drain()
                 abort(e, f"pack bucket {k} ahead of the push")
                 raise
         return ahead
@@ -77,7 +82,9 @@ class SenderStream:
         if buffer is not None:
             bucket = self._agreed.buckets[k]
             payload = sum(c.nbytes for c in bucket.chunks)
-            if ref is not None and ref.base is not None:  # a delta push: encoded against the reference
+            if ref is not None and ref.stages:  # a delta push, encoded into a staging buffer: copied across
+                self._encoded[k] = ref.send(k, buffer)
+            elif ref is not None and ref.base is not None:  # a delta push: encoded against the reference
                 self._encoded[k] = ref.encode(k, buffer)
             elif ref is not None and ref.packs_full:  # through the reference's scratch (a lazy source, ...)
                 ref.pack_full(k, buffer, bucket.nbytes, payload)
@@ -95,7 +102,18 @@ class SenderStream:
                 parts = [view[c.bucket_offset : c.bucket_offset + c.nbytes] for c in chunks]
             for c, part in zip(chunks, parts, strict=True):
                 self._digests.setdefault(c.index, []).append(digest.partial(part, c.src_offset))
-        self._plane.packed(k)
+        if not (ref is not None and ref.stages):
+            self._plane.packed(k)  # else once its copy is in (``_publish``)
+
+    def _publish(self, k: int, bar: _LazyBar) -> None:
+        """The receivers may read bucket k, packed (staged: once its copy across is in)."""
+        if self._ref.stages:
+            self._ref.copied(k)
+            self._plane.packed(k)
+        if k in self._encoded and hasattr(self._plane, "encoded"):
+            self._plane.encoded(k, self._encoded[k])  # it moves only the bytes used
+        self._plane.publish(k)
+        bar.update(sum(c.nbytes for c in self._agreed.buckets[k].chunks))
 
     def run(self, push_id: int, version: int, packed_ahead: int) -> None:
         """Publish every bucket (packing those not packed ahead), send the digests, wait for the releases."""
@@ -112,10 +130,11 @@ class SenderStream:
                 stage = f"pack bucket {k}/{count}"
                 if k >= packed_ahead:
                     self._pack(k)
-                if k in self._encoded and hasattr(self._plane, "encoded"):
-                    self._plane.encoded(k, self._encoded[k])  # it moves only the bytes used
-                self._plane.publish(k)
-                bar.update(sum(c.nbytes for c in bucket.chunks))
+                if self._ref.stages and packed_ahead <= k + 1 < count:  # Note [a bucket is encoded while ...]
+                    stage = f"encode bucket {k + 1}/{count}"
+                    self._ref.stage(k + 1)
+                    stage = f"pack bucket {k}/{count}"
+                self._publish(k, bar)
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
             stage = "verify" if self._digests is not None else "finish"
             self._send_digests(push_id)
@@ -133,6 +152,7 @@ class SenderStream:
                 raise cause from e
             raise
         finally:
+            self._ref.drain()  # no encoding crosses into the ring once the push ended here
             bar.close()
 
     def run_in_turns(self, push_id: int, version: int, ahead: int, stale: list[int]) -> None:

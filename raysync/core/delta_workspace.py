@@ -1,0 +1,143 @@
+"""What the sender's delta encoding (raysync.core.delta_encode) works in: the masks its compare writes, and, when
+the encoding crosses to another device (a host ring of a GPU trainer), the staging buffers it is written into
+first and the copy that takes it across (``CopyOut``).
+
+    space = Workspace.for_buckets(sizes, device)        # once per layout: reused by every push
+    target = space.staging(nbytes, device, slot)        # a bucket's encoding, written here first ...
+    copy = CopyOut(out, target, start, space, slot)     # ... crosses into ``out`` in runs as it is written
+    copy.finish(used)                                   # (or ``wait=False``, then ``space.wait_copied(slot)``)
+
+# Note [a bucket is encoded while the one before crosses]
+# On an H200 a 7B delta push over shm at 5% density (~51 MB of encoding per 512 MB bucket) took ~2 ms a bucket at
+# 64 ms a push (docs/benchmarks.md 12a). Per bucket the sender claimed a ring buffer (waiting for the receiver to
+# free bucket k - 2), then wrote the payloads, then copied them to the host (~1.1 ms), then published; the
+# receiver then copied them to its GPU (~1.1 ms): the compute engine and the two copies took turns. So in a
+# delta push whose encoding crosses on a copy stream (raysync.core.sender_stream, ``Reference.stages``), bucket
+# k + 1 is encoded into the other staging buffer (slot (k + 1) % 2) right after bucket k's copy out is queued,
+# before the wait for that copy and before bucket k + 1's ring buffer is claimed; when the receiver frees it,
+# bucket k + 1's bytes only have to cross. A slot's buffer is written again by bucket k + 2, whose writes the
+# current stream orders after that slot's copy (``staging`` waits for its event).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
+SLOTS = 2  # staging buffers: Note [a bucket is encoded while the one before crosses]
+
+
+@dataclass
+class Workspace:
+    """Work tensors one bucket's encoding needs, made once and reused by every push: a bool mask of the
+    bucket's elements and, where ``out`` lives on another device, buffers to encode into first."""
+
+    mask: torch.Tensor  # bool, at least the bucket's elements
+    # the same, for the buckets that compare into slot 1 (Note [two buckets in flight] in delta_encode)
+    second_mask: torch.Tensor | None = None
+    spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
+    # uint8 of ``capacity`` bytes on the chunks' device, one per slot (made when needed)
+    buffers: list[torch.Tensor | None] = field(default_factory=lambda: [None] * SLOTS)
+    copied: list[torch.cuda.Event | None] = field(
+        default_factory=lambda: [None] * SLOTS
+    )  # a slot's copy's end
+    stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (CopyOut)
+
+    @classmethod
+    def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
+        """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each."""
+        elements = max((sum(n for n, _ in chunks) for chunks in sizes), default=0)
+        return cls(torch.empty(elements, dtype=torch.bool, device=device))
+
+    def touch(self) -> None:
+        """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
+        self.mask.zero_()
+        for buffer in self.buffers:
+            if buffer is not None:
+                buffer.zero_()
+
+    def staging(self, nbytes: int, device: torch.device, slot: int = 0) -> torch.Tensor:
+        """Slot ``slot``'s staging buffer, of at least ``nbytes``: the current stream's writes into it wait for
+        the copy out of what it held before."""
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < nbytes or buffer.device != device:
+            self.wait_copied(slot)
+            buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        elif self.copied[slot] is not None:
+            torch.cuda.current_stream(device).wait_event(self.copied[slot])
+        return buffer[:nbytes]
+
+    def wait_copied(self, slot: int | None = None) -> None:
+        """Wait until the copy out of slot ``slot`` (None: of every slot) has ended: its bytes are in ``out``."""
+        for s in range(SLOTS) if slot is None else (slot,):
+            event, self.copied[s] = self.copied[s], None
+            if event is not None:
+                event.synchronize()
+
+
+class CopyOut:
+    """A staged encoding's way into ``out``. On a CUDA device in runs of at least ``COPY_RUN_BYTES``, on a
+    side stream, as the payloads are written: the copy engine moves the first chunks across while the next
+    ones are compacted; ``finish`` copies the rest and waits, or leaves the wait to ``Workspace.wait_copied``.
+    Elsewhere one copy, at ``finish``."""
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        staged: torch.Tensor,
+        start: int,
+        space: Workspace,
+        slot: int = 0,
+        written: torch.cuda.Event | None = None,
+    ):
+        """``written``: recorded once ``staged`` was written (else the current stream's work so far is waited
+        for at each run)."""
+        self.out, self.staged, self.done, self.stream = out, staged, start, None
+        self.space, self.slot, self._written = space, slot, written
+        if staged.device.type == "cuda":
+            if space.stream is None or space.stream.device != staged.device:
+                space.stream = torch.cuda.Stream(staged.device)
+            self.stream = space.stream
+            if out.is_cuda and out.device != staged.device:  # a ring on another GPU: the side stream's writes
+                free = torch.cuda.Event()  # wait for what that GPU's stream waits for (its reader's release)
+                free.record(torch.cuda.current_stream(out.device))
+                self.stream.wait_event(free)
+
+    def written(self, end: int) -> None:
+        """The payloads up to byte ``end`` are written (their kernels enqueued on the current stream)."""
+        if self.stream is not None and end - self.done >= COPY_RUN_BYTES:
+            self._copy(end)
+
+    def finish(self, used: int, wait: bool = True) -> None:
+        """Copy the rest; ``wait``: every byte is in ``out`` on return, else once ``space.wait_copied(slot)``
+        returns (Note [a bucket is encoded while the one before crosses])."""
+        if self.stream is None:
+            self.out[self.done : used].copy_(self.staged[self.done : used])
+            return
+        if used > self.done:
+            self._copy(used)
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        self.space.copied[self.slot] = copied
+        if wait:
+            self.space.wait_copied(self.slot)
+
+    def drain(self) -> None:
+        """Encode failed part-way: wait for the runs already queued, so none writes into ``out`` or reads the
+        workspace after encode returned (the next bucket's compaction reuses it on the current stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.space.copied[self.slot] = None
+
+    def _copy(self, end: int) -> None:
+        written = self._written
+        if written is None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.staged.device))  # after the kernels that wrote them
+        self.stream.wait_event(written)
+        with torch.cuda.stream(self.stream):
+            self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
+        self.done = end
