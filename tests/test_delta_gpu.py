@@ -11,6 +11,9 @@ import torch
 from workers import digest, ipc_receiver
 
 from raysync import SessionSecret, SyncConfig, WeightSender
+from raysync.core import delta
+from raysync.core.delta_encode import encode
+from raysync.core.errors import BadDelta
 from raysync.tools.models import allocate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -106,3 +109,30 @@ def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_wh
     assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
     child.join(timeout=60)
     assert child.exitcode == 0
+
+
+def test_a_bucket_copied_in_ahead_decodes_as_decode_copies_it_and_a_header_past_the_buffer_starts_no_copy():
+    """``delta.copy_in`` starts the host -> GPU copy before the destinations are made (the receiver's sink):
+    decoding with it writes what decoding without it writes; a header that claims more bytes than its buffer
+    starts no copy, and decode refuses the bucket before writing anything."""
+    gen = torch.Generator().manual_seed(5)
+    old = torch.randn(3 * delta.GAP_SPAN + 7, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new[::13] += 1.0
+    buffer = torch.zeros(delta.capacity([(new.numel(), 2)]), dtype=torch.uint8).pin_memory()
+    encode([(old, new)], buffer, base_version=1)
+    cuda = torch.device("cuda")
+    ahead, plain = old.to(cuda), old.to(cuda)
+    moved = delta.copy_in(buffer, cuda)
+    assert moved is not None and moved[0].device.type == "cuda"
+    delta.decode(buffer, [ahead], held_version=1, moved=moved)
+    delta.decode(buffer, [plain], held_version=1)
+    torch.cuda.synchronize()
+    assert torch.equal(ahead.view(torch.int16), new.to(cuda).view(torch.int16))
+    assert torch.equal(plain.view(torch.int16), ahead.view(torch.int16))
+    buffer[24:32].view(torch.int64)[0] = buffer.numel() + 16  # the header's count of bytes used
+    assert delta.copy_in(buffer, cuda) is None
+    dest = old.to(cuda)
+    with pytest.raises(BadDelta):
+        delta.decode(buffer, [dest], held_version=1)
+    assert torch.equal(dest.view(torch.int16), old.to(cuda).view(torch.int16))

@@ -77,6 +77,7 @@ from enum import IntEnum
 import torch
 
 from raysync.core import delta_kernels
+from raysync.core.delta_workspace import copy_in_stream
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import Version, is_version
 
@@ -193,6 +194,19 @@ def check_base(held: Version, base: Version, sender: str = "the sender") -> None
 
 
 # --- decode -----------------------------------------------------------------------------------------------------
+def copy_in(buffer: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+    """Start moving a host bucket's bytes used (its header says how many, within ``buffer``) into ``device``, for
+    ``decode(moved=)``: the copy runs while the caller makes the destinations' views and decode reads the table
+    (on an H200 the receiver spent ~0.3 ms a bucket between one copy's end and the next one's start). Nothing is
+    checked but the count: decode checks everything before its first write. None: no copy to start."""
+    if buffer.device.type != "cpu" or device.type != "cuda" or buffer.numel() < HEADER_BYTES:
+        return None
+    magic, _, _, used = buffer[:HEADER_BYTES].view(torch.int64).tolist()
+    if magic != MAGIC or not HEADER_BYTES <= used <= buffer.numel():
+        return None  # decode says what is wrong
+    return copy_in_stream(buffer[:used], device)
+
+
 def decode(
     buffer: torch.Tensor,
     destinations: Sequence[torch.Tensor],
@@ -201,6 +215,7 @@ def decode(
     mark: Callable[[str], None] | None = None,
     unsettled: list | None = None,
     tag: object = None,
+    moved: tuple[torch.Tensor, torch.cuda.Event] | None = None,
 ) -> BucketCode:
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
@@ -211,7 +226,8 @@ def decode(
     a bucket of GAPS payloads that the fused kernels write (Note [fused delta kernels]) is checked on the
     device instead, where none of its payloads is written unless all fit, and the check is appended here for
     ``settle``, which raises the BadDelta with ``tag`` on it: the bucket waits only for its copy in.
-    ``mark(stage)`` ends each stage when given (raysync.core.delta_rule.StageClock)."""
+    ``mark(stage)`` ends each stage when given (raysync.core.delta_rule.StageClock). ``moved``: ``copy_in``'s
+    copy of ``buffer``, started before the destinations were made."""
     _check_buffer(buffer, "buffer")
     dests = [_bits(d, f"destination {i}") for i, d in enumerate(destinations)]
     code = _read_table(buffer, dests)
@@ -226,8 +242,10 @@ def decode(
         device = devices.pop()
         # a copy into a GPU is left in flight and waited for before returning (the caller reuses the host
         # buffer then); any other way it is waited for here
-        if buffer.device.type == "cpu" and device.type == "cuda":
-            buffer, copied = _copy_in(buffer[: code.nbytes], device)
+        if moved is not None and moved[0].numel() == code.nbytes and moved[0].device == device:
+            buffer, copied = moved
+        elif buffer.device.type == "cpu" and device.type == "cuda":
+            buffer, copied = copy_in_stream(buffer[: code.nbytes], device)
         else:
             buffer = buffer[: code.nbytes].to(device)
     mark("copy in")
@@ -270,26 +288,6 @@ def decode(
         copied.synchronize()
     mark("apply")
     return code
-
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """A bucket's bytes from a host ring into ``device``, on a copy stream of its own: the current stream's
-    kernels wait for its event, and the next bucket's copy does not wait for this one's apply (on an H200, 0.2-0.4
-    ms a bucket of a 7B delta push at 5%: docs/benchmarks.md 12a). Returns the copy and its event."""
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        moved = host.to(device, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(stream)
-    current.wait_event(copied)
-    moved.record_stream(current)  # allocated on the copy stream, read on the current one
-    return moved, copied
 
 
 def settle(unsettled: list) -> None:

@@ -156,13 +156,25 @@ class IntoTensors(Sink):
         """A delta push: each bucket decoded in place into the destinations (everything in a bucket is checked
         before its first write: BadDelta, BaseMismatch)."""
         for bucket, buffer in parts:
+            # the bytes cross while the views are made
+            moved = delta.copy_in(buffer, self.target(bucket.chunks[0]).device) if bucket.chunks else None
             dests = []
             for c in bucket.chunks:
                 width = min(self.specs[c.index].itemsize, 8)
                 dests.append(self.target(c).view(delta.WORDS[width]))
-            code = delta.decode(
-                buffer, dests, held_version=self.delta_base, unsettled=self._unsettled, tag=bucket
-            )
+            try:
+                code = delta.decode(
+                    buffer,
+                    dests,
+                    held_version=self.delta_base,
+                    unsettled=self._unsettled,
+                    tag=bucket,
+                    moved=moved,
+                )
+            except BaseException:
+                if moved is not None:  # no copy reads the ring buffer once it is released
+                    moved[1].synchronize()
+                raise
             self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
             self.landed(bucket)
 
