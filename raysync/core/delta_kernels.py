@@ -25,7 +25,7 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 # core.delta: the bucket then waits only for its copy in). Alone each kernel is about as fast as the torch
 # operations it replaces (benchmarks/bench_delta_kernels.py); what they spare is launches (one a bucket, not
 # several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms (docs/benchmarks.md,
-# section 12a). What a payload holds, and what a destination ends with, is what torch's path gives
+# section 12b). What a payload holds, and what a destination ends with, is what torch's path gives
 # (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's interpreter).
 """
 

@@ -9,15 +9,18 @@ its GPU (``copy_in_stream``).
     copy.finish(used)                                   # (or ``wait=False``, then ``space.wait_copied(slot)``)
 
 # Note [a bucket is encoded while the one before crosses]
-# On an H200 a 7B delta push over shm at 5% density (~51 MB of encoding per 512 MB bucket) took ~2 ms a bucket at
-# 64 ms a push (docs/benchmarks.md 12a). Per bucket the sender claimed a ring buffer (waiting for the receiver to
+# On an H200 a 7B delta push over shm at 5% density (~47 MB of encoding per 512 MB bucket) took ~2 ms a bucket at
+# 64 ms a push (docs/benchmarks.md 12b). Per bucket the sender claimed a ring buffer (waiting for the receiver to
 # free bucket k - 2), then wrote the payloads, then copied them to the host (~1.1 ms), then published; the
 # receiver then copied them to its GPU (~1.1 ms): the compute engine and the two copies took turns. So in a
 # delta push whose encoding crosses on a copy stream (raysync.core.sender_stream, ``Reference.stages``), bucket
 # k + 1 is encoded into the other staging buffer (slot (k + 1) % 2) right after bucket k's copy out is queued,
 # before the wait for that copy and before bucket k + 1's ring buffer is claimed; when the receiver frees it,
 # bucket k + 1's bytes only have to cross. A slot's buffer is written again by bucket k + 2, whose writes the
-# current stream orders after that slot's copy (``staging`` waits for its event).
+# current stream orders after that slot's copy (``staging`` waits for its event). With the receiver's copy in on a
+# stream of its own (``copy_in_stream``): 61.0-64.2 ms at 5.0% against 64.7-72.2 ms before, in the same leases
+# (docs/benchmarks.md 12a). Publishing bucket k only after bucket k + 1 was packed instead made it slower: the
+# receiver waited a bucket longer.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # copy_in_stream's, o
 def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
     """The receiver's copy of a bucket from a host ring into ``device`` (raysync.core.delta.decode), on a copy
     stream of its own: the current stream's kernels wait for its event, and the next bucket's copy does not wait
-    for this one's apply (0.2-0.4 ms a bucket of a 7B delta push at 5% on an H200). Returns the copy and its
+    for this one's apply (the apply took 0.2-0.4 ms a bucket of a 7B delta push at 5% in H200 timelines). Returns the copy and its
     event."""
     stream = _COPY_STREAMS.get(device)
     if stream is None:
