@@ -22,18 +22,18 @@ step() {  # step NAME SECONDS COMMAND...
     echo "$name rc=$? $((SECONDS - t0))s" >> "$OUT/summary.txt"
 }
 
+# the delta GPU tests first: df31d78's (a bucket copied in ahead of its views) has not run on a GPU yet
+step delta_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernels.py tests/test_delta_gpu.py
 # 19: WeightSync with the default config and each forced mode (Ray actors sharing the GPU), 7B and 1.5B, with the
 # raw session's figure and the floors in the same run.
 step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda
 # 24: delta pushes over shm, bf16 weights read in place (ordinary pushes, then the last push profiled with both
-# sides' timelines, then torch's kernels instead of Triton's), and the fp32 master cast on the way.
+# sides' timelines), and the fp32 master cast on the way.
 step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
 step delta_trace 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 3 --bf16-params --profile --trace "$OUT"
 gzip -f "$OUT/sender.json" "$OUT/receiver.json" 2>/dev/null  # both sides' timelines of the last delta push
-step delta_kernels_off 120 env RAYSYNC_DELTA_KERNELS=0 python3 benchmarks/bench_delta_push.py --device cuda \
-    --layout qwen2.5-7b --transports shm --steps 4 --bf16-params
 step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 3
 cat "$OUT/summary.txt"
