@@ -11,7 +11,7 @@ import torch
 from workers import digest, ipc_receiver
 
 from raysync import SessionSecret, SyncConfig, WeightSender
-from raysync.core import delta
+from raysync.core import delta, delta_workspace
 from raysync.core.delta_encode import encode
 from raysync.core.errors import BadDelta
 from raysync.tools.models import allocate
@@ -112,17 +112,21 @@ def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_wh
 
 
 def test_a_bucket_copied_in_ahead_decodes_as_decode_copies_it_and_a_header_past_the_buffer_starts_no_copy():
-    """``delta.copy_in`` starts the host -> GPU copy before the destinations are made (the receiver's sink):
-    decoding with it writes what decoding without it writes; a header that claims more bytes than its buffer
-    starts no copy, and decode refuses the bucket before writing anything."""
+    """``delta.copy_in`` starts the host -> GPU copy before the destinations are made (the receiver's sink), on
+    a copy stream: decoding with it writes what decoding without it writes, also when that stream is held back
+    (decode's kernels wait for the copy, not for the host); a header that claims more bytes than its buffer starts
+    no copy, and decode refuses the bucket before writing anything."""
     gen = torch.Generator().manual_seed(5)
     old = torch.randn(3 * delta.GAP_SPAN + 7, generator=gen).to(torch.bfloat16)
     new = old.clone()
     new[::13] += 1.0
     buffer = torch.zeros(delta.capacity([(new.numel(), 2)]), dtype=torch.uint8).pin_memory()
     encode([(old, new)], buffer, base_version=1)
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", 0)
     ahead, plain = old.to(cuda), old.to(cuda)
+    stream = delta_workspace._COPY_STREAMS.setdefault(cuda, torch.cuda.Stream(cuda))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the copy in queues behind it
     moved = delta.copy_in(buffer, cuda)
     assert moved is not None and moved[0].device.type == "cuda"
     delta.decode(buffer, [ahead], held_version=1, moved=moved)

@@ -39,6 +39,8 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
 #
 # Note [the next bucket's compare overlaps this one's copy]
+# (The push session now stages its buckets instead, Note [a bucket is encoded while the one before crosses] in
+# raysync.core.delta_workspace, and finds the next changes after each; ``then`` serves encode's other callers.)
 # A staged encoding on CUDA ends in a wait for its last bytes to cross (``CopyOut.finish``); the compare of the
 # next bucket needs none of them. So the caller may pass ``then``, which encode calls once the payloads' kernels
 # are queued and before that wait: raysync.core.delta_push finds the next bucket's changes there

@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -120,8 +120,7 @@ class Reference:
         # the changes of the next two buckets, found while a bucket's bytes cross (Notes [the next bucket's
         # compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode), by bucket
         self._ahead: dict[int, Changes] = {}
-        # buckets of this push encoded into a staging buffer (``stage``): their bytes, and the event of their end
-        self._staged: dict[int, tuple[int, torch.cuda.Event]] = {}
+        self._staged: dict[int, tuple[int, torch.cuda.Event]] = {}  # by bucket, ``stage``'s bytes and end
         self.found_ahead = 0  # buckets of this push whose changes were found so
 
     def on_plane(self, plane: object, made_here: bool) -> None:
@@ -236,7 +235,7 @@ class Reference:
         """Encode bucket k of a delta push into staging buffer k % 2 (``stages``)."""
         if k not in self._staged:
             target = self._ref.staging(k % 2)
-            nbytes = self._encode(k, target, then=None)
+            nbytes = self.encode(k, target)
             written = torch.cuda.Event()  # its copy across waits for this, not for the compares queued next
             written.record(torch.cuda.current_stream(target.device))
             self._staged[k] = (nbytes, written)
@@ -260,10 +259,15 @@ class Reference:
         self.clock.mark("copy out")
 
     def drain(self) -> None:
-        """No encoding crosses into a ring buffer once this returns (a failed or demoted push)."""
+        """No encoding crosses into a ring buffer once this returns (a failed, skipped or demoted push, a
+        close). A failure to wait (a CUDA error, which leaves nothing running) is logged, not raised: this runs
+        on the way out of another error."""
         self._staged = {}
         if self._ref is not None:
-            self._ref.space.wait_copied()
+            try:
+                self._ref.space.wait_copied()
+            except Exception:
+                logger.warning("delta: waiting for the copies into the ring failed", exc_info=True)
 
     def encode(self, k: int, buffer: torch.Tensor) -> int:
         """A delta push's bucket k: pack it into the scratch bucket (unless it is read in place: Note [a delta
@@ -271,9 +275,6 @@ class Reference:
         the reference's device, crossing to ``buffer``'s once: Note [where a delta is encoded] in
         raysync.core.delta_encode), and the reference advances by the encoding (Note [the reference advances
         by the encoding]). Returns the bytes of ``buffer`` the encoding uses."""
-        return self._encode(k, buffer, then=lambda: self._find_ahead(k))
-
-    def _encode(self, k: int, buffer: torch.Tensor, then: Callable[[], None] | None) -> int:
         ref, mark = self._ref, self.clock.mark
         self.clock.restart()
         changes = self._ahead.pop(k, None)
@@ -299,7 +300,6 @@ class Reference:
             sparse=sparse,
             advance=True,  # Note [the reference advances by the encoding] in raysync.core.delta_encode
             changes=changes,
-            then=then,
             slot=slot,
         )
         density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
@@ -309,12 +309,12 @@ class Reference:
 
     @property
     def _looks_ahead(self) -> bool:
-        """Whether encode finds buckets' changes ahead: a reference on a GPU and a ring elsewhere (host memory,
-        another GPU), where each bucket's bytes cross on a copy stream (Note [where a delta is encoded])."""
+        """A reference on a GPU and a ring elsewhere (host memory, another GPU): each bucket's bytes cross on a
+        copy stream, and buckets are staged (``stages``) and their changes found ahead (``_find_ahead``)."""
         return self._ref.device.type == "cuda" and self._ref.ring_device != self._ref.device
 
     def _find_ahead(self, k: int) -> None:
-        """While bucket k's bytes cross, start finding the changes of the two buckets after it (Notes [the next
+        """Once bucket k is staged, start finding the changes of the two buckets after it (Notes [the next
         bucket's compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode):
         only buckets read in place, which need no packing (packing one into the scratch would overwrite what
         verify digests of the bucket before). A failure here is left for that bucket's encode to meet again,

@@ -70,9 +70,10 @@ class SenderStream:
         for k in range(ahead):
             try:
                 self._pack(k)
-            except Exception as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
+            except BaseException as e:  # e.g. a ring the receiver resized: tell it now, not after timeout_s
                 self._ref.drain()
-                abort(e, f"pack bucket {k} ahead of the push")
+                if isinstance(e, Exception):
+                    abort(e, f"pack bucket {k} ahead of the push")
                 raise
         return ahead
 
@@ -140,9 +141,11 @@ class SenderStream:
             self._send_digests(push_id)
             self._plane.wait_released()
         except RemoteError:
+            self._ref.drain()
             self._plane.fail()
             raise
         except Exception as e:  # tell the receivers now, rather than let them wait for timeout_s
+            self._ref.drain()  # first: nothing crosses into the ring once the others hear of it
             self._plane.fail()  # e.g. a broadcast group: abort it, so no receiver stays in a broadcast
             cause = None
             if isinstance(e, (PeerTimeout, PeerLost, RuntimeError)) and len(self._channel.channels) > 1:

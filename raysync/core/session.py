@@ -114,17 +114,20 @@ class PushSender(OnPlane):
         # host checks the tensors; what was packed is dropped if they changed after all (new data pointers)
         agreed = self._agreed
         placed = agreed.placed if agreed.is_placed else -1
-        ahead = stream.pack_ahead(self.abort) if placed >= 0 and agreed.same_objects(named) else 0
-        sources = self._or_abort("select", agreed.select, named)
-        self._ensure_session([s.spec for s in sources])
-        self._or_abort("layout", agreed.agree, sources, self._plane, self._channel)
-        stream = self._stream
-        if agreed.placed != placed:  # new copies: what was packed ahead read other tensors (or nothing)
-            ahead = stream.go_full()
-            self._delta.prepare(agreed, self._plane.buffers)
-        if not ahead:
-            ahead = stream.pack_ahead(self.abort)
-        skipped = self._deliver(version, ahead, start)
+        try:
+            ahead = stream.pack_ahead(self.abort) if placed >= 0 and agreed.same_objects(named) else 0
+            sources = self._or_abort("select", agreed.select, named)
+            self._ensure_session([s.spec for s in sources])
+            self._or_abort("layout", agreed.agree, sources, self._plane, self._channel)
+            stream = self._stream
+            if agreed.placed != placed:  # new copies: what was packed ahead read other tensors (or nothing)
+                ahead = stream.go_full()
+                self._delta.prepare(agreed, self._plane.buffers)
+            if not ahead:
+                ahead = stream.pack_ahead(self.abort)
+            skipped = self._deliver(version, ahead, start)
+        finally:
+            self._delta.drain()  # a delta's copies into the ring, packed ahead of a push that did not stream
         return self._report(version, len(sources), skipped, time.perf_counter() - start)
 
     def _push_source(self, source: Source, version: int) -> PushReport:
@@ -147,6 +150,7 @@ class PushSender(OnPlane):
             self._stream.reset()
             skipped = self._deliver(version, self._stream.pack_ahead(self.abort), start)
         except BaseException:
+            self._delta.drain()  # Note [a bucket is encoded while the one before crosses]
             try:
                 packer.finish("failed")
             except Exception as e:  # this push's own error is the one to raise
@@ -230,6 +234,7 @@ class PushSender(OnPlane):
     # --- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         self._agreed.packer = None  # its copies hold views of the ring: drop them first
+        self._delta.drain()  # no delta's copy still writes into the ring it unmaps
         if self._plane is not None:
             self._channel.try_send(Close())
             self._plane.close()

@@ -156,13 +156,14 @@ class IntoTensors(Sink):
         """A delta push: each bucket decoded in place into the destinations (everything in a bucket is checked
         before its first write: BadDelta, BaseMismatch)."""
         for bucket, buffer in parts:
-            # the bytes cross while the views are made
-            moved = delta.copy_in(buffer, self.target(bucket.chunks[0]).device) if bucket.chunks else None
-            dests = []
-            for c in bucket.chunks:
-                width = min(self.specs[c.index].itemsize, 8)
-                dests.append(self.target(c).view(delta.WORDS[width]))
+            devices = {self._bytes[c.index].device for c in bucket.chunks}
+            # one device: the bytes cross while the views are made (decode copies them itself otherwise)
+            moved = delta.copy_in(buffer, devices.pop()) if len(devices) == 1 else None
             try:
+                dests = []
+                for c in bucket.chunks:
+                    width = min(self.specs[c.index].itemsize, 8)
+                    dests.append(self.target(c).view(delta.WORDS[width]))
                 code = delta.decode(
                     buffer,
                     dests,
@@ -171,10 +172,9 @@ class IntoTensors(Sink):
                     tag=bucket,
                     moved=moved,
                 )
-            except BaseException:
-                if moved is not None:  # no copy reads the ring buffer once it is released
+            finally:
+                if moved is not None:  # no copy reads the ring buffer once it is released (decode waited)
                     moved[1].synchronize()
-                raise
             self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
             self.landed(bucket)
 
