@@ -1,11 +1,13 @@
 """Benchmark: the fused delta kernels (raysync.core.delta_kernels, Note [fused delta kernels]) on one bucket,
-beside torch's operations they replace, on a CUDA device; the listing's block size and warps swept.
+beside torch's operations they replace, on a CUDA device.
 
     python benchmarks/bench_delta_kernels.py [--mb 512] [--density 0.05] [--json out.json]
 
-Rows (median ms of --repeats): the floor (one read of the bucket's bf16 mask bytes: a sum), torch's listing
-(nonzero_static with the cap, then searchsorted), the kernels' listing per (block, warps), the GAPS write of
-every entry (the kernel against torch's gather + the reference's index_copy_), and the receiver's apply (the
+Rows (median ms of --repeats): the floors (one read of the bucket's reference and new words with a write of
+its mask: torch's ne; one read of the mask: a sum), the sender's compare (the kernels' count_blocks, which
+writes the mask and counts it by block, against torch's ne then its listing, nonzero_static with the cap and
+searchsorted), the GAPS write of every entry (the kernels' write_counted, which lists each block from the mask,
+against torch's gather + the reference's index_copy_ of a listing already made), and the receiver's apply (the
 kernels against torch's int64 cumsum + index_copy_)."""
 
 from __future__ import annotations
@@ -29,38 +31,40 @@ def main() -> None:
     device = torch.device("cuda")
     n = args.mb * 2**20 // 2
     g = torch.Generator(device=device).manual_seed(0)
-    mask = torch.rand(n, device=device, generator=g) < args.density
-    entries = int(mask.sum())
+    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=device, generator=g)
+    old = torch.where(torch.rand(n, device=device, generator=g) < args.density, new + 1, new)
+    mask = torch.empty(n, dtype=torch.bool, device=device)
     cap = _listing_cap(n, 1)
     starts = torch.tensor([0, n], dtype=torch.int64, device=device)
+    blocks = delta_kernels.Blocks.of([n], device)
+    slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
     rows = {
+        "floor: ne of reference and new into the mask": lambda: torch.ne(old, new, out=mask),
         "floor: sum of the mask's bytes": lambda: mask.view(torch.uint8).sum(dtype=torch.int32),
-        "torch: nonzero_static + searchsorted": lambda: torch.searchsorted(
-            torch.nonzero_static(mask, size=cap, fill_value=n).view(-1), starts
+        "torch: ne, nonzero_static + searchsorted": lambda: torch.searchsorted(
+            torch.nonzero_static(torch.ne(old, new, out=mask), size=cap, fill_value=n).view(-1), starts
+        ),
+        "kernels: count_blocks (compare, counts by block)": lambda: delta_kernels.count_blocks(
+            [(old, new)], slab, blocks
         ),
     }
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
-            rows[f"kernels: list_span block {block} warps {warps}"] = lambda b=block, w=warps: (
-                delta_kernels.list_span(mask, cap, starts, b, w)
-            )
-    index, _ = delta_kernels.list_span(mask, cap, starts)
-    index = index[:entries]
-    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=device)
-    reference = new.clone()
+    counted = delta_kernels.count_blocks([(old, new)], slab, blocks)
+    entries = counted.entries(0)
+    index = torch.nonzero(torch.ne(old, new, out=mask)).view(-1)
+    reference = old.clone()
     out = torch.empty(2 * entries + 16, dtype=torch.int16, device=device)
     gaps, values = out[:entries], out[entries + 8 : 2 * entries + 8]
-    row = [0, entries, 0, new.data_ptr(), reference.data_ptr(), gaps.data_ptr(), values.data_ptr()]
-    rows["kernels: write_gaps (gaps, values, reference)"] = lambda: delta_kernels.write_gaps(
-        index, [row], 2, advance=True
+    payload = [(entries, gaps.data_ptr(), values.data_ptr())]
+    rows["kernels: write_counted (list, gaps, values, reference)"] = lambda: delta_kernels.write_counted(
+        [(reference, new)], payload, counted, advance=True
     )
 
     def torch_write() -> None:
-        torch.index_select(new, 0, index, out=values)
-        reference.index_copy_(0, index, values)
+        torch.index_select(new, 0, index, out=values[: index.numel()])
+        reference.index_copy_(0, index, values[: index.numel()])
 
     rows["torch: gather values + reference index_copy_"] = torch_write
-    delta_kernels.write_gaps(index, [row], 2, advance=True)  # real gaps for the receiver's rows
+    delta_kernels.write_counted([(reference, new)], payload, counted, advance=True)  # the receiver's rows
     dest = torch.empty_like(new)
 
     def kernels_apply() -> None:
@@ -77,7 +81,8 @@ def main() -> None:
     rows["torch: int64 cumsum, one sync, index_copy_"] = torch_apply
     ms = {name: 1e3 * timed_cuda(fn, args.repeats) for name, fn in rows.items()}
     kernels_apply()
-    assert torch.equal(dest[index], values), "the receiver's kernels put the values elsewhere"
+    at = torch.nonzero(slab[:n]).view(-1)  # the entries: changed and forced
+    assert torch.equal(dest[at], values) and torch.equal(reference, new), "the kernels put values elsewhere"
     print(f"{torch.cuda.get_device_name()}: {args.mb} MB bf16 bucket, {entries} entries ({entries / n:.2%})")
     for name, t in ms.items():
         print(f"{name:52s} {t:8.3f} ms")

@@ -25,7 +25,7 @@ TRITON = importlib.util.find_spec("triton") is not None or (APART / "triton").is
 def bucket(device: str) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     """(reference, new) pairs of mixed widths and densities: sparse bf16 chunks longer than a gap's span (forced
     entries), a changed first and last element, fp8-wide and fp32 chunks, a dense chunk (FULL), an unchanged
-    one (SAME) and one without a reference (FULL)."""
+    one (SAME), one without a reference (FULL), and one whose first change lies past its first block."""
     g = torch.Generator().manual_seed(7)
     specs = [
         (torch.bfloat16, 200_003, 0.05),
@@ -45,14 +45,21 @@ def bucket(device: str) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         new[changed] += 1
         pairs.append((old.to(device), new.to(device)))
     pairs.insert(3, (None, torch.randn(5000, generator=g).to(device)))
+    old = torch.randint(-100, 100, (12_000,), generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new[[5000, 5001, 8191, 8192, 11_999]] += 1  # none in its first block, two across a block's end
+    pairs.append((old.to(device), new.to(device)))
     return pairs
 
 
 def listed_changes(pairs, space, fused: bool) -> delta_encode.Changes:
-    """The bucket's changes found the GPU's way (a listing), with or without the kernels."""
+    """The bucket's changes found the GPU's ways, without waiting: counted by the kernels, or listed by torch's
+    (nonzero_static, capped)."""
+    os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
+    if fused:
+        return delta_encode.find_changes(pairs, based=True, space=space, wait=False)
     views = [(None if o is None else delta._bits(o, "reference"), delta._bits(n, "new")) for o, n in pairs]
     masks, span = delta_changes.compare(views, True, space, pairs[0][1].device)
-    os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
     listing = delta_changes.start_listing(masks, span, space.spans)
     return delta_encode.Changes(views, span.device, True, masks, None, None, None, listing)
 
@@ -101,8 +108,8 @@ def compare_paths(device: str, interpreted: bool = False) -> None:
 
 
 def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> None:
-    """A bucket with more changes than a listing holds (its first delta push, listed on a guess): counted
-    after all, and written as torch's path writes it."""
+    """A bucket with more changes than torch's listing holds (its first delta push, listed on a guess): there
+    counted after all, and written as the kernels write it (they count every bucket, no cap)."""
     if interpreted:
         delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
     g = torch.Generator().manual_seed(3)
@@ -116,7 +123,7 @@ def dense_bucket_counted_after_all(device: str, interpreted: bool = False) -> No
         out = torch.zeros(delta.capacity([(new.numel(), 2)]), dtype=torch.uint8, device=device)
         changes = listed_changes(pairs, space, fused)
         code = delta_encode.encode(pairs, out, base_version=1, space=space, advance=True, changes=changes)
-        assert changes.entries is None and code.chunks[0].mode == delta.Mode.GAPS
+        assert (changes.entries is not None) == fused and code.chunks[0].mode == delta.Mode.GAPS
         got.append((out[: code.nbytes].cpu(), pairs[0][0].cpu()))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[1][1], new)
 

@@ -1,12 +1,15 @@
 """Which elements of a bucket changed since the reference (the first stage of raysync.core.delta_encode): the
 masks of changed bits, their counts, and the indices of the entries, on the device that holds the chunks.
 
-    masks, span = compare(views, based, space, device)      # ne(reference, new) per chunk, into the workspace
+    counting = start_counting(views, space, device)         # CUDA with Triton: compare and count in one pass
+    masks, span = compare(views, based, space, device)      # else ne(reference, new) per chunk, into the workspace
     counts = host_counts(masks)                              # (changed, forced) per chunk: one host sync
     counts, listed = list_changes(masks, span)               # or, for a bucket sparse at its last push (GPU)
     index = indices(mask, entries)                           # a counted chunk's entries, when it goes GAPS
 
 # Note [listing instead of counting]
+# (Torch's path on a GPU, when the fused kernels are off or Triton is missing: the kernels count every bucket in
+# its compare pass and list it after, Note [fused delta kernels] in raysync.core.delta_kernels.)
 # On an H200, for a 512 MB bf16 bucket at 5% changed (benchmarks/bench_delta_ops.py, docs/benchmarks.md section
 # 12): ne 0.33 ms, count_nonzero of the mask 1.34 ms (its sum of the mask's bytes as int32: 0.72 ms), nonzero
 # 0.73 ms, nonzero_static with the count known 0.67 ms. Counting and then listing reads the mask twice; listing
@@ -68,15 +71,7 @@ def compare(
     ``slot`` (0, or 1 for a bucket compared while the one before it is not yet written), one after the other;
     and the span of that mask they cover."""
     total = sum(n.numel() for o, n in views if o is not None) if based else 0
-    held = None if space is None else space.mask if slot == 0 else space.second_mask
-    if held is None or held.numel() < total or held.device != device:
-        slab = torch.empty(total, dtype=torch.bool, device=device)
-        if space is not None and slot == 0:
-            space.mask = slab
-        elif space is not None:
-            space.second_mask = slab
-    else:
-        slab = held
+    slab = _slab(space, slot, total, device)
     masks, start = [], 0
     for o, n in views:
         if o is None or not based:
@@ -90,6 +85,67 @@ def compare(
         masks.append(mask)
         start += n.numel()
     return masks, slab[:start]
+
+
+def _slab(space: Workspace | None, slot: int, elements: int, device) -> torch.Tensor:
+    """The workspace's bool mask ``slot`` (Note [two buckets in flight] in raysync.core.delta_encode), made
+    larger when it holds fewer than ``elements``."""
+    held = None if space is None else space.mask if slot == 0 else space.second_mask
+    if held is not None and held.numel() >= elements and held.device == device:
+        return held
+    slab = torch.empty(elements, dtype=torch.bool, device=device)
+    if space is not None and slot == 0:
+        space.mask = slab
+    elif space is not None:
+        space.second_mask = slab
+    return slab
+
+
+@dataclass
+class Counting:
+    """A bucket's compare and counts by the kernels (``start_counting``), queued: its chunks' counts and cuts
+    crossing to the host behind an event; ``wait()`` (the one host sync) returns them."""
+
+    masks: list[torch.Tensor | None]  # per chunk, its part of the mask (None: no reference)
+    counted: delta_kernels.Counted
+    crossing: torch.Tensor  # on the host once ``ready``: the cuts, then the forced ones' running sums
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> tuple[list[tuple[int, int] | None], delta_kernels.Counted]:
+        """Per chunk: (changed, forced); and the bucket's counts for ``delta_kernels.write_counted``."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        counted = self.counted.crossed(self.crossing.tolist())
+        counts = [
+            (b - a - f, f) for a, b, f in zip(counted.cut, counted.cut[1:], counted.forced, strict=False)
+        ]
+        return _spread(self.masks, counts), counted
+
+
+def start_counting(views, space: Workspace | None, device: torch.device, slot: int = 0) -> Counting:
+    """Compare a bucket (its word views, (reference or None, new) per chunk) and count its entries with the
+    fused kernels (Note [fused delta kernels]), into the workspace's mask ``slot``, without waiting: the counts
+    cross to pinned host memory behind an event."""
+    based = [(o, n) for o, n in views if o is not None]
+    sizes = tuple(n.numel() for _, n in based)
+    key = ("blocks", sizes)
+    blocks = space.spans.get(key) if space is not None else None
+    if blocks is None:
+        blocks = delta_kernels.Blocks.of(sizes, device)
+        if space is not None:
+            space.spans[key] = blocks
+    slab = _slab(space, slot, blocks.elements, device)
+    counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
+    starts, it, masks = blocks.firsts, iter(range(len(based))), []
+    for o, n in views:
+        j = None if o is None else next(it)
+        masks.append(None if j is None else slab[starts[j] * delta_kernels.BLOCK :][: n.numel()])
+    crossing, ready = counted.picked().reshape(-1), None
+    if crossing.is_cuda:
+        crossing = crossing.to("cpu", non_blocking=True)  # into pinned memory
+        ready = torch.cuda.Event()
+        ready.record()
+    return Counting(masks, counted, crossing, ready)
 
 
 def host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
@@ -235,12 +291,8 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     forced.index_add_(0, layout.chunk_of_forced, unset.long())
     span.index_fill_(0, layout.forced, True)  # not ``span[forced] = True``: its value crosses, a host sync
     cap = _listing_cap(span.numel(), len(based))
-    if delta_kernels.available(span.device):  # Note [fused delta kernels]
-        index, cuts = delta_kernels.list_span(span, cap, layout.starts)
-    else:
-        # increasing, then fills
-        index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)
-        cuts = torch.searchsorted(index, layout.starts)
+    index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
+    cuts = torch.searchsorted(index, layout.starts)
     host, ready = torch.cat([cuts, forced]), None
     if host.is_cuda:
         host = host.to("cpu", non_blocking=True)  # into pinned memory

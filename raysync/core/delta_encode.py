@@ -88,7 +88,15 @@ from raysync.core.delta import (
     capacity,
     gaps_bytes,
 )
-from raysync.core.delta_changes import Entries, Listing, compare, host_counts, indices, start_listing
+from raysync.core.delta_changes import (
+    Counting,
+    Listing,
+    compare,
+    host_counts,
+    indices,
+    start_counting,
+    start_listing,
+)
 from raysync.core.delta_workspace import CopyOut, Workspace
 from raysync.core.errors import LayoutError
 from raysync.core.version import is_version
@@ -108,12 +116,14 @@ class Changes:
     counts: list[tuple[int, int] | None] | None  # None while ``listing`` is under way
     listed: list[torch.Tensor | None] | None
     gaps: list[torch.Tensor | None] | None  # a listed chunk's gaps, int16 as its payload holds them
-    listing: Listing | None = None  # a listing not waited for yet (``find_changes(wait=False)``)
-    entries: Entries | None = None  # a listed bucket's, written by delta_kernels (``listed``, ``gaps``: None)
+    # a listing or the kernels' counting not waited for yet (``find_changes(wait=False)``)
+    listing: Listing | Counting | None = None
+    # a bucket the kernels counted, which they write (``listed``, ``gaps``: None; Note [fused delta kernels])
+    entries: delta_kernels.Counted | None = None
 
     def ready(self) -> Changes:
-        """The counts, listings and gaps, waiting for a listing under way (its one host sync)."""
-        if self.listing is not None and delta_kernels.available(self.device):  # Note [fused delta kernels]
+        """The counts, listings and gaps, waiting for a listing or counting under way (its one host sync)."""
+        if isinstance(self.listing, Counting):
             self.counts, self.entries = self.listing.wait()
             self.listed = self.gaps = [None] * len(self.masks)
         elif self.listing is not None:
@@ -137,6 +147,10 @@ def find_changes(
     ``Changes.ready`` (a counted one waits here all the same)."""
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
+    if based and delta_kernels.available(device) and any(o is not None for o, _ in views):
+        counting = start_counting(views, space, device, slot)  # Note [fused delta kernels]
+        changes = Changes(views, device, based, counting.masks, None, None, None, counting)
+        return changes.ready() if wait else changes
     masks, span = compare(views, based, space, device, slot)
     if sparse and device is not None and device.type != "cpu":  # Note [listing instead of counting]
         listing = start_listing(masks, span, space.spans if space is not None else None)
@@ -221,7 +235,10 @@ def encode(
                 (c.entries, a, a + _align(2 * c.entries)) if c.mode == Mode.GAPS else None
                 for c, a in zip(codes, at, strict=True)
             ]
-            delta_kernels.write_listed(views, payloads, changes.entries, advance)
+            based = [(p, v) for p, v in zip(payloads, views, strict=True) if v[0] is not None]
+            delta_kernels.write_counted(
+                [v for _, v in based], [p for p, _ in based], changes.entries, advance
+            )
         for code, (old, new), mask, index, gaps, start in zip(
             codes, views, masks, changes.listed, changes.gaps, offsets, strict=True
         ):

@@ -1,11 +1,11 @@
-"""Triton kernels for a delta on a CUDA device: the sender's listing and GAPS payloads of a listed bucket
-(raysync.core.delta_changes lists with them, raysync.core.delta_encode writes with them) and the receiver's
+"""Triton kernels for a delta on a CUDA device: the sender's compare, counts and GAPS payloads of a bucket
+(raysync.core.delta_changes counts with them, raysync.core.delta_encode writes with them) and the receiver's
 decoding of GAPS payloads (raysync.core.delta.decode). Used when Triton imports (torch's CUDA builds bring it);
 without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
 
     warm(device, itemsizes, encode=True)              # at set-up: compiled, not in the first delta push
-    index, cuts = list_span(span, cap, starts)        # the increasing indices of a bool span's True elements
-    write_listed(views, payloads, entries, advance)   # a bucket's GAPS payloads, the references advanced
+    counted = count_blocks(pairs, mask, blocks)       # compare into the mask, entries counted by block
+    write_counted(pairs, payloads, counted, advance)  # (counts on the host) the GAPS payloads, references advanced
     apply = GapsApply(payloads); apply.run()          # the receiver's: checked on the device, then written
 
 # Note [fused delta kernels]
@@ -13,26 +13,38 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 # .txt), the sender's kernels ran ~54 ms besides the 32 ms copy to the host: nonzero_static 21.5 ms (0.67 ms a
 # 512 MB bucket, where reading its 256 MB mask takes ~0.07 ms), then per chunk the values' gather (5.9 ms), the
 # reference's scatter (7.5 ms), the indices made relative (sub, 3.9 ms) and the gaps' passes; and the sender's
-# thread spent 97 ms launching ~70 operations a bucket. Here a bucket's listing is three passes that read its
-# mask (``list_span``: each block of BLOCK mask bytes counted; an exclusive cumsum of the counts gives each
-# block's first place; each block writes its entries' indices there, ranked by a cumsum within the block; the
-# cuts at the chunks' starts are the same sums). All of a bucket's GAPS payloads are written by one kernel
-# (``write_gaps``): per entry its gap from the entry before it in its chunk, its value, and the reference's
-# element, from a table of each chunk's addresses (made on the host once the modes are chosen, crossing with
-# the launch). The receiver's ``GapsApply`` sums each block's gaps (the running sum is the index), checks on the
-# device that every payload's last index fits its destination, and one kernel writes the values, none of them
-# unless all fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.
-# core.delta: the bucket then waits only for its copy in). Alone each kernel is about as fast as the torch
-# operations it replaces (benchmarks/bench_delta_kernels.py); what they spare is launches (one a bucket, not
-# several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms (docs/benchmarks.md,
-# section 12b). What a payload holds, and what a destination ends with, is what torch's path gives
-# (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's interpreter).
+# thread spent 97 ms launching ~70 operations a bucket. Here a bucket's chunks (those with a reference) lie in
+# its mask in whole blocks of BLOCK elements (``Blocks``), so that every block belongs to one chunk:
+# * ``count_blocks``: one pass per chunk reads its reference and new words, writes the mask of entries (changed
+#   elements, and the forced ones at index 65535 mod 65536: Note [delta pushes]) and per block how many entries
+#   it holds and how many forced entries did not change; a running sum of those gives each block's first
+#   entry and each chunk's counts (they cross to the host behind an event: the bucket's one sync). It reads what
+#   torch's ne reads, and took 0.37 ms on a 512 MB bf16 bucket where ne takes 0.35; before it, a listing was
+#   ne, then a count pass over the mask, the forced entries set by index, and the chunks cut by another pass.
+# * ``write_counted``, once the modes are chosen on the host: the GAPS chunks' blocks list their entries' mask
+#   positions (ranked by a cumsum within the block, placed by the running sum), then one kernel per word size
+#   writes every GAPS payload (``write_gaps``): per entry its gap from the entry before it in its chunk, its
+#   value, and the reference's element, from a table of each chunk's addresses (made on the host, crossing with
+#   the launch). Listing after the counts are known needs no cap and no second try for a dense bucket. (Writing
+#   the payloads straight from the mask, one program per block of elements, took 2.1-3.4 ms a bucket against
+#   ~0.7 for listing and then writing per entry: every lane of the block issues the gathers and scatters, 20
+#   times as many as there are entries at 5%. Measured with build variants, docs/benchmarks.md section 12a.)
+# The receiver's ``GapsApply`` sums each block's gaps (the running sum is the index), checks on the device that
+# every payload's last index fits its destination, and one kernel writes the values, none of them unless all
+# fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.core.delta:
+# the bucket then waits only for its copy in). What they spare is passes over the bucket, launches (a few a
+# bucket, not several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms with the
+# first kernels (docs/benchmarks.md, section 12b). What a payload holds, and what a destination ends with, is
+# what torch's path gives (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's
+# interpreter).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,8 +55,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 BLOCK = 4096  # mask bytes a listing block reads
-WRITE_BLOCK = 1024  # entries a write block takes
-ROW_WORDS = 7  # a write table's row: first entry, entries, chunk start, new, reference, gaps, values
+WRITE_BLOCK = 1024  # entries a write or decode block takes
 
 
 def available(device: torch.device | None) -> bool:
@@ -60,29 +71,41 @@ def available(device: torch.device | None) -> bool:
 if triton is not None:
     # the sizes are not specialized on (Triton compiles a variant per divisibility of each int argument):
     # the kernels ``warm`` compiles at set-up are those every bucket launches
-    @triton.jit(do_not_specialize=["n"])
-    def _count_blocks(mask_ptr, n, counts_ptr, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-        tl.store(counts_ptr + b, tl.sum(m, axis=0).to(tl.int64))
-
-    @triton.jit(do_not_specialize=["n", "cap"])
-    def _list_blocks(mask_ptr, n, before_ptr, out_ptr, cap, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-        place = tl.load(before_ptr + b) + (tl.cumsum(m, axis=0) - m).to(tl.int64)
-        tl.store(out_ptr + place, offs, mask=(m != 0) & (place < cap))
+    # A chunk's full blocks load without a mask: a mask on a length Triton is not told divides 16 (``n`` is not
+    # specialized on) keeps it from loading in vectors, which made the compare 1.05 ms on a 512 MB bf16 bucket
+    # on an H200, where torch's ne takes 0.35 ms; this way it takes 0.37 ms, its counts included
+    @triton.jit(do_not_specialize=["n", "first", "columns"])
+    def _compare_blocks(old_ptr, new_ptr, n, mask_ptr, first, sums_ptr, columns, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK)
+        base = b * BLOCK  # the block's first element in the chunk, at mask position (first + b) * BLOCK
+        if base + BLOCK <= n:
+            changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
+            live = k >= 0
+        else:
+            live = k < n - base
+            changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
+                new_ptr + base + k, mask=live, other=0
+            )
+        # Note [delta pushes]: every index 65535 mod 65536 of a chunk is an entry; BLOCK divides 65536, so it
+        # is the last element of every (65536 / BLOCK)-th block
+        spans = 65536 // BLOCK
+        forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
+        entry = changed | forced
+        g = first + b
+        tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))  # the padding past the chunk's end: no entries
+        tl.store(sums_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))  # column 0: before all
+        tl.store(sums_ptr + columns + g + 1, tl.sum((forced & ~changed).to(tl.int32), axis=0).to(tl.int64))
 
     @triton.jit
-    def _cut_at(mask_ptr, starts_ptr, before_ptr, cuts_ptr, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        start = tl.load(starts_ptr + j)
-        b = start // BLOCK
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        m = tl.load(mask_ptr + offs, mask=offs < start, other=0).to(tl.int32)
-        tl.store(cuts_ptr + j, tl.load(before_ptr + b) + tl.sum(m, axis=0).to(tl.int64))
+    def _list_blocks(mask_ptr, sums_ptr, chunk_of_ptr, table_ptr, index_ptr, BLOCK: tl.constexpr):
+        g = tl.program_id(0).to(tl.int64)
+        row = table_ptr + tl.load(chunk_of_ptr + g).to(tl.int64) * 2
+        if tl.load(row) != 0:  # the block's chunk goes GAPS: its entries are listed
+            k = tl.arange(0, BLOCK)
+            m = tl.load(mask_ptr + g * BLOCK + k).to(tl.int32)
+            place = tl.load(sums_ptr + g) + tl.load(row + 1)  # the block's first entry's place in the listing
+            tl.store(index_ptr + place + (tl.cumsum(m, axis=0) - m), g * BLOCK + k, mask=m != 0)
 
     # the write and decode kernels run one program per (row, block of entries), flat: program p is row
     # p // blocks, block p % blocks (a grid's second dimension holds at most 65535, rows can be more)
@@ -142,21 +165,23 @@ def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
     """Compile the kernels a delta push on ``device`` launches (or load them from Triton's cache), for words
     of ``itemsizes`` bytes: the encoder's (``encode``) or the decoder's. At set-up, not in the first delta
     push (on an H200 the first listed push took 1.5 s, compiling, where the next took 0.1 s; and the time rule
-    would measure it): once per process."""
+    would measure it): once per process. The compare is compiled for words at a 16-byte boundary and off one
+    (a chunk of a tensor cut across buckets starts anywhere)."""
     key = (device, frozenset(itemsizes), encode)
     if not available(device) or key in _warm:
         return
-    if encode:
-        span = torch.zeros(BLOCK + 1, dtype=torch.bool, device=device)
-        span[[0, BLOCK]] = True
-        index, _ = list_span(span, 4, torch.tensor([0, BLOCK + 1], dtype=torch.int64, device=device))
     for itemsize in sorted(set(itemsizes)):
-        new, reference, gaps, values = torch.zeros(4, BLOCK + 1, dtype=_DTYPES[itemsize], device=device)
+        new, reference, payload, _ = torch.zeros(4, 2 * BLOCK + 16, dtype=_DTYPES[itemsize], device=device)
         if encode:
-            row = [0, 2, 0, new.data_ptr(), reference.data_ptr(), gaps.data_ptr(), values.data_ptr()]
-            write_gaps(index, [row], itemsize, advance=True)
+            for skew in (0, 1):
+                pairs = [(reference[skew : skew + BLOCK + 1], new[skew : skew + BLOCK + 1])]
+                blocks = Blocks.of([BLOCK + 1], device)
+                slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
+                counted = count_blocks(pairs, slab, blocks)
+                row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
+                write_counted(pairs, row, counted, advance=True)
         else:
-            apply = GapsApply([(1, gaps.data_ptr(), values.data_ptr(), new)])
+            apply = GapsApply([(1, payload.data_ptr(), new.data_ptr(), reference)])
             apply.ends()
             apply.run()
     if device.type == "cuda":  # (Triton's interpreter runs them on the CPU)
@@ -167,47 +192,109 @@ def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
 _warm: set = set()
 
 
-def list_span(
-    span: torch.Tensor, cap: int, starts: torch.Tensor, block: int = BLOCK, warps: int = 4
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The increasing indices of ``span``'s True elements (a 1-d bool tensor), the first ``cap`` of them in
-    an int64 tensor of ``cap`` (what lies past the count is undefined), and per element of ``starts`` (int64,
-    increasing, at most the span's size) how many entries lie before it: cut at the span's end, the count.
-    No host sync (Note [fused delta kernels])."""
-    n, device = span.numel(), span.device
-    blocks = max(1, triton.cdiv(n, block))
-    bits = span.view(torch.uint8)
-    counts = torch.empty(blocks, dtype=torch.int64, device=device)
-    before = torch.zeros(blocks + 1, dtype=torch.int64, device=device)
-    index = torch.empty(cap, dtype=torch.int64, device=device)
-    cuts = torch.empty(starts.numel(), dtype=torch.int64, device=device)
+@dataclass(frozen=True)
+class Blocks:
+    """A bucket's chunks (those with a reference) laid out in whole blocks of BLOCK elements, one after the
+    other in its mask: chunk j's element i at ``firsts[j] * BLOCK + i``, every block in one chunk. Made once
+    per bucket shape (``Workspace.spans`` keeps them)."""
+
+    firsts: tuple[int, ...]  # each chunk's first block, then the blocks of all
+    bounds: torch.Tensor  # the same, int64 on the device
+    chunk_of: torch.Tensor  # int32 [blocks]: each block's chunk
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], device: torch.device) -> Blocks:
+        firsts = [0]
+        for n in sizes:
+            firsts.append(firsts[-1] + triton.cdiv(n, BLOCK))
+        spans = torch.tensor(firsts, dtype=torch.int64)
+        chunk_of = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), spans.diff())
+        return cls(tuple(firsts), spans.to(device), chunk_of.to(device))
+
+    @property
+    def elements(self) -> int:
+        """The mask's elements: every block's."""
+        return self.firsts[-1] * BLOCK
+
+
+@dataclass
+class Counted:
+    """A bucket's compare on the device (``count_blocks``): its mask (entries: changed elements and the forced
+    ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``);
+    ``cut``, where each chunk's entries begin (and their end), and ``forced`` per chunk, once on the host."""
+
+    mask: torch.Tensor  # uint8, the blocks' elements
+    blocks: Blocks
+    sums: torch.Tensor  # int64 [2, blocks + 1]
+    cut: list[int] | None = None
+    forced: list[int] | None = None
+
+    def picked(self) -> torch.Tensor:
+        """The entries and unchanged forced ones before each chunk's first block, and before the end: [2,
+        chunks + 1], on the device (``crossed`` takes them on the host)."""
+        return self.sums[:, self.blocks.bounds]
+
+    def crossed(self, host: list[int]) -> Counted:
+        chunks = len(self.blocks.firsts)
+        self.cut = host[:chunks]
+        self.forced = [b - a for a, b in zip(host[chunks:-1], host[chunks + 1 :], strict=True)]
+        return self
+
+    def entries(self, j: int) -> int:
+        """Chunk j's entries (changed and forced), from the device: a host sync (``warm``'s)."""
+        if self.cut is None:
+            self.crossed(self.picked().reshape(-1).tolist())
+        return self.cut[j + 1] - self.cut[j]
+
+
+def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
+    """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into
+    ``mask`` (uint8 of ``blocks.elements``) and count its entries by block: one pass over the chunks, a launch
+    each, then the blocks' running sums. No host sync (Note [fused delta kernels])."""
+    device = mask.device
+    columns = blocks.firsts[-1] + 1
+    sums = torch.empty(2, columns, dtype=torch.int64, device=device)
+    sums[:, 0] = 0
     with _on(device):
-        _count_blocks[(blocks,)](bits, n, counts, BLOCK=block)
-        torch.cumsum(counts, 0, out=before[1:])
-        _list_blocks[(blocks,)](bits, n, before, index, cap, BLOCK=block, num_warps=warps)
-        _cut_at[(starts.numel(),)](bits, starts, before, cuts, BLOCK=block)
-    return index, cuts
+        for (old, new), first in zip(pairs, blocks.firsts, strict=False):
+            n = new.numel()
+            if n:
+                grid = (triton.cdiv(n, BLOCK),)
+                _compare_blocks[grid](old, new, n, mask, first, sums, columns, BLOCK=BLOCK)
+    return Counted(mask, blocks, sums.cumsum_(1))
 
 
-def write_listed(views, payloads, entries, advance: bool) -> None:
-    """Every GAPS payload of a listed bucket: per chunk its (reference, new) word views and its payload's
-    (entries, address of its gaps, of its values) on the chunks' device, or None for a chunk that goes
-    another way; ``entries``: the bucket's listing (raysync.core.delta_changes.Entries), one range per
-    chunk with a reference. One launch per word size."""
-    rows: dict[int, list[list[int]]] = {}
-    based = 0
-    for (old, new), payload in zip(views, payloads, strict=True):
-        if old is None:
+def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
+    """Every GAPS payload of a counted bucket: per chunk with a reference (``counted``'s order) its (reference,
+    new) word views and its payload's (entries, address of its gaps, of its values) on the chunks' device, or
+    None for a chunk that goes another way. The GAPS chunks' entries are listed from the mask (their mask
+    positions, increasing, one launch), then each entry's gap, value and, with ``advance``, the reference's
+    element set to it are written (one launch per word size)."""
+    firsts, cut, device = counted.blocks.firsts, counted.cut, counted.mask.device
+    listed, rows, at = [[0, 0] for _ in pairs], {}, 0
+    for j, ((old, new), payload) in enumerate(zip(pairs, payloads, strict=True)):
+        if payload is None:
             continue
-        if payload is not None:
-            count, gaps, values = payload
-            first, start = entries.cut[based], entries.starts[based]
-            assert entries.cut[based + 1] - first == count, "a chunk's entries are not its listing's"
-            row = [first, count, start, new.data_ptr(), old.data_ptr(), gaps, values]
-            rows.setdefault(new.element_size(), []).append(row)
-        based += 1
+        count, gaps, values = payload
+        assert cut[j + 1] - cut[j] == count, "a chunk's entries are not its count's"
+        listed[j] = [1, at - cut[j]]
+        row = [at, count, firsts[j] * BLOCK, new.data_ptr(), old.data_ptr(), gaps, values]
+        rows.setdefault(new.element_size(), []).append(row)
+        at += count
+    if not rows:
+        return
+    index = torch.empty(at, dtype=torch.int64, device=device)
+    with _on(device):
+        _list_blocks[(firsts[-1],)](
+            counted.mask,
+            counted.sums,
+            counted.blocks.chunk_of,
+            _to_device(listed, device),
+            index,
+            BLOCK=BLOCK,
+        )
     for itemsize, same in rows.items():
-        write_gaps(entries.index, same, itemsize, advance)
+        write_gaps(index, same, itemsize, advance)
 
 
 def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, advance: bool) -> None:
@@ -216,8 +303,6 @@ def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, adva
     (addresses on ``entries``' device; words of ``itemsize`` bytes): each entry's gap as the payload stores it
     (raysync.core.delta, Note [delta pushes]), its new value, and with ``advance`` the reference's element
     set to it. One launch for all the rows."""
-    if not rows:
-        return
     table = _to_device(rows, entries.device)
     most = max(r[1] for r in rows)
     blocks = max(1, triton.cdiv(most, WRITE_BLOCK))

@@ -71,9 +71,10 @@ class ReferenceBytes:
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
         ]  # the same offsets in both
-        # bucket k is listed, not counted (encode's ``sparse``): it had few changes at its last delta push, or
-        # (the kernels list at the speed of a count: Note [fused delta kernels]) it had no delta push yet
-        self.listed_first = delta_kernels.available(device)
+        # bucket k is listed, not counted (encode's ``sparse``), by torch's kernels on a GPU: it had few changes
+        # at its last delta push (the fused kernels count every bucket in the compare: Note [fused delta
+        # kernels] in raysync.core.delta_kernels)
+        self.listed_first = False
         self.sparse = [self.listed_first] * len(buckets)
 
     def staging(self, slot: int) -> torch.Tensor:

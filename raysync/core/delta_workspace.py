@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raysync.core.delta_kernels import BLOCK
+
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
 SLOTS = 2  # staging buffers: Note [a bucket is encoded while the one before crosses]
 
@@ -52,8 +54,9 @@ class Workspace:
 
     @classmethod
     def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
-        """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each."""
-        elements = max((sum(n for n, _ in chunks) for chunks in sizes), default=0)
+        """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each (a chunk's
+        mask rounded up to whole blocks of the fused kernels, raysync.core.delta_kernels.Blocks)."""
+        elements = max((sum(n + BLOCK - 1 for n, _ in chunks) for chunks in sizes), default=0)
         return cls(torch.empty(elements, dtype=torch.bool, device=device))
 
     def touch(self) -> None:
