@@ -35,6 +35,15 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
 # version found each entry's chunk by searchsorted and worked the gaps out in ~13 passes over the listing: its
 # kernels took 17 ms of a 7B push on the H200, profile in docs/results/delta_push_shm_h200_stages_cf0d2e5.txt.)
 #
+# Note [the counts cross on a stream of their own]
+# A bucket's counts (a few hundred bytes) cross to the host while the bucket before it crosses to the ring on the
+# copy stream (~50 MB, ~0.9 ms at 5% on an H200): in the timeline of a 7B delta push over shm at 5.0% (17a3073,
+# docs/benchmarks.md section 12a) their copy, queued on the current stream behind the compare, waited for the
+# copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
+# on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
+# stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
+# encode, a bucket later.
+#
 # Note [numpy on the CPU]
 # On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory
 # (``Tensor.numpy()`` shares it), which measured faster than torch's CPU kernels for these passes. On an 8 MB
@@ -78,7 +87,16 @@ def compare(
             masks.append(None)
             continue
         mask = slab[start : start + n.numel()]
-        if mask.device.type == "cpu":  # Note [numpy on the CPU]
+        if mask.device.type == "cpu":  # Note [the counts cross on a stream of their own]
+            # A bucket's counts (a few hundred bytes) cross to the host while the bucket before it crosses to the ring on the
+            # copy stream (~50 MB, ~0.9 ms at 5% on an H200): in the timeline of a 7B delta push over shm at 5.0% (17a3073,
+            # docs/benchmarks.md section 12a) their copy, queued on the current stream behind the compare, waited for the
+            # copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
+            # on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
+            # stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
+            # encode, a bucket later.
+            #
+            # Note [numpy on the CPU]
             np.not_equal(o.detach().numpy(), n.detach().numpy(), out=mask.numpy())
         else:
             torch.ne(o, n, out=mask)
@@ -99,6 +117,27 @@ def _slab(space: Workspace | None, slot: int, elements: int, device) -> torch.Te
     elif space is not None:
         space.second_mask = slab
     return slab
+
+
+def cross(counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A bucket's counts on their way to the host, not waited for: on a CUDA device into pinned memory on a
+    stream of their own, behind the current stream's work (Note [the counts cross on a stream of their own]),
+    with the event that ends the copy; elsewhere the tensor itself and None."""
+    if not counts.is_cuda:
+        return counts, None
+    stream = _CROSSING.get(counts.device)
+    if stream is None:
+        stream = _CROSSING[counts.device] = torch.cuda.Stream(counts.device)
+    stream.wait_stream(torch.cuda.current_stream(counts.device))
+    with torch.cuda.stream(stream):
+        host = counts.to("cpu", non_blocking=True)  # into pinned memory
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    counts.record_stream(stream)  # made on the current stream, read on this one: not reused before
+    return host, ready
+
+
+_CROSSING: dict[torch.device, torch.cuda.Stream] = {}  # cross's, one per device
 
 
 @dataclass
@@ -140,17 +179,24 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
     for o, n in views:
         j = None if o is None else next(it)
         masks.append(None if j is None else slab[starts[j] * delta_kernels.BLOCK :][: n.numel()])
-    crossing, ready = counted.picked().reshape(-1), None
-    if crossing.is_cuda:
-        crossing = crossing.to("cpu", non_blocking=True)  # into pinned memory
-        ready = torch.cuda.Event()
-        ready.record()
+    crossing, ready = cross(counted.picked().reshape(-1))
     return Counting(masks, counted, crossing, ready)
 
 
 def host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
     """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
-    if all(m is None or m.device.type == "cpu" for m in masks):  # Note [numpy on the CPU]
+    if all(
+        m is None or m.device.type == "cpu" for m in masks
+    ):  # Note [the counts cross on a stream of their own]
+        # A bucket's counts (a few hundred bytes) cross to the host while the bucket before it crosses to the ring on the
+        # copy stream (~50 MB, ~0.9 ms at 5% on an H200): in the timeline of a 7B delta push over shm at 5.0% (17a3073,
+        # docs/benchmarks.md section 12a) their copy, queued on the current stream behind the compare, waited for the
+        # copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
+        # on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
+        # stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
+        # encode, a bucket later.
+        #
+        # Note [numpy on the CPU]
         return [None if m is None else _cpu_counts(m.numpy()) for m in masks]
     stats = [
         None if m is None else torch.stack([_count(m).long(), _count(~m[GAP_SPAN - 1 :: GAP_SPAN]).long()])
@@ -293,11 +339,7 @@ def start_listing(masks: list[torch.Tensor | None], span: torch.Tensor, spans: d
     cap = _listing_cap(span.numel(), len(based))
     index = torch.nonzero_static(span, size=cap, fill_value=span.numel()).view(-1)  # increasing, then fills
     cuts = torch.searchsorted(index, layout.starts)
-    host, ready = torch.cat([cuts, forced]), None
-    if host.is_cuda:
-        host = host.to("cpu", non_blocking=True)  # into pinned memory
-        ready = torch.cuda.Event()
-        ready.record()
+    host, ready = cross(torch.cat([cuts, forced]))
     return Listing(masks, based, layout, index, cap, host, ready)
 
 
