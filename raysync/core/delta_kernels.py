@@ -220,7 +220,8 @@ class Blocks:
 @dataclass
 class Counted:
     """A bucket's compare on the device (``count_blocks``): its mask (entries: changed elements and the forced
-    ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``);
+    ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``, plus
+    every entry: only its differences are read);
     ``cut``, where each chunk's entries begin (and their end), and ``forced`` per chunk, once on the host."""
 
     mask: torch.Tensor  # uint8, the blocks' elements
@@ -261,7 +262,10 @@ def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
             if n:
                 grid = (triton.cdiv(n, BLOCK),)
                 _compare_blocks[grid](old, new, n, mask, first, sums, columns, BLOCK=BLOCK)
-    return Counted(mask, blocks, sums.cumsum_(1))
+    # one running sum over both rows, flat: row 1's sums then carry row 0's total, which its differences (the
+    # forced ones per chunk) drop; a scan along rows of 2 x 65537 took 0.11 ms a 512 MB bucket on an H200
+    sums.view(-1).cumsum_(0)
+    return Counted(mask, blocks, sums)
 
 
 def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
