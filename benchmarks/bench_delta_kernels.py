@@ -80,9 +80,11 @@ def main() -> None:
     rows["kernels: GapsApply (sums, one sync, apply)"] = kernels_apply
     rows["torch: int64 cumsum, one sync, index_copy_"] = torch_apply
     ms = {name: 1e3 * timed_cuda(fn, args.repeats) for name, fn in rows.items()}
+    delta_kernels.write_counted([(reference, new)], payload, counted, advance=True)  # (torch's row wrote values)
     kernels_apply()
     at = torch.nonzero(slab[:n]).view(-1)  # the entries: changed and forced
-    assert torch.equal(dest[at], values) and torch.equal(reference, new), "the kernels put values elsewhere"
+    assert torch.equal(values, new[at]) and torch.equal(dest[at], new[at]), "the kernels put values elsewhere"
+    assert torch.equal(reference, new), "the kernels left the reference behind"
     print(f"{torch.cuda.get_device_name()}: {args.mb} MB bf16 bucket, {entries} entries ({entries / n:.2%})")
     for name, t in ms.items():
         print(f"{name:52s} {t:8.3f} ms")

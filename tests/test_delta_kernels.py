@@ -202,6 +202,106 @@ def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) 
         assert not unsettled
 
 
+def edge_pairs(device: str, specs, seed: int = 0):
+    """(reference or None, new) pairs from (dtype, elements, density, has a reference); each new a view one
+    element into a larger tensor (a trainer's tensor read in place starts anywhere; on a GPU the kernels are
+    compiled for such a pointer apart)."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for dtype, n, density, based in specs:
+        new = torch.randint(-100, 100, (n + 1,), generator=g).to(dtype)[1:]
+        old = new.clone()
+        if n and density:
+            old[torch.rand(n, generator=g) < density] += 1
+        pairs.append((old.to(device) if based else None, new.to(device)))
+    return pairs
+
+
+def edge_buckets_write_what_torchs_kernels_write(device: str, interpreted: bool = False) -> None:
+    """Buckets at the edges of the blocks' layout: chunks of no elements with a reference, forced entries at a
+    chunk's and a block's ends, every chunk SAME or FULL, word sizes 8, 1, 2 and 4 in one bucket, no reference
+    first, chunks of one element: the kernels write what torch's kernels write (found without waiting, as the
+    push does)."""
+    if interpreted:
+        delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
+    bf, i8, f32, f64 = torch.bfloat16, torch.int8, torch.float32, torch.float64
+    buckets = [
+        [(bf, 0, 0, True), (bf, 70_000, 0.01, True), (bf, 0, 0, True)],
+        [
+            (bf, 65_536, 0.001, True),
+            (bf, 65_535, 0.001, True),
+            (bf, 65_537, 0.001, True),
+            (bf, 196_608, 5e-4, True),
+        ],
+        [(bf, 5000, 0.0, True), (bf, 4097, 0.0, True), (i8, 65_536, 0.0, True)],
+        [(bf, 5000, 0.9, True), (bf, 3000, 0, False), (bf, 9000, 0.95, True)],
+        [
+            (f64, 70_000, 0.01, True),
+            (i8, 70_001, 0.02, True),
+            (bf, 70_002, 0.01, True),
+            (f32, 70_003, 0.01, True),
+        ],
+        [(bf, 10, 0, False), (bf, 100_000, 0.02, True), (bf, 3, 0, False), (bf, 1, 1.0, True)],
+    ]
+    for b, specs in enumerate(buckets):
+        got = []
+        for fused in (False, True):
+            os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
+            pairs = edge_pairs(device, specs, seed=b)
+            sizes = [(n.numel(), n.element_size()) for _, n in pairs]
+            space = delta_encode.Workspace.for_buckets([sizes], torch.device(device))
+            out = torch.zeros(delta.capacity(sizes), dtype=torch.uint8, device=device)
+            changes = delta_encode.find_changes(pairs, based=True, space=space, wait=False)
+            code = delta_encode.encode(pairs, out, base_version=1, space=space, advance=True, changes=changes)
+            assert (changes.entries is not None) == fused, f"bucket {b}: counted by the kernels or torch's"
+            got.append((out[: code.nbytes].cpu(), [None if o is None else o.cpu() for o, _ in pairs], code))
+        (want, want_refs, want_code), (bytes_, refs, code) = got
+        assert [c.mode for c in code.chunks] == [c.mode for c in want_code.chunks], f"bucket {b}"
+        assert torch.equal(bytes_, want), f"bucket {b}"
+        assert all(
+            (r is None and w is None) or torch.equal(r, w) for r, w in zip(refs, want_refs, strict=True)
+        )
+
+
+def two_buckets_in_flight(device: str, interpreted: bool = False) -> None:
+    """Buckets encoded as the push encodes them (Note [two buckets in flight] in raysync.core.delta_encode): the
+    changes of the two buckets after each found without waiting, in the workspace's masks 0 and 1 by turns, the
+    listing of each after its counts: the same bytes and references as torch's kernels give one at a time."""
+    if interpreted:
+        delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
+    shapes = [([70_000, 5000], 0.02), ([130_000], 0.01), ([9000, 9000, 70_000], 0.03), ([65_536], 0.001)]
+
+    def push(fused: bool):
+        os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
+        buckets = [
+            edge_pairs(device, [(torch.bfloat16, n, d, True) for n in s], seed=i)
+            for i, (s, d) in enumerate(shapes)
+        ]
+        space = delta_encode.Workspace.for_buckets(
+            [[(n, 2) for n in s] for s, _ in shapes], torch.device(device)
+        )
+        outs, ahead = [], {}
+        for k, pairs in enumerate(buckets):
+            out = torch.zeros(
+                delta.capacity([(n.numel(), 2) for _, n in pairs]), dtype=torch.uint8, device=device
+            )
+            changes = ahead.pop(k, None)
+            code = delta_encode.encode(
+                pairs, out, base_version=1, space=space, advance=True, changes=changes, slot=k % 2
+            )
+            outs.append(out[: code.nbytes].cpu())
+            for j in (k + 1, k + 2):
+                if j < len(buckets) and j not in ahead and fused:
+                    ahead[j] = delta_encode.find_changes(
+                        buckets[j], based=True, space=space, slot=j % 2, wait=False
+                    )
+        return outs, [o.cpu() for b in buckets for o, _ in b]
+
+    (want, want_refs), (got, refs) = push(False), push(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(refs, want_refs, strict=True))
+
+
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed (ci/test.sh installs it for this test)")
 def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tritons_interpreter():
     path = [str(HERE), *sys.path, str(APART)]  # the venv's own Triton first, if it has one
@@ -213,7 +313,9 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_the_cpu_through_tr
             "import test_delta_kernels as t; t.compare_paths('cpu', interpreted=True); "
             "t.sparse_bucket_checked_on_the_device('cpu', interpreted=True); "
             "t.dense_bucket_counted_after_all('cpu', interpreted=True); t.warmed('cpu', interpreted=True); "
-            "t.a_sink_settles_a_refused_bucket_before_it_commits('cpu', interpreted=True)",
+            "t.a_sink_settles_a_refused_bucket_before_it_commits('cpu', interpreted=True); "
+            "t.edge_buckets_write_what_torchs_kernels_write('cpu', interpreted=True); "
+            "t.two_buckets_in_flight('cpu', interpreted=True)",
         ],
         env=env,
         capture_output=True,
@@ -233,3 +335,5 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch)
     dense_bucket_counted_after_all("cuda")
     warmed("cuda")
     a_sink_settles_a_refused_bucket_before_it_commits("cuda")
+    edge_buckets_write_what_torchs_kernels_write("cuda")
+    two_buckets_in_flight("cuda")

@@ -4,7 +4,7 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
     counting = start_counting(views, space, device)         # CUDA with Triton: compare and count in one pass
     masks, span = compare(views, based, space, device)      # else ne(reference, new) per chunk, into the workspace
     counts = host_counts(masks)                              # (changed, forced) per chunk: one host sync
-    counts, listed = list_changes(masks, span)               # or, for a bucket sparse at its last push (GPU)
+    counts, listed = list_changes(masks, span)               # or, sparse at its last push (a GPU without them)
     index = indices(mask, entries)                           # a counted chunk's entries, when it goes GAPS
 
 # Note [listing instead of counting]
@@ -87,16 +87,7 @@ def compare(
             masks.append(None)
             continue
         mask = slab[start : start + n.numel()]
-        if mask.device.type == "cpu":  # Note [the counts cross on a stream of their own]
-            # A bucket's counts (a few hundred bytes) cross to the host while the bucket before it crosses to the ring on the
-            # copy stream (~50 MB, ~0.9 ms at 5% on an H200): in the timeline of a 7B delta push over shm at 5.0% (17a3073,
-            # docs/benchmarks.md section 12a) their copy, queued on the current stream behind the compare, waited for the
-            # copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
-            # on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
-            # stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
-            # encode, a bucket later.
-            #
-            # Note [numpy on the CPU]
+        if mask.device.type == "cpu":  # Note [numpy on the CPU]
             np.not_equal(o.detach().numpy(), n.detach().numpy(), out=mask.numpy())
         else:
             torch.ne(o, n, out=mask)
@@ -167,12 +158,7 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
     cross to pinned host memory behind an event."""
     based = [(o, n) for o, n in views if o is not None]
     sizes = tuple(n.numel() for _, n in based)
-    key = ("blocks", sizes)
-    blocks = space.spans.get(key) if space is not None else None
-    if blocks is None:
-        blocks = delta_kernels.Blocks.of(sizes, device)
-        if space is not None:
-            space.spans[key] = blocks
+    blocks = space.blocks(sizes, device) if space is not None else delta_kernels.Blocks.of(sizes, device)
     slab = _slab(space, slot, blocks.elements, device)
     counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
     starts, it, masks = blocks.firsts, iter(range(len(based))), []
@@ -185,18 +171,7 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
 
 def host_counts(masks: list[torch.Tensor | None]) -> list[tuple[int, int] | None]:
     """Per mask: (changed elements, unchanged elements at index 65535 mod 65536), one host sync per device."""
-    if all(
-        m is None or m.device.type == "cpu" for m in masks
-    ):  # Note [the counts cross on a stream of their own]
-        # A bucket's counts (a few hundred bytes) cross to the host while the bucket before it crosses to the ring on the
-        # copy stream (~50 MB, ~0.9 ms at 5% on an H200): in the timeline of a 7B delta push over shm at 5.0% (17a3073,
-        # docs/benchmarks.md section 12a) their copy, queued on the current stream behind the compare, waited for the
-        # copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
-        # on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
-        # stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
-        # encode, a bucket later.
-        #
-        # Note [numpy on the CPU]
+    if all(m is None or m.device.type == "cpu" for m in masks):  # Note [numpy on the CPU]
         return [None if m is None else _cpu_counts(m.numpy()) for m in masks]
     stats = [
         None if m is None else torch.stack([_count(m).long(), _count(~m[GAP_SPAN - 1 :: GAP_SPAN]).long()])

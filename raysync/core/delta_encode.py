@@ -16,6 +16,8 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # each int64 -> int16 conversion of gaps ran on the host through a pageable temporary (torch converts the dtype
 # of a blocking cross-device copy on the CPU), eight bytes an entry across PCIe. Per bucket:
 #
+# (With the fused kernels on a CUDA device the compare and count are one pass and the GAPS payloads are listed and
+# written by two launches a bucket: Note [fused delta kernels] in raysync.core.delta_kernels. Torch's path:)
 #     compare  ne(reference, new) into the workspace's mask, chunk by chunk       (reads 2 x, writes 1 byte)
 #     count    changed and forced entries of every chunk, stacked: one host sync  (reads the mask)
 #              or, for a bucket the caller expects sparse (``sparse``), list instead of count: each chunk's
@@ -55,9 +57,10 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # the GPU to finish that compare, and the GPU then waited for the thread to queue the next compaction (at 150
 # ms a 7B push, its kernels ran ~55 ms: torch.profiler, docs/results/delta_push_shm_h200_stages_32edebb.txt).
 # So ``then`` starts the compares of the two buckets after this one without waiting (``find_changes(...,
-# wait=False)``: a listed bucket's cuts and counts cross to pinned host memory behind an event), and each
-# bucket's own encode waits for its listing (``Changes.ready``), long queued by then. Bucket k compares into
-# the workspace's mask ``k % 2``: the compare of bucket k + 2, queued after bucket k's compaction on the same
+# wait=False)``: a counted (fused kernels) or listed (torch's) bucket's counts cross to pinned host memory
+# behind an event), and each bucket's own encode waits for them (``Changes.ready``), long queued by then.
+# Bucket k compares into the workspace's mask ``k % 2``, and with the fused kernels its encode reads that mask
+# again (the listing after the counts); the compare of bucket k + 2, queued after bucket k's encode on the same
 # stream, is the first to write that mask again, and bucket k + 1's mask is the other one.
 #
 # ``mark(stage)``, when given, is called at the end of each stage (raysync.core.delta_rule.StageClock times
@@ -143,8 +146,8 @@ def find_changes(
 ) -> Changes:
     """The compare and count stages of ``encode`` for one bucket (its arguments, ``based``: base_version is not
     None), ending in their one host sync. The masks live in ``space``'s mask ``slot`` (Note [two buckets in
-    flight]) until the compare of the bucket after next. ``wait=False``: a listed bucket's sync is left to
-    ``Changes.ready`` (a counted one waits here all the same)."""
+    flight]) until the compare of the bucket after next. ``wait=False``: the sync of a bucket the fused kernels
+    count, or torch's lists, is left to ``Changes.ready`` (one torch's kernels count waits here all the same)."""
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
     if based and delta_kernels.available(device) and any(o is not None for o, _ in views):
@@ -182,7 +185,8 @@ def encode(
     ahead without waiting: the wait for their listing; two when ``out`` is on another device than the chunks:
     the copy of the bytes used). ``staged``: encode into the workspace first
     and copy (None: when ``out`` lives on another device than the chunks). ``sparse``: the bucket is expected
-    to have few changes: its indices are listed without counting first (Note [listing instead of counting]).
+    to have few changes: on a GPU without the fused kernels its indices are listed without counting first (Note
+    [listing instead of counting]; the kernels count every bucket in its compare).
     ``advance``: each reference then holds what decoding this encoding onto it writes, taken from the encoding
     itself (Note [the reference advances by the encoding]); a reference of None stays None. ``changes``: this
     bucket's ``find_changes``, made ahead (for these pairs and ``space``). ``then``: called once the payloads'

@@ -34,7 +34,7 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 # fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.core.delta:
 # the bucket then waits only for its copy in). What they spare is passes over the bucket, launches (a few a
 # bucket, not several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms with the
-# first kernels (docs/benchmarks.md, section 12b). What a payload holds, and what a destination ends with, is
+# first kernels (docs/benchmarks.md, section 12c). What a payload holds, and what a destination ends with, is
 # what torch's path gives (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's
 # interpreter).
 """
@@ -54,12 +54,13 @@ try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without i
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK = 4096  # mask bytes a listing block reads
+BLOCK = 4096  # elements a compare or listing block takes; each chunk's mask is padded to whole blocks
+assert 65536 % BLOCK == 0, "a forced entry (index 65535 mod 65536) must end a block"
 WRITE_BLOCK = 1024  # entries a write or decode block takes
 
 
 def available(device: torch.device | None) -> bool:
-    """Whether a bucket on ``device`` is listed and written by these kernels."""
+    """Whether a bucket on ``device`` is compared, counted, listed and written by these kernels."""
     return (
         triton is not None
         and device is not None
@@ -165,16 +166,17 @@ def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
     """Compile the kernels a delta push on ``device`` launches (or load them from Triton's cache), for words
     of ``itemsizes`` bytes: the encoder's (``encode``) or the decoder's. At set-up, not in the first delta
     push (on an H200 the first listed push took 1.5 s, compiling, where the next took 0.1 s; and the time rule
-    would measure it): once per process. The compare is compiled for words at a 16-byte boundary and off one
-    (a chunk of a tensor cut across buckets starts anywhere)."""
+    would measure it): once per process. The compare is compiled for new words at a 16-byte boundary and off
+    one (Triton compiles a variant per pointer alignment): a reference chunk starts at 16 bytes at least
+    (PAYLOAD_ALIGN), a chunk of a trainer's tensor read in place anywhere."""
     key = (device, frozenset(itemsizes), encode)
     if not available(device) or key in _warm:
         return
     for itemsize in sorted(set(itemsizes)):
         new, reference, payload, _ = torch.zeros(4, 2 * BLOCK + 16, dtype=_DTYPES[itemsize], device=device)
         if encode:
-            for skew in (0, 1):
-                pairs = [(reference[skew : skew + BLOCK + 1], new[skew : skew + BLOCK + 1])]
+            for skew in (0, 1):  # the reference is aligned; a tensor read in place may start anywhere
+                pairs = [(reference[: BLOCK + 1], new[skew : skew + BLOCK + 1])]
                 blocks = Blocks.of([BLOCK + 1], device)
                 slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
                 counted = count_blocks(pairs, slab, blocks)
@@ -287,7 +289,10 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
         at += count
     if not rows:
         return
-    index = torch.empty(at, dtype=torch.int64, device=device)
+    # mask positions: int32 while they fit (half the bytes for the write to read, and at most 4 bytes an entry,
+    # where a GAPS chunk of bf16 can hold up to half its elements as entries: up to the bucket's bytes)
+    wide = counted.mask.numel() > 2**31 - 1
+    index = torch.empty(at, dtype=torch.int64 if wide else torch.int32, device=device)
     with _on(device):
         _list_blocks[(firsts[-1],)](
             counted.mask,

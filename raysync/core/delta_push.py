@@ -302,8 +302,9 @@ class Reference:
             changes=changes,
             slot=slot,
         )
-        density = code.density  # Note [listing instead of counting]: the next push lists a sparse bucket
-        ref.sparse[k] = ref.listed_first if density is None else density <= SPARSE_DENSITY
+        # Note [listing instead of counting]: torch's path lists a sparse bucket at the next push
+        density = code.density
+        ref.sparse[k] = density is not None and density <= SPARSE_DENSITY
         self.stats = self.stats.add(code)
         return code.nbytes
 

@@ -67,15 +67,17 @@ class ReferenceBytes:
         self.scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
         self.space.touch()
         delta_kernels.warm(device, {size for c in chunks for _, size in c})  # Note [fused delta kernels]
+        if delta_kernels.available(device):  # each bucket's blocks made now, not in the first delta push
+            for c in chunks:
+                self.space.blocks(tuple(n for n, _ in c), device)
         self.pairs = [
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)
         ]  # the same offsets in both
         # bucket k is listed, not counted (encode's ``sparse``), by torch's kernels on a GPU: it had few changes
-        # at its last delta push (the fused kernels count every bucket in the compare: Note [fused delta
-        # kernels] in raysync.core.delta_kernels)
-        self.listed_first = False
-        self.sparse = [self.listed_first] * len(buckets)
+        # at its last delta push (the fused kernels count every bucket in its compare and list it after: Note
+        # [fused delta kernels] in raysync.core.delta_kernels)
+        self.sparse = [False] * len(buckets)
 
     def staging(self, slot: int) -> torch.Tensor:
         """Staging buffer ``slot``: a bucket's encoding on its way to a ring on another device."""

@@ -10,7 +10,7 @@ its GPU (``copy_in_stream``).
 
 # Note [a bucket is encoded while the one before crosses]
 # On an H200 a 7B delta push over shm at 5% density (~47 MB of encoding per 512 MB bucket) took ~2 ms a bucket at
-# 64 ms a push (docs/benchmarks.md 12b). Per bucket the sender claimed a ring buffer (waiting for the receiver to
+# 64 ms a push (docs/benchmarks.md 12c). Per bucket the sender claimed a ring buffer (waiting for the receiver to
 # free bucket k - 2), then wrote the payloads, then copied them to the host (~1.1 ms), then published; the
 # receiver then copied them to its GPU (~1.1 ms): the compute engine and the two copies took turns. So in a
 # delta push whose encoding crosses on a copy stream (raysync.core.sender_stream, ``Reference.stages``), bucket
@@ -19,7 +19,7 @@ its GPU (``copy_in_stream``).
 # bucket k + 1's bytes only have to cross. A slot's buffer is written again by bucket k + 2, whose writes the
 # current stream orders after that slot's copy (``staging`` waits for its event). With the receiver's copy in on a
 # stream of its own (``copy_in_stream``): 61.0-64.2 ms at 5.0% against 64.7-72.2 ms before, in the same leases
-# (docs/benchmarks.md 12a). Publishing bucket k only after bucket k + 1 was packed instead made it slower: the
+# (docs/benchmarks.md 12b). Publishing bucket k only after bucket k + 1 was packed instead made it slower: the
 # receiver waited a bucket longer.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raysync.core.delta_kernels import BLOCK
+from raysync.core.delta_kernels import BLOCK, Blocks
 
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
 SLOTS = 2  # staging buffers: Note [a bucket is encoded while the one before crosses]
@@ -44,7 +44,9 @@ class Workspace:
     mask: torch.Tensor  # bool, at least the bucket's elements
     # the same, for the buckets that compare into slot 1 (Note [two buckets in flight] in delta_encode)
     second_mask: torch.Tensor | None = None
-    spans: dict = field(default_factory=dict)  # SpanLayout by a listed bucket's chunk sizes (delta_changes)
+    # by a bucket's chunk sizes: SpanLayout (torch's listing, delta_changes), and delta_kernels.Blocks under
+    # ("blocks", sizes) (``blocks``)
+    spans: dict = field(default_factory=dict)
     # uint8 of ``capacity`` bytes on the chunks' device, one per slot (made when needed)
     buffers: list[torch.Tensor | None] = field(default_factory=lambda: [None] * SLOTS)
     copied: list[torch.cuda.Event | None] = field(
@@ -58,6 +60,14 @@ class Workspace:
         mask rounded up to whole blocks of the fused kernels, raysync.core.delta_kernels.Blocks)."""
         elements = max((sum(n + BLOCK - 1 for n, _ in chunks) for chunks in sizes), default=0)
         return cls(torch.empty(elements, dtype=torch.bool, device=device))
+
+    def blocks(self, sizes: tuple[int, ...], device: torch.device) -> Blocks:
+        """The fused kernels' layout of a bucket whose chunks have ``sizes`` elements (delta_kernels.Blocks),
+        made once: its two small copies to the device wait for the stream."""
+        key = ("blocks", sizes)
+        if key not in self.spans:
+            self.spans[key] = Blocks.of(sizes, device)
+        return self.spans[key]
 
     def touch(self) -> None:
         """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
