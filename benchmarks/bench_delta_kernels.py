@@ -80,7 +80,9 @@ def main() -> None:
     rows["kernels: GapsApply (sums, one sync, apply)"] = kernels_apply
     rows["torch: int64 cumsum, one sync, index_copy_"] = torch_apply
     ms = {name: 1e3 * timed_cuda(fn, args.repeats) for name, fn in rows.items()}
-    delta_kernels.write_counted([(reference, new)], payload, counted, advance=True)  # (torch's row wrote values)
+    delta_kernels.write_counted(
+        [(reference, new)], payload, counted, advance=True
+    )  # (torch's row wrote values)
     kernels_apply()
     at = torch.nonzero(slab[:n]).view(-1)  # the entries: changed and forced
     assert torch.equal(values, new[at]) and torch.equal(dest[at], new[at]), "the kernels put values elsewhere"

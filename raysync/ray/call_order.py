@@ -38,6 +38,7 @@ _warned: list[bool] = []
 _weightless: set[bytes] = set()  # ids of raysync's calls that touch no weights (Note [a push after ...])
 _ray_api: list = []  # [ray._private.worker, TaskID]: imported at the first look, not at each push's
 _driver_task: list = []  # [job id, the driver's main thread's task id]: made once per job, not at each push
+_NOTHING: frozenset[bytes] = frozenset()
 ANSWERED_GRACE_S = 0.005  # how long a call seen pending is looked at again (the answer may be in already)
 
 
@@ -66,11 +67,14 @@ def actors_with_pending_calls() -> frozenset[bytes] | None:
         core = worker.core_worker
         parents = {core.get_current_task_id()}
         if worker.mode == workers.SCRIPT_MODE:  # the driver: its main thread's calls too
-            job = worker.current_job_id
-            if not _driver_task or _driver_task[0] != job:
+            job = worker.current_job_id  # the same object at each push (Ray caches it): `is` spares a compare
+            if not _driver_task or (_driver_task[0] is not job and _driver_task[0] != job):
                 _driver_task[:] = [job, task_id.for_driver_task(job)]
             parents.add(_driver_task[1])
         tasks = [task for parent in parents for task in core.get_pending_children_task_ids(parent)]
+        if not tasks:  # most pushes: nothing pending, nothing weightless left to remember
+            _weightless.clear()
+            return _NOTHING
         ids = {task.binary() for task in tasks}
         _weightless.intersection_update(ids)  # those no longer pending are forgotten
         return frozenset(task.actor_id().binary() for task in tasks if task.binary() not in _weightless)
@@ -95,6 +99,8 @@ def waiting_on(ids: Mapping[bytes, Any], grace_s: float = ANSWERED_GRACE_S) -> l
         pending = actors_with_pending_calls()
         if pending is None:
             return None
+        if not pending:
+            return []
         hit = [name for i, name in ids.items() if i in pending]
         now = time.monotonic()
         if deadline is None:

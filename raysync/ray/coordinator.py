@@ -187,7 +187,7 @@ class WeightSync:
                 full=full,
             )
             graph, rounds = (None, "calls (a full push)") if full else self._graphs.for_push()
-            report = round_.run(graph, rounds)
+            report = round_.run(graph, rounds, whole=self._graphs.whole)
         logger.info("%s", report)
         return report
 

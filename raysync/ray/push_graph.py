@@ -231,6 +231,8 @@ class GraphKeeper:
         # the connections' shape (shape_of), kept rather than made again at each push: only a repair changes the
         # plan, and WeightSync closes the keeper after one, which forgets it
         self._shape: tuple | None = None
+        # with it: whether what it builds reaches every endpoint of a round (``whole``), kept the same way
+        self._whole = False
         self._members: dict[bytes, Key] = {}  # the graph's members by Ray actor id (call_order.waiting_on)
         self._refused: tuple | None = None  # the shape that could not be built: not tried again
         self._why_not = "" if enabled else self.off
@@ -239,14 +241,16 @@ class GraphKeeper:
         """What runs the rounds of the connections as they are now, built if need be (at setup, after a repair)."""
         if self._why_not == self.off:
             return None
-        shape = self._shape
+        shape, whole = self._shape, self._whole
         if shape is None:
-            shape = self.runner.shape_of(self._actors, receivers_of_senders(self._connections))
+            receivers_of = receivers_of_senders(self._connections)
+            shape = self.runner.shape_of(self._actors, receivers_of)
+            whole = self._reaches_all(receivers_of)
         graph = self._graph
         if graph is not None and graph.alive and graph.shape == shape:
             return graph
         self.close()
-        self._shape = shape
+        self._shape, self._whole = shape, whole
         if shape == self._refused:
             return None
         try:
@@ -262,6 +266,23 @@ class GraphKeeper:
                 "WeightSync %s pushes through ordinary Ray calls: %s", self._connections.sync_id, e
             )
         return self._graph
+
+    @property
+    def whole(self) -> bool:
+        """Whether what ``current()`` built reaches every endpoint of a push round: every sender, every receiver
+        (no engine adapter) and no rank of a sharded trainer that follows; PushRound then builds no ordinary call
+        beside it (Note [a round with no ordinary call] in raysync.ray.push_round)."""
+        return self._whole
+
+    def _reaches_all(self, receivers_of: dict[int, list[int]]) -> bool:
+        """``whole`` for the connections as they are (``receivers_of``: receivers_of_senders): what PushRound's
+        ordinary calls would be made for, beside a runner of their shape, is nothing. A runner has every sender
+        with a receiver (shape_of) and every plain-actor receiver endpoint; the followers are the trainer group's."""
+        actors = self._actors
+        adapters = any(
+            not in_graph(actors.receivers[actors.slots[j][0]]) for js in receivers_of.values() for j in js
+        )
+        return not adapters and not self._connections.group.followers(receivers_of)
 
     def settle(self) -> None:
         """Take what the last round left owed (push loops: Note [the senders' answers, late] in
