@@ -3,9 +3,10 @@ kernels]) on one 512 MB bf16 bucket at 5% changed, on a CUDA device, to choose b
 
     python benchmarks/bench_delta_kernel_variants.py
 
-The compare: full blocks loaded without a mask or every block with one (SPLIT), with or without the counts by
-block (STATS), 4 / 8 / 16 warps. Writing the GAPS payloads straight from the mask, one program per block of
-elements: with or without the scan for the entry before each (SCAN), the mask's shifted reload (SHIFT), the
+Torch's ne and raysync's compare kernel (delta_kernels._compare_blocks: the mask and the counts by block;
+its variants, every block's loads masked or not and 4 / 8 / 16 warps, were measured by this script as of
+212fcf6, docs/results/delta_kernel_variants_h200_s36.txt). Writing the GAPS payloads straight from the mask,
+one program per block of elements: with or without the scan for the entry before each (SCAN), the mask's shifted reload (SHIFT), the
 values' gather and the reference's scatter (VALUES), the gaps' store (GAPS). (Without SCAN or SHIFT the gaps are
 wrong: those rows only say what the parts cost.) Medians of 20 runs, ms.
 """
@@ -17,49 +18,9 @@ import triton
 import triton.language as tl
 from common import timed_cuda
 
+from raysync.core import delta_kernels
+
 BLOCK = 4096
-
-
-@triton.jit(do_not_specialize=["n", "first", "columns"])
-def cmp_k(
-    old_ptr,
-    new_ptr,
-    n,
-    mask_ptr,
-    first,
-    stats_ptr,
-    columns,
-    BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    STATS: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, BLOCK)
-    base = b * BLOCK
-    if SPLIT:
-        if base + BLOCK <= n:
-            changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
-            live = k >= 0
-        else:
-            live = k < n - base
-            changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
-                new_ptr + base + k, mask=live, other=0
-            )
-    else:
-        live = k < n - base
-        changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
-            new_ptr + base + k, mask=live, other=0
-        )
-    spans = 65536 // BLOCK
-    forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
-    entry = changed | forced
-    g = first + b
-    tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))
-    if STATS:
-        tl.store(stats_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))
-        tl.store(stats_ptr + columns + g + 1, tl.sum((forced & ~changed).to(tl.int32), axis=0).to(tl.int64))
-        last = tl.max(tl.where(entry, k, -1), axis=0)
-        tl.store(stats_ptr + 2 * columns + g + 1, tl.where(last >= 0, g * BLOCK + last, -1))
 
 
 @triton.jit
@@ -113,28 +74,27 @@ def main():
     g = torch.Generator(device=dev).manual_seed(0)
     new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=g)
     old = torch.where(torch.rand(n, device=dev, generator=g) < 0.05, new + 1, new)
-    blocks = n // BLOCK
-    mask = torch.empty(n, dtype=torch.uint8, device=dev)
-    stats = torch.zeros(3, blocks + 1, dtype=torch.int64, device=dev)
-    res = {}
-    res["torch ne"] = timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)
-    for split in (0, 1):
-        for stats_on in (0, 1):
-            for warps in (4, 8, 16):
+    layout = delta_kernels.Blocks.of([n], dev)
+    blocks, mask = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
+    res = {"torch ne": timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)}
+    counted = delta_kernels.count_blocks([(old, new)], mask, layout)
+    sums = counted.sums
+    stats = torch.empty_like(sums)
 
-                def fn(s=split, st=stats_on, w=warps):
-                    cmp_k[(blocks,)](
-                        old, new, n, mask, 0, stats, blocks + 1, BLOCK=BLOCK, SPLIT=s, STATS=st, num_warps=w
-                    )
+    def compare():  # raysync's kernel alone, no running sum
+        delta_kernels._compare_blocks[(blocks,)](old, new, n, mask, 0, stats, blocks + 1, BLOCK=BLOCK)
 
-                res[f"cmp split={split} stats={stats_on} warps={warps}"] = timed_cuda(fn, 20)
-    cmp_k[(blocks,)](old, new, n, mask, 0, stats, blocks + 1, BLOCK=BLOCK, SPLIT=1, STATS=1)
-    sums = stats[:2].cumsum(1)
-    lasts = torch.cummax(stats[2], 0).values
+    res["raysync's compare kernel (mask, counts by block)"] = timed_cuda(compare, 20)
+    # the last entry before each block, for the variants below: a running maximum of each block's last
+    at = torch.arange(BLOCK, device=dev).expand(blocks, BLOCK)
+    last = torch.where(mask.view(blocks, BLOCK) != 0, at, -1).amax(1)
+    last = torch.where(last >= 0, last + torch.arange(blocks, device=dev) * BLOCK, -1)
+    lasts = torch.cummax(torch.cat([last.new_full((1,), -1), last]), 0).values
     e = int(sums[0, -1])
     gaps = torch.empty(e + 8, dtype=torch.int16, device=dev)
     values = torch.empty(e + 8, dtype=torch.int16, device=dev)
     ref = old.clone()
+    tensors = (mask, sums, lasts, gaps, values, new, ref)
     for scan, shift, vals, gp in [
         (1, 1, 1, 1),
         (0, 1, 1, 1),
@@ -148,21 +108,7 @@ def main():
         for warps in (4, 8, 16):
 
             def fn(a=scan, b=shift, c=vals, d=gp, w=warps):
-                wr_k[(blocks,)](
-                    mask,
-                    sums,
-                    lasts,
-                    gaps,
-                    values,
-                    new,
-                    ref,
-                    BLOCK=BLOCK,
-                    SCAN=a,
-                    SHIFT=b,
-                    VALUES=c,
-                    GAPS=d,
-                    num_warps=w,
-                )
+                wr_k[(blocks,)](*tensors, BLOCK=BLOCK, SCAN=a, SHIFT=b, VALUES=c, GAPS=d, num_warps=w)
 
             res[f"write scan={scan} shift={shift} values={vals} gaps={gp} warps={warps}"] = timed_cuda(fn, 20)
     for kk, v in res.items():
