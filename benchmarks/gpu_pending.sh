@@ -33,6 +33,7 @@ step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --l
     --steps 4 --bf16-params
 step delta_trace 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 3 --bf16-params --profile --trace "$OUT"
+python3 benchmarks/timeline_delta.py "$OUT" >> "$OUT/delta_trace.txt" 2>&1  # the buckets' copies, the kernels
 gzip -f "$OUT/sender.json" "$OUT/receiver.json" 2>/dev/null  # both sides' timelines of the last delta push
 step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 3
