@@ -209,11 +209,12 @@ def edge_pairs(device: str, specs, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     pairs = []
     for dtype, n, density, based in specs:
-        new = torch.randint(-100, 100, (n + 1,), generator=g).to(dtype)[1:]
+        whole = torch.randint(-100, 100, (n + 1,), generator=g).to(dtype).to(device)
+        new = whole[1:]  # sliced on the device: a copy there would start at an aligned address again
         old = new.clone()
         if n and density:
-            old[torch.rand(n, generator=g) < density] += 1
-        pairs.append((old.to(device) if based else None, new.to(device)))
+            old[torch.rand(n, generator=g).to(device) < density] += 1
+        pairs.append((old if based else None, new))
     return pairs
 
 
