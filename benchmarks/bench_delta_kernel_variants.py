@@ -3,7 +3,7 @@ kernels]) on one 512 MB bf16 bucket at 5% changed, on a CUDA device, to choose b
 
     python benchmarks/bench_delta_kernel_variants.py
 
-Torch's ne and raysync's compare kernel (delta_kernels._compare_blocks: the mask and the counts by block;
+Torch's ne and raysync's compare (delta_kernels.count_blocks: the mask, the counts by block and their sums;
 its variants, every block's loads masked or not and 4 / 8 / 16 warps, were measured by this script as of
 212fcf6, docs/results/delta_kernel_variants_h200_s36.txt). Writing the GAPS payloads straight from the mask,
 one program per block of elements: with or without the scan for the entry before each (SCAN), the mask's shifted reload (SHIFT), the
@@ -79,12 +79,11 @@ def main():
     res = {"torch ne": timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)}
     counted = delta_kernels.count_blocks([(old, new)], mask, layout)
     sums = counted.sums
-    stats = torch.empty_like(sums)
 
-    def compare():  # raysync's kernel alone, no running sum
-        delta_kernels._compare_blocks[(blocks,)](old, new, n, mask, 0, stats, blocks + 1, BLOCK=BLOCK)
+    def compare():  # raysync's compare, its blocks' running sums included
+        delta_kernels.count_blocks([(old, new)], mask, layout)
 
-    res["raysync's compare kernel (mask, counts by block)"] = timed_cuda(compare, 20)
+    res["raysync's compare kernel (mask, counts by block, running sums)"] = timed_cuda(compare, 20)
     # the last entry before each block, for the variants below: a running maximum of each block's last
     at = torch.arange(BLOCK, device=dev).expand(blocks, BLOCK)
     last = torch.where(mask.view(blocks, BLOCK) != 0, at, -1).amax(1)

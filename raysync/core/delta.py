@@ -365,6 +365,8 @@ def _layout_end(chunks: Sequence[ChunkCode]) -> int:
 
 def _bits(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t``'s elements as integers of the same width, flat, sharing its storage."""
+    if t.dim() == 1 and t.dtype == _BITS.get(t.element_size()) and t.is_contiguous():
+        return t  # the words already (a bucket's chunk pairs are made so once): no view to make each push
     if not t.is_contiguous() or t.element_size() not in _BITS or t.is_complex():
         raise LayoutError(
             f"{what}: {t.dtype} {tuple(t.shape)} is not a contiguous tensor of 1, 2, 4 or 8-byte elements"

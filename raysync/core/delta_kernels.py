@@ -74,29 +74,55 @@ if triton is not None:
     # the kernels ``warm`` compiles at set-up are those every bucket launches
     # A chunk's full blocks load without a mask: a mask on a length Triton is not told divides 16 (``n`` is not
     # specialized on) keeps it from loading in vectors, which made the compare 1.05 ms on a 512 MB bf16 bucket
-    # on an H200, where torch's ne takes 0.35 ms; this way it takes 0.37 ms, its counts included
-    @triton.jit(do_not_specialize=["n", "first", "columns"])
-    def _compare_blocks(old_ptr, new_ptr, n, mask_ptr, first, sums_ptr, columns, BLOCK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        k = tl.arange(0, BLOCK)
-        base = b * BLOCK  # the block's first element in the chunk, at mask position (first + b) * BLOCK
-        if base + BLOCK <= n:
-            changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
-            live = k >= 0
-        else:
-            live = k < n - base
-            changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
-                new_ptr + base + k, mask=live, other=0
-            )
-        # Note [delta pushes]: every index 65535 mod 65536 of a chunk is an entry; BLOCK divides 65536, so it
-        # is the last element of every (65536 / BLOCK)-th block
-        spans = 65536 // BLOCK
-        forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
-        entry = changed | forced
-        g = first + b
-        tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))  # the padding past the chunk's end: no entries
-        tl.store(sums_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))  # column 0: before all
-        tl.store(sums_ptr + columns + g + 1, tl.sum((forced & ~changed).to(tl.int32), axis=0).to(tl.int64))
+    # on an H200, where torch's ne takes 0.35 ms; this way it takes 0.37 ms, its counts included.
+    # Note [one compare launch a bucket]: the chunks' addresses come from a table, one program per block of
+    # the bucket (``chunk_of`` says whose), so a bucket is one launch per kind of chunk (word size, and whether
+    # its new words start at 16 bytes) instead of one a chunk: a 7B bucket's 12 launches cost its sender's
+    # thread ~0.4 ms of the ~2.7 ms it spent on each bucket under torch.profiler on an H200
+    # (docs/results/delta_push_shm_h200_trace_0259ee6_*). A pointer read from memory is of unknown alignment,
+    # so Triton would load scalars; ``tl.multiple_of`` on it promises 16 bytes where the host checked both
+    # chunks' (a reference chunk starts there: PAYLOAD_ALIGN; a trainer's tensor read in place may not).
+    @triton.jit(do_not_specialize=["columns", "kind"])
+    def _compare_chunks(
+        table_ptr,
+        chunk_of_ptr,
+        mask_ptr,
+        sums_ptr,
+        columns,
+        kind,
+        WORD: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        g = tl.program_id(0).to(tl.int64)  # the block, in the bucket's mask
+        row = table_ptr + tl.load(chunk_of_ptr + g).to(tl.int64) * 5  # old, new, n, first block, kind
+        if tl.load(row + 4) == kind:  # the chunks of another kind are another launch's
+            old_ptr = tl.load(row).to(tl.pointer_type(WORD))
+            new_ptr = tl.load(row + 1).to(tl.pointer_type(WORD))
+            if ALIGNED:
+                old_ptr = tl.multiple_of(old_ptr, 16)
+                new_ptr = tl.multiple_of(new_ptr, 16)
+            n = tl.load(row + 2)
+            b = g - tl.load(row + 3)  # the block's place in its chunk
+            k = tl.arange(0, BLOCK)
+            base = b * BLOCK
+            if base + BLOCK <= n:
+                changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
+                live = k >= 0
+            else:
+                live = k < n - base
+                changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
+                    new_ptr + base + k, mask=live, other=0
+                )
+            # Note [delta pushes]: every index 65535 mod 65536 of a chunk is an entry; BLOCK divides 65536, so
+            # it is the last element of every (65536 / BLOCK)-th block
+            spans = 65536 // BLOCK
+            forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
+            entry = changed | forced
+            tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))  # the padding past the chunk's end: none
+            unchanged = forced & ~changed  # column 0 of the sums: before all
+            tl.store(sums_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))
+            tl.store(sums_ptr + columns + g + 1, tl.sum(unchanged.to(tl.int32), axis=0).to(tl.int64))
 
     @triton.jit
     def _list_blocks(mask_ptr, sums_ptr, chunk_of_ptr, table_ptr, index_ptr, BLOCK: tl.constexpr):
@@ -115,7 +141,7 @@ if triton is not None:
         entries_ptr, table_ptr, blocks, WORD: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr
     ):
         p = tl.program_id(0).to(tl.int64)
-        row = table_ptr + (p // blocks) * 7
+        row = table_ptr + (p // blocks) * 8  # 7 words and one of padding
         first, count, start = tl.load(row), tl.load(row + 1), tl.load(row + 2)
         k = (p % blocks) * BLOCK + tl.arange(0, BLOCK)
         live = k < count
@@ -253,21 +279,57 @@ class Counted:
 def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
     """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into
     ``mask`` (uint8 of ``blocks.elements``) and count its entries by block: one pass over the chunks, a launch
-    each, then the blocks' running sums. No host sync (Note [fused delta kernels])."""
+    per kind of chunk (Note [one compare launch a bucket]), then the blocks' running sums. No host sync (Note
+    [fused delta kernels])."""
     device = mask.device
     columns = blocks.firsts[-1] + 1
-    sums = torch.empty(2, columns, dtype=torch.int64, device=device)
-    sums[:, 0] = 0
-    with _on(device):
-        for (old, new), first in zip(pairs, blocks.firsts, strict=False):
-            n = new.numel()
-            if n:
-                grid = (triton.cdiv(n, BLOCK),)
-                _compare_blocks[grid](old, new, n, mask, first, sums, columns, BLOCK=BLOCK)
+    sums = torch.zeros(2, columns, dtype=torch.int64, device=device)  # column 0: before every block
+    table, kinds = _compare_table(pairs, blocks, device)
+    if kinds:
+        with _on(device):
+            for kind, (itemsize, aligned) in enumerate(kinds):
+                _compare_chunks[(blocks.firsts[-1],)](
+                    table,
+                    blocks.chunk_of,
+                    mask,
+                    sums,
+                    columns,
+                    kind,
+                    WORD=_WORDS[itemsize],
+                    ALIGNED=aligned,
+                    BLOCK=BLOCK,
+                )
     # one running sum over both rows, flat: row 1's sums then carry row 0's total, which its differences (the
     # forced ones per chunk) drop; a scan along rows of 2 x 65537 took 0.11 ms a 512 MB bucket on an H200
     sums.view(-1).cumsum_(0)
     return Counted(mask, blocks, sums)
+
+
+def _compare_table(pairs, blocks: Blocks, device: torch.device) -> tuple[torch.Tensor | None, list]:
+    """The compare's table on ``device``, a row per chunk: (reference's address, new words' address, elements,
+    first block, kind), and the kinds, (word size, both chunks at 16 bytes) each. A bucket's tables are made once
+    and kept (``_TABLES``): a bucket compares the same tensors every push, and a table holds nothing but where
+    they are, so a table found under the same rows is that table."""
+    rows, kinds = [], []
+    for (old, new), first in zip(pairs, blocks.firsts, strict=False):
+        kind = (new.element_size(), old.data_ptr() % 16 == 0 and new.data_ptr() % 16 == 0)
+        if kind not in kinds:
+            kinds.append(kind)
+        rows.append((old.data_ptr(), new.data_ptr(), new.numel(), first, kinds.index(kind)))
+    if not rows:
+        return None, kinds
+    key = (device, tuple(rows))
+    table = _TABLES.pop(key, None)
+    if table is None:
+        table = _to_device([list(r) for r in rows], device)
+    _TABLES[key] = table  # the most recent last
+    while len(_TABLES) > _TABLES_KEPT:
+        _TABLES.pop(next(iter(_TABLES)))
+    return table, kinds
+
+
+_TABLES: dict = {}  # _compare_table's, the most recently used last
+_TABLES_KEPT = 512  # a 7B layout's buckets are 32, each compared in one of two slots
 
 
 def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
@@ -284,7 +346,7 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
         count, gaps, values = payload
         assert cut[j + 1] - cut[j] == count, "a chunk's entries are not its count's"
         listed[j] = [1, at - cut[j]]
-        row = [at, count, firsts[j] * BLOCK, new.data_ptr(), old.data_ptr(), gaps, values]
+        row = [at, count, firsts[j] * BLOCK, new.data_ptr(), old.data_ptr(), gaps, values, 0]
         rows.setdefault(new.element_size(), []).append(row)
         at += count
     if not rows:
@@ -293,30 +355,36 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
     # where a GAPS chunk of bf16 can hold up to half its elements as entries: up to the bucket's bytes)
     wide = counted.mask.numel() > 2**31 - 1
     index = torch.empty(at, dtype=torch.int64 if wide else torch.int32, device=device)
+    # the listing's table and every write's rows cross in one copy: [flag, offset] per chunk, then 8 words a row
+    # (64 bytes: each launch's rows start at 16 bytes, as ``warm`` compiled it)
+    groups = list(rows.items())
+    table = _to_device(
+        [w for pair in listed for w in pair] + [w for _, same in groups for r in same for w in r], device
+    )
     with _on(device):
         _list_blocks[(firsts[-1],)](
             counted.mask,
             counted.sums,
             counted.blocks.chunk_of,
-            _to_device(listed, device),
+            table,
             index,
             BLOCK=BLOCK,
         )
-    for itemsize, same in rows.items():
-        write_gaps(index, same, itemsize, advance)
+    at = 2 * len(listed)
+    for itemsize, same in groups:
+        write_gaps(index, table[at : at + 8 * len(same)], max(r[1] for r in same), itemsize, advance)
+        at += 8 * len(same)
 
 
-def write_gaps(entries: torch.Tensor, rows: list[list[int]], itemsize: int, advance: bool) -> None:
-    """Write GAPS payloads, one per row of ``rows``: [first entry in ``entries``, entries, the chunk's first
-    index in the span, address of its new values, of its reference, of the payload's gaps, of its values]
-    (addresses on ``entries``' device; words of ``itemsize`` bytes): each entry's gap as the payload stores it
-    (raysync.core.delta, Note [delta pushes]), its new value, and with ``advance`` the reference's element
-    set to it. One launch for all the rows."""
-    table = _to_device(rows, entries.device)
-    most = max(r[1] for r in rows)
+def write_gaps(entries: torch.Tensor, table: torch.Tensor, most: int, itemsize: int, advance: bool) -> None:
+    """Write GAPS payloads, one per row of ``table`` (int64 on ``entries``' device, 8 words a row: first entry
+    in ``entries``, entries, the chunk's first index in the span, address of its new values, of its reference,
+    of the payload's gaps, of its values, padding; words of ``itemsize`` bytes; ``most``: the most entries of a row):
+    each entry's gap as the payload stores it (raysync.core.delta, Note [delta pushes]), its new value, and
+    with ``advance`` the reference's element set to it. One launch for all the rows."""
     blocks = max(1, triton.cdiv(most, WRITE_BLOCK))
     with _on(entries.device):
-        _write_gaps[(blocks * len(rows),)](
+        _write_gaps[(blocks * (table.numel() // 8),)](
             entries, table, blocks, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK
         )
 
