@@ -66,6 +66,7 @@ import torch
 
 from raysync.core import delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
+from raysync.core.delta_workspace import chunk_masks
 
 if TYPE_CHECKING:
     from raysync.core.delta_workspace import Workspace
@@ -161,10 +162,11 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
     blocks = space.blocks(sizes, device) if space is not None else delta_kernels.Blocks.of(sizes, device)
     slab = _slab(space, slot, blocks.elements, device)
     counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
-    starts, it, masks = blocks.firsts, iter(range(len(based))), []
-    for o, n in views:
-        j = None if o is None else next(it)
-        masks.append(None if j is None else slab[starts[j] * delta_kernels.BLOCK :][: n.numel()])
+    shape = tuple(None if o is None else n.numel() for o, n in views)
+    if space is not None:  # made once per bucket shape
+        masks = space.chunk_masks(slab, slot, shape, blocks.firsts)
+    else:
+        masks = chunk_masks(slab, shape, blocks.firsts)
     crossing, ready = cross(counted.picked().reshape(-1))
     return Counting(masks, counted, crossing, ready)
 

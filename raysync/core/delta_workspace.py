@@ -69,6 +69,17 @@ class Workspace:
             self.spans[key] = Blocks.of(sizes, device)
         return self.spans[key]
 
+    def chunk_masks(self, slab: torch.Tensor, slot: int, sizes: tuple[int | None, ...], firsts) -> list:
+        """``chunk_masks`` of ``slab``, the mask of ``slot``, made once per slab and bucket shape: a bucket's
+        slices are the same every push."""
+        key = ("masks", slot)
+        held = self.spans.get(key)
+        if held is None or held[0] is not slab:
+            held = self.spans[key] = (slab, {})
+        if sizes not in held[1]:
+            held[1][sizes] = chunk_masks(slab, sizes, firsts)
+        return held[1][sizes]
+
     def touch(self) -> None:
         """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
         self.mask.zero_()
@@ -181,3 +192,12 @@ def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tens
     current.wait_event(copied)
     moved.record_stream(current)  # allocated on the copy stream, read on the current one
     return moved, copied
+
+
+def chunk_masks(slab: torch.Tensor, sizes: tuple[int | None, ...], firsts: Sequence[int]) -> list:
+    """Each chunk's part of the mask ``slab`` as the fused kernels lay it out (the j-th chunk with a reference
+    from block ``firsts[j]``; None for a chunk of no reference, whose size is None)."""
+    at, masks = iter(firsts), []
+    for n in sizes:
+        masks.append(None if n is None else slab[next(at) * BLOCK :][:n])
+    return masks
