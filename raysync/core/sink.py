@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from raysync.core import delta, delta_kernels, digest
+from raysync.core import delta, delta_kernels, digest, grouped_copy
 from raysync.core.copies import CopyList
 from raysync.core.delta import delta_applies
 from raysync.core.errors import LayoutError, WeightsMixed
@@ -121,6 +121,9 @@ class IntoTensors(Sink):
         self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
         self._unsettled: list = []  # delta buckets checked on the device: settled before digests and commit
+        for device in self._devices:  # the copies' kernel compiled now, not in the first push
+            if grouped_copy.available(device):
+                grouped_copy.warm(device)
         if self.takes_delta:  # Note [fused delta kernels]: compiled now, not in the first delta push
             for device in self._devices:
                 sizes = {min(s.itemsize, 8) for s, t in zip(specs, final, strict=True) if t.device == device}
