@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 8 minutes).
+# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 8 minutes). Give the
+# machine back (the device tool's give_back) when no next call is ready: a held machine's idle time counts.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
@@ -22,19 +23,18 @@ step() {  # step NAME SECONDS COMMAND...
     echo "$name rc=$? $((SECONDS - t0))s" >> "$OUT/summary.txt"
 }
 
-# the delta GPU tests first: df31d78's (a bucket copied in ahead of its views) has not run on a GPU yet
-step delta_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernels.py tests/test_delta_gpu.py
-# 19: WeightSync with the default config and each forced mode (Ray actors sharing the GPU), 7B and 1.5B, with the
-# raw session's figure and the floors in the same run.
-step weightsync 240 python3 benchmarks/bench_weightsync.py --device cuda
-# 24: delta pushes over shm, bf16 weights read in place (ordinary pushes, then the last push profiled with both
-# sides' timelines), and the fp32 master cast on the way.
-step delta_shm_bf16 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+# the GPU tests of what stop 38 landed unrun there: the grouped copy inside CopyList (direct mode's whole pushes
+# in test_gpu.py, the special values in test_copies.py) and the one-launch compare (the delta kernels' tests)
+step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_copies.py \
+    tests/test_delta_kernels.py tests/test_delta_gpu.py
+# 24: delta pushes over shm, bf16 weights read in place (cf02d51's one compare launch a bucket); for a before /
+# after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
+step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
-step delta_trace 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 3 --bf16-params --profile --trace "$OUT"
-python3 benchmarks/timeline_delta.py "$OUT" >> "$OUT/delta_trace.txt" 2>&1  # the buckets' copies, the kernels
-gzip -f "$OUT/sender.json" "$OUT/receiver.json" 2>/dev/null  # both sides' timelines of the last delta push
-step delta_shm 120 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
-    --steps 3
+# 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
+step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
+# where the delta sender's thread spends a bucket (py-spy from .whl/: pip download py-spy); read it with
+# python benchmarks/pyspy_summary.py pyspy.txt
+step pyspy 100 py-spy record --nonblocking -r 200 --subprocesses -f raw -o "$OUT/pyspy.txt" -- \
+    python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm --steps 3 --bf16-params
 cat "$OUT/summary.txt"
