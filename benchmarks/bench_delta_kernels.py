@@ -17,7 +17,7 @@ import argparse
 import torch
 from common import emit, timed_cuda
 
-from raysync.core import delta_kernels
+from raysync.core import delta_decode_kernels, delta_kernels
 from raysync.core.delta_changes import _listing_cap
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     dest = torch.empty_like(new)
 
     def kernels_apply() -> None:
-        apply = delta_kernels.GapsApply([(entries, gaps.data_ptr(), values.data_ptr(), dest)])
+        apply = delta_decode_kernels.GapsApply([(entries, gaps.data_ptr(), values.data_ptr(), dest)])
         apply.ends()
         apply.run()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raysync.core import delta, delta_changes, delta_encode, delta_kernels
+from raysync.core import delta, delta_changes, delta_decode_kernels, delta_encode, delta_kernels
 
 HERE = Path(__file__).parent
 # Triton for its interpreter: installed here by ci/test.sh (apart from the venv, which vLLM's CPU build shares),
@@ -164,9 +164,9 @@ def warmed(device: str, interpreted: bool = False) -> None:
         delta_kernels.available = lambda d: True
     os.environ["RAYSYNC_DELTA_KERNELS"] = "1"
     delta_kernels.warm(torch.device(device), {1, 2, 4})
-    delta_kernels.warm(torch.device(device), {2}, encode=False)
-    assert (torch.device(device), frozenset({1, 2, 4}), True) in delta_kernels._warm
-    assert (torch.device(device), frozenset({2}), False) in delta_kernels._warm
+    delta_decode_kernels.warm(torch.device(device), {2})
+    assert (torch.device(device), frozenset({1, 2, 4})) in delta_kernels._warm
+    assert (torch.device(device), frozenset({2})) in delta_decode_kernels._warm
 
 
 def sparse_bucket_checked_on_the_device(device: str, interpreted: bool = False) -> None:

@@ -76,7 +76,7 @@ from enum import IntEnum
 
 import torch
 
-from raysync.core import delta_kernels
+from raysync.core import delta_decode_kernels, delta_kernels
 from raysync.core.delta_workspace import copy_in_stream
 from raysync.core.errors import BadDelta, BaseMismatch, LayoutError
 from raysync.core.version import Version, is_version
@@ -267,7 +267,7 @@ def decode(
         elif c.mode == Mode.FULL:
             work.append((i, dest, None, region))
     payloads = [last for _, _, last in gapped if isinstance(last, tuple)]
-    kernels = delta_kernels.GapsApply(payloads) if payloads else None
+    kernels = delta_decode_kernels.GapsApply(payloads) if payloads else None
     mark("index")
     deferred = unsettled is not None and kernels is not None and not work  # only the kernels write
     if not deferred:

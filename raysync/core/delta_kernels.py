@@ -1,12 +1,11 @@
-"""Triton kernels for a delta on a CUDA device: the sender's compare, counts and GAPS payloads of a bucket
-(raysync.core.delta_changes counts with them, raysync.core.delta_encode writes with them) and the receiver's
-decoding of GAPS payloads (raysync.core.delta.decode). Used when Triton imports (torch's CUDA builds bring it);
-without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
+"""Triton kernels for a delta on a CUDA device, the sender's: the compare, counts and GAPS payloads of a bucket
+(raysync.core.delta_changes counts with them, raysync.core.delta_encode writes with them; the receiver's
+decoding is raysync.core.delta_decode_kernels). Used when Triton imports (torch's CUDA builds bring it); without
+it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
 
-    warm(device, itemsizes, encode=True)              # at set-up: compiled, not in the first delta push
+    warm(device, itemsizes)                           # at set-up: compiled, not in the first delta push
     counted = count_blocks(pairs, mask, blocks)       # compare into the mask, entries counted by block
     write_counted(pairs, payloads, counted, advance)  # (counts on the host) the GAPS payloads, references advanced
-    apply = GapsApply(payloads); apply.run()          # the receiver's: checked on the device, then written
 
 # Note [fused delta kernels]
 # Profiled on an H200 (a 7B delta push over shm at 5.7% changed, docs/results/delta_push_shm_h200_stages_76e65fb
@@ -15,7 +14,8 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 # reference's scatter (7.5 ms), the indices made relative (sub, 3.9 ms) and the gaps' passes; and the sender's
 # thread spent 97 ms launching ~70 operations a bucket. Here a bucket's chunks (those with a reference) lie in
 # its mask in whole blocks of BLOCK elements (``Blocks``), so that every block belongs to one chunk:
-# * ``count_blocks``: one pass per chunk reads its reference and new words, writes the mask of entries (changed
+# * ``count_blocks``: one pass over the chunks (one launch per kind of chunk: Note [one compare launch a
+#   bucket]) reads their reference and new words, writes the mask of entries (changed
 #   elements, and the forced ones at index 65535 mod 65536: Note [delta pushes]) and per block how many entries
 #   it holds and how many forced entries did not change; a running sum of those gives each block's first
 #   entry and each chunk's counts (they cross to the host behind an event: the bucket's one sync). It reads what
@@ -29,9 +29,9 @@ without it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kerne
 #   the payloads straight from the mask, one program per block of elements, took 2.1-3.4 ms a bucket against
 #   ~0.7 for listing and then writing per entry: every lane of the block issues the gathers and scatters, 20
 #   times as many as there are entries at 5%. Measured with build variants, docs/benchmarks.md section 12a.)
-# The receiver's ``GapsApply`` sums each block's gaps (the running sum is the index), checks on the device that
-# every payload's last index fits its destination, and one kernel writes the values, none of them unless all
-# fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.core.delta:
+# The receiver's ``GapsApply`` (raysync.core.delta_decode_kernels) sums each block's gaps (the running sum is
+# the index), checks on the device that every payload's last index fits its destination, and one kernel writes
+# the values, none of them unless all fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.core.delta:
 # the bucket then waits only for its copy in). What they spare is passes over the bucket, launches (a few a
 # bucket, not several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms with the
 # first kernels (docs/benchmarks.md, section 12c). What a payload holds, and what a destination ends with, is
@@ -157,61 +157,34 @@ if triton is not None:
             reference = tl.load(row + 4).to(tl.pointer_type(WORD))
             tl.store(reference + at, value, mask=live)
 
-    @triton.jit(do_not_specialize=["blocks"])
-    def _gap_sums(table_ptr, sums_ptr, blocks, BLOCK: tl.constexpr):
-        p = tl.program_id(0).to(tl.int64)
-        r, b = p // blocks, p % blocks
-        row = table_ptr + r * 5
-        k = b * BLOCK + tl.arange(0, BLOCK)
-        live = k < tl.load(row)
-        gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
-        step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
-        tl.store(sums_ptr + r * blocks + b, tl.sum(step, axis=0))
-
-    @triton.jit(do_not_specialize=["blocks"])
-    def _apply_gaps(table_ptr, ends_ptr, fits_ptr, blocks, WORD: tl.constexpr, BLOCK: tl.constexpr):
-        p = tl.program_id(0).to(tl.int64)
-        r, b = p // blocks, p % blocks
-        row = table_ptr + r * 5
-        k = b * BLOCK + tl.arange(0, BLOCK)
-        count = tl.where(tl.load(fits_ptr) != 0, tl.load(row), 0)  # no row is written unless all of them fit
-        live = k < count
-        gaps = tl.load(row + 1).to(tl.pointer_type(tl.int16))
-        step = tl.where(live, tl.load(gaps + k, mask=live, other=0).to(tl.int64) + 32769, 0)
-        before = tl.load(ends_ptr + r * blocks + b - 1, mask=b > 0, other=0)
-        at = before + tl.cumsum(step, axis=0) - 1
-        values = tl.load(row + 2).to(tl.pointer_type(WORD))
-        dest = tl.load(row + 3).to(tl.pointer_type(WORD))
-        tl.store(dest + at, tl.load(values + k, mask=live), mask=live)
-
-    _WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    TL_INTS = {
+        1: tl.int8,
+        2: tl.int16,
+        4: tl.int32,
+        8: tl.int64,
+    }  # word size -> Triton's integer of that width
+INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # ... and torch's
 
 
-def warm(device: torch.device, itemsizes, encode: bool = True) -> None:
-    """Compile the kernels a delta push on ``device`` launches (or load them from Triton's cache), for words
-    of ``itemsizes`` bytes: the encoder's (``encode``) or the decoder's. At set-up, not in the first delta
-    push (on an H200 the first listed push took 1.5 s, compiling, where the next took 0.1 s; and the time rule
-    would measure it): once per process. The compare is compiled for new words at a 16-byte boundary and off
-    one (Triton compiles a variant per pointer alignment): a reference chunk starts at 16 bytes at least
-    (PAYLOAD_ALIGN), a chunk of a trainer's tensor read in place anywhere."""
-    key = (device, frozenset(itemsizes), encode)
+def warm(device: torch.device, itemsizes) -> None:
+    """Compile the encoder's kernels a delta push on ``device`` launches (or load them from Triton's cache), for
+    words of ``itemsizes`` bytes (the decoder's: raysync.core.delta_decode_kernels.warm). At set-up, not in the
+    first delta push (on an H200 the first listed push took 1.5 s, compiling, where the next took 0.1 s; and the
+    time rule would measure it): once per process. The compare is compiled for chunks at a 16-byte boundary and
+    off one (Note [one compare launch a bucket]): a reference chunk starts at 16 bytes at least (PAYLOAD_ALIGN),
+    a chunk of a trainer's tensor read in place anywhere."""
+    key = (device, frozenset(itemsizes))
     if not available(device) or key in _warm:
         return
     for itemsize in sorted(set(itemsizes)):
-        new, reference, payload, _ = torch.zeros(4, 2 * BLOCK + 16, dtype=_DTYPES[itemsize], device=device)
-        if encode:
-            for skew in (0, 1):  # the reference is aligned; a tensor read in place may start anywhere
-                pairs = [(reference[: BLOCK + 1], new[skew : skew + BLOCK + 1])]
-                blocks = Blocks.of([BLOCK + 1], device)
-                slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
-                counted = count_blocks(pairs, slab, blocks)
-                row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
-                write_counted(pairs, row, counted, advance=True)
-        else:
-            apply = GapsApply([(1, payload.data_ptr(), new.data_ptr(), reference)])
-            apply.ends()
-            apply.run()
+        new, reference, payload = torch.zeros(3, 2 * BLOCK + 16, dtype=INTS[itemsize], device=device)
+        for skew in (0, 1):  # the reference is aligned; a tensor read in place may start anywhere
+            pairs = [(reference[: BLOCK + 1], new[skew : skew + BLOCK + 1])]
+            blocks = Blocks.of([BLOCK + 1], device)
+            slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
+            counted = count_blocks(pairs, slab, blocks)
+            row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
+            write_counted(pairs, row, counted, advance=True)
     if device.type == "cuda":  # (Triton's interpreter runs them on the CPU)
         torch.cuda.synchronize(device)
     _warm.add(key)
@@ -286,7 +259,7 @@ def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
     sums = torch.zeros(2, columns, dtype=torch.int64, device=device)  # column 0: before every block
     table, kinds = _compare_table(pairs, blocks, device)
     if kinds:
-        with _on(device):
+        with on(device):
             for kind, (itemsize, aligned) in enumerate(kinds):
                 _compare_chunks[(blocks.firsts[-1],)](
                     table,
@@ -295,7 +268,7 @@ def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
                     sums,
                     columns,
                     kind,
-                    WORD=_WORDS[itemsize],
+                    WORD=TL_INTS[itemsize],
                     ALIGNED=aligned,
                     BLOCK=BLOCK,
                 )
@@ -321,7 +294,7 @@ def _compare_table(pairs, blocks: Blocks, device: torch.device) -> tuple[torch.T
     key = (device, tuple(rows))
     table = _TABLES.pop(key, None)
     if table is None:
-        table = _to_device([list(r) for r in rows], device)
+        table = to_device([list(r) for r in rows], device)
     _TABLES[key] = table  # the most recent last
     while len(_TABLES) > _TABLES_KEPT:
         _TABLES.pop(next(iter(_TABLES)))
@@ -358,10 +331,10 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
     # the listing's table and every write's rows cross in one copy: [flag, offset] per chunk, then 8 words a row
     # (64 bytes: each launch's rows start at 16 bytes, as ``warm`` compiled it)
     groups = list(rows.items())
-    table = _to_device(
+    table = to_device(
         [w for pair in listed for w in pair] + [w for _, same in groups for r in same for w in r], device
     )
-    with _on(device):
+    with on(device):
         _list_blocks[(firsts[-1],)](
             counted.mask,
             counted.sums,
@@ -383,61 +356,18 @@ def write_gaps(entries: torch.Tensor, table: torch.Tensor, most: int, itemsize: 
     each entry's gap as the payload stores it (raysync.core.delta, Note [delta pushes]), its new value, and
     with ``advance`` the reference's element set to it. One launch for all the rows."""
     blocks = max(1, triton.cdiv(most, WRITE_BLOCK))
-    with _on(entries.device):
+    with on(entries.device):
         _write_gaps[(blocks * (table.numel() // 8),)](
-            entries, table, blocks, WORD=_WORDS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK
+            entries, table, blocks, WORD=TL_INTS[itemsize], ADVANCE=advance, BLOCK=WRITE_BLOCK
         )
 
 
-class GapsApply:
-    """GAPS payloads decoded on a CUDA device (the receiver's half, raysync.core.delta.decode): per payload
-    (entries, address of its gaps, of its values, its destination, all on one device). Made: each block of
-    entries' index sum queued, and from them on the device each payload's last index + 1 (``lasts``) and
-    whether every one fits its destination (gaps are at least 1: the indices increase strictly, the last is
-    the largest). ``run``: every destination's elements written, one launch per word size, and nothing at all
-    unless every payload fits; ``ends`` (one host sync) says whether they did."""
-
-    def __init__(self, payloads: list[tuple[int, int, int, torch.Tensor]]):
-        by_size: dict[int, list[int]] = {}
-        for i, (_, _, _, dest) in enumerate(payloads):
-            by_size.setdefault(dest.element_size(), []).append(i)
-        self.groups, self.order = [], [i for same in by_size.values() for i in same]
-        for itemsize, same in by_size.items():
-            rows = [[e, gaps, values, dest.data_ptr(), dest.numel()] for e, gaps, values, dest in payloads]
-            rows = [rows[i] for i in same]
-            device = payloads[same[0]][3].device
-            table = _to_device(rows, device)
-            blocks = max(1, triton.cdiv(max(r[0] for r in rows), WRITE_BLOCK))
-            sums = torch.empty(len(rows), blocks, dtype=torch.int64, device=device)
-            with _on(device):
-                _gap_sums[(blocks * len(rows),)](table, sums, blocks, BLOCK=WRITE_BLOCK)
-            self.groups.append((itemsize, table, sums.cumsum_(1), blocks, len(rows)))
-        self.lasts = torch.cat([ends[:, -1] for _, _, ends, _, _ in self.groups])  # in ``order``
-        numels = torch.cat([table[:, 4] for _, table, _, _, _ in self.groups])
-        self.fits = (self.lasts <= numels).all().view(torch.uint8)
-
-    def ends(self, crossed: list[int] | None = None) -> list[int]:
-        """Per payload, in the order given: its last index + 1 (0 without entries); ``crossed``: ``lasts``,
-        on the host already."""
-        crossed = self.lasts.tolist() if crossed is None else crossed
-        out = [0] * len(crossed)
-        for i, end in zip(self.order, crossed, strict=True):
-            out[i] = end
-        return out
-
-    def run(self) -> None:
-        for itemsize, table, ends, blocks, rows in self.groups:
-            with _on(table.device):
-                grid = (blocks * rows,)
-                _apply_gaps[grid](table, ends, self.fits, blocks, WORD=_WORDS[itemsize], BLOCK=WRITE_BLOCK)
-
-
-def _on(device: torch.device):
+def on(device: torch.device):
     """Triton launches on the current CUDA device: that of the tensors (Triton's interpreter: the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """An int64 table, crossing with the launches (from pinned memory, which torch keeps until the copy ran)."""
     table = torch.tensor(rows, dtype=torch.int64)
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from raysync.core import delta, delta_kernels, digest, grouped_copy
+from raysync.core import delta, delta_decode_kernels, digest, grouped_copy
 from raysync.core.copies import CopyList
 from raysync.core.delta import delta_applies
 from raysync.core.errors import LayoutError, WeightsMixed
@@ -127,7 +127,7 @@ class IntoTensors(Sink):
         if self.takes_delta:  # Note [fused delta kernels]: compiled now, not in the first delta push
             for device in self._devices:
                 sizes = {min(s.itemsize, 8) for s, t in zip(specs, final, strict=True) if t.device == device}
-                delta_kernels.warm(device, sizes, encode=False)
+                delta_decode_kernels.warm(device, sizes)
 
     def reset(self) -> None:
         self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
