@@ -42,7 +42,9 @@ masks of changed bits, their counts, and the indices of the entries, on the devi
 # copy engine until that bucket's copy had ended, and the next bucket's listing and payloads, queued behind it
 # on the current stream, waited with it: ~0.7 ms a bucket with no kernel running, a bucket every ~1.9 ms. On a
 # stream of their own they still wait for the copy engine, but nothing waits for them until that bucket's own
-# encode, a bucket later.
+# encode, a bucket later. Measured at 0259ee6 (docs/benchmarks.md section 12, Latest): the counts now cross
+# beside the copy out, but the push did not get faster (60.8-68.7 ms at 5.0% with and without this): the
+# sender's thread, busy the whole period, sets it.
 #
 # Note [numpy on the CPU]
 # On the CPU the compare, the counts and the listing of indices run as numpy's kernels over the same memory

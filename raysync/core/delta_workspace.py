@@ -44,8 +44,9 @@ class Workspace:
     mask: torch.Tensor  # bool, at least the bucket's elements
     # the same, for the buckets that compare into slot 1 (Note [two buckets in flight] in delta_encode)
     second_mask: torch.Tensor | None = None
-    # by a bucket's chunk sizes: SpanLayout (torch's listing, delta_changes), and delta_kernels.Blocks under
-    # ("blocks", sizes) (``blocks``)
+    # by a bucket's chunk sizes: SpanLayout (torch's listing, delta_changes), delta_kernels.Blocks under
+    # ("blocks", sizes) (``blocks``); and under ("masks", slot) that slot's mask and its chunk slices by shape
+    # (``chunk_masks``)
     spans: dict = field(default_factory=dict)
     # uint8 of ``capacity`` bytes on the chunks' device, one per slot (made when needed)
     buffers: list[torch.Tensor | None] = field(default_factory=lambda: [None] * SLOTS)
