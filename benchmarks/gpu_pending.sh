@@ -4,8 +4,10 @@
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
+#     bash benchmarks/gpu_pending.sh delta_shm_bf16 weightsync   # only the steps named
 # Each step's output goes to $OUT/<step>.txt, its exit status to $OUT/summary.txt; a step that fails
-# or runs out of its time does not stop the next.
+# or runs out of its time does not stop the next. With build/before/ (git archive REV raysync benchmarks, carried),
+# the step delta_before runs the same delta benchmark on that tree, for a before / after in one call.
 set -u
 OUT=${OUT:-/tmp/gpu_pending}
 mkdir -p "$OUT"
@@ -15,9 +17,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/summary.txt" 2>&1 || true
 
+wanted=" $* "
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
+    [ "$wanted" = "  " ] || [[ "$wanted" == *" $name "* ]] || return 0
     local t0=$SECONDS
     timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
     echo "$name rc=$? $((SECONDS - t0))s" >> "$OUT/summary.txt"
@@ -31,10 +35,18 @@ step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py te
 # after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
 step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
+if [ -d build/before ]; then
+    (cd build/before && export PYTHONPATH=$PWD && step delta_before 100 python3 benchmarks/bench_delta_push.py \
+        --device cuda --layout qwen2.5-7b --transports shm --steps 4 --bf16-params)
+fi
 # 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
 step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
 # where the delta sender's thread spends a bucket (py-spy from .whl/: pip download py-spy); read it with
 # python benchmarks/pyspy_summary.py pyspy.txt
 step pyspy 100 py-spy record --nonblocking -r 200 --subprocesses -f raw -o "$OUT/pyspy.txt" -- \
     python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm --steps 3 --bf16-params
+# 19: where a direct-mode push spends its host time beyond the copies (1.5B: the raw session ~1.5 ms over the
+# copies), both processes sampled; read with python benchmarks/pyspy_summary.py pyspy_direct.txt PushSender.push
+step pyspy_direct 100 py-spy record --nonblocking -r 1000 --subprocesses -f raw -o "$OUT/pyspy_direct.txt" -- \
+    python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b --direct --no-ring --pushes 300
 cat "$OUT/summary.txt"
