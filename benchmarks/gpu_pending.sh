@@ -36,7 +36,7 @@ step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py te
 step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
 if [ -d build/before ]; then
-    (cd build/before && export PYTHONPATH=$PWD && step delta_before 100 python3 benchmarks/bench_delta_push.py \
+    (cd build/before && export PYTHONPATH=$PWD:$PYTHONPATH && step delta_before 100 python3 benchmarks/bench_delta_push.py \
         --device cuda --layout qwen2.5-7b --transports shm --steps 4 --bf16-params)
 fi
 # 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
@@ -49,4 +49,7 @@ step pyspy 100 py-spy record --nonblocking -r 200 --subprocesses -f raw -o "$OUT
 # copies), both processes sampled; read with python benchmarks/pyspy_summary.py pyspy_direct.txt PushSender.push
 step pyspy_direct 100 py-spy record --nonblocking -r 1000 --subprocesses -f raw -o "$OUT/pyspy_direct.txt" -- \
     python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b --direct --no-ring --pushes 300
+# 19: the GPU work of one direct-mode push on both processes' clock: the time before and after the copies
+step timeline_direct 100 python3 benchmarks/timeline_ipc.py --layout qwen2.5-1.5b --ring direct \
+    --out "$OUT/timeline_direct"
 cat "$OUT/summary.txt"

@@ -1,6 +1,8 @@
 """Where a cuda_ipc push spends its GPU time: both processes' GPU activity on one clock.
 
     python benchmarks/timeline_ipc.py --ring 2x2048 1x4096 --out /tmp/timeline
+    python benchmarks/timeline_ipc.py --layout qwen2.5-1.5b --ring direct   # direct mode: what a push spends
+                                                                            # before and after its GPU copies
 
 The sender (this process, GPU 0) and the receiver (a spawned process, --receiver-gpu) each run torch's profiler
 around one push after a few warm-ups; their traces (kineto, GPU timestamps on the host clock) are merged and
@@ -67,14 +69,17 @@ def runs(events: list[tuple[float, float, str, str]]) -> list[dict]:
 
 
 def one(src, layout, ring: str, gpu: int, warmup: int, out_dir: str) -> dict:
-    num_buffers, bucket_mb = (int(x) for x in ring.split("x"))
-    config = SyncConfig(
-        transport="cuda_ipc",
-        bucket_bytes=bucket_mb << 20,
-        num_buffers=num_buffers,
-        timeout_s=120,
-        progress=False,
-    )
+    if ring == "direct":  # no ring: the receiver copies out of the trainer's tensors (cuda_ipc_direct)
+        config = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=120, progress=False)
+    else:
+        num_buffers, bucket_mb = (int(x) for x in ring.split("x"))
+        config = SyncConfig(
+            transport="cuda_ipc",
+            bucket_bytes=bucket_mb << 20,
+            num_buffers=num_buffers,
+            timeout_s=120,
+            progress=False,
+        )
     secret = SessionSecret.generate()
     trace_s, trace_r = (os.path.join(out_dir, f"trace_{ring}_{w}.json") for w in ("sender", "receiver"))
     ctx = mp.get_context("spawn")
@@ -127,7 +132,7 @@ def one(src, layout, ring: str, gpu: int, warmup: int, out_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="qwen2.5-7b")
-    ap.add_argument("--ring", nargs="+", default=["2x2048"], help="NUMxMB")
+    ap.add_argument("--ring", nargs="+", default=["2x2048"], help="NUMxMB, or direct")
     ap.add_argument("--receiver-gpu", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="timeline")
