@@ -49,7 +49,7 @@ def test_deltas_over_a_cuda_ipc_ring_and_full_pushes_in_direct_mode(spawn, no_le
                 assert report.base_version == version - 1 and report.bytes < full / 4
         assert sender.delta_off is None or direct
         got = [out.get(timeout=120) for _ in range(3)]
-    assert got[1][:2] == ("digest", 2) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    assert got[1][:2] == ("digest", 2) and got[1][2] == digest(named.items(), on_device=True)
     child.join(timeout=60)
     assert child.exitcode == 0
 
@@ -69,7 +69,7 @@ def test_under_the_time_rule_a_ring_read_on_the_trainers_gpu_pushes_full_without
             assert report.base_version is None and report.bytes == full, version
         assert "two device copies" in sender.delta_off
         got = [out.get(timeout=120) for _ in range(3)]
-    assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    assert got[1][:2] == ("digest", 3) and got[1][2] == digest(named.items(), on_device=True)
     child.join(timeout=60)
     assert child.exitcode == 0
 
@@ -106,7 +106,7 @@ def test_deltas_over_shm_from_the_trainers_gpu_find_each_next_buckets_changes_wh
                     report,
                 )
         got = [out.get(timeout=120) for _ in range(3)]
-    assert got[1][:2] == ("digest", 3) and got[1][2] == digest((n, t.cpu()) for n, t in named.items())
+    assert got[1][:2] == ("digest", 3) and got[1][2] == digest(named.items(), on_device=True)
     child.join(timeout=60)
     assert child.exitcode == 0
 

@@ -111,7 +111,7 @@ def test_three_engines_read_one_cuda_ipc_ring_or_the_trainers_tensors(spawn, no_
                 t.add_(version + i % 3)
             report = sender.push(src.items(), version)
             assert sender.packed_buckets == (0 if direct else report.buckets)  # once for all three
-        want = digest((n, t.cpu()) for n, t in src.items())
+        want = digest(src.items(), on_device=True)
         got = [out.get(timeout=300) for _ in range(3 * 3)]
     last = [m[2] for m in got if m[0] == "digest" and m[1] == pushes - 1]
     assert len(last) == 3 and all(d == want for d in last)

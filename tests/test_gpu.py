@@ -146,7 +146,7 @@ def _ipc_push(
             if version in (1, pushes):
                 for i, t in enumerate(src.values()):
                     t.add_(version + i % 3)
-                digests[version - 1] = digest((n, t.cpu()) for n, t in src.items())
+                digests[version - 1] = digest(src.items(), on_device=True)
             sender.push(src.items(), version)
             reserved.append(torch.cuda.memory_reserved())
         got = [out.get(timeout=600) for _ in range(3 if pushes > 1 else 2)]
@@ -387,8 +387,8 @@ def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is
         sender.push(src.items(), 1)
         sender.push(moved.items(), 2)
         got = [out.get(timeout=300) for _ in range(3)]
-        assert got[0][2] == digest((n, t.cpu()) for n, t in src.items())
-        assert got[1][2] == digest((n, t.cpu()) for n, t in moved.items())
+        assert got[0][2] == digest(src.items(), on_device=True)
+        assert got[1][2] == digest(moved.items(), on_device=True)
         strided = {k: v.t() if v.ndim == 2 else v for k, v in src.items()}
         with pytest.raises(LayoutError, match="direct mode .* is not contiguous"):
             sender.push(strided.items(), 3)

@@ -9,16 +9,24 @@ import signal
 import torch
 
 from raysync import PushIncomplete, SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync.core.digest import combine, partial
 from raysync.core.errors import WeightsMixed
 
 
-def digest(named) -> dict[str, str]:
-    return {
-        n: hashlib.sha256(
-            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        ).hexdigest()
-        for n, t in named
-    }
+def digest(named, on_device: bool = False) -> dict[str, str | tuple[str, int]]:
+    """Each tensor's digest of its bytes: SHA-256, through the host. ``on_device``: a GPU tensor's is raysync's
+    verify digest computed on its GPU instead (raysync.core.digest: any change within a word, sign bits included,
+    changes it), tagged so that it never equals a SHA-256; both sides of a comparison must pass it (a 7B
+    layout's SHA-256 through the host took minutes of a GPU test)."""
+    named = list(named)
+    on_gpu = [(n, t) for n, t in named if on_device and t.is_cuda]
+    sums = combine([[partial(t.detach().contiguous().view(-1).view(torch.uint8), 0)] for _, t in on_gpu])
+    out: dict[str, str | tuple[str, int]] = {n: ("gpu", d) for (n, _), d in zip(on_gpu, sums, strict=True)}
+    for n, t in named:
+        if n not in out:
+            data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+            out[n] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 def perturb(model, version: int) -> None:
@@ -198,7 +206,7 @@ def ipc_receiver(
             receiver.receive(into=dest)
             reserved.append(torch.cuda.memory_reserved())
             if i == 0 or i == pushes - 1:
-                out.put(("digest", i, digest((n, t.cpu()) for n, t in dest.items())))
+                out.put(("digest", i, digest(dest.items(), on_device=True)))
         ring = receiver.ring.buffers[0].device  # a host ring (shm) has no GPU
         ring_gpu = str(torch.cuda.get_device_properties(ring).uuid) if ring.type == "cuda" else None
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
