@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from common import emit, timed_cuda
+from common import emit, ipc_config, timed_cuda
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
 from raysync.core.plan import plan_buckets
@@ -83,14 +83,7 @@ def floors(
 
 def bench(src, layout, bucket_mb, num_buffers, receiver_gpu, pushes, direct=False) -> dict:
     ctx = mp.get_context("spawn")
-    config = SyncConfig(
-        transport="cuda_ipc",
-        bucket_bytes=bucket_mb << 20,
-        num_buffers=num_buffers,
-        timeout_s=120,
-        progress=False,
-        direct=direct,
-    )
+    config = ipc_config(bucket_mb, num_buffers, direct)
     secret = SessionSecret.generate()
     out = ctx.Queue()
     with WeightSender(secret, config) as sender:

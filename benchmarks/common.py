@@ -33,6 +33,20 @@ def timed_cuda(fn: Callable[[], object], repeats: int) -> float:
     return timed(fn, torch.device("cuda", torch.cuda.current_device()), repeats)
 
 
+def ipc_config(bucket_mb: int, num_buffers: int, direct: bool = False):
+    """The cuda_ipc benchmarks' session config: a ring of ``num_buffers`` x ``bucket_mb``, or direct mode."""
+    from raysync import SyncConfig
+
+    return SyncConfig(
+        transport="cuda_ipc",
+        bucket_bytes=bucket_mb << 20,
+        num_buffers=num_buffers,
+        timeout_s=120,
+        progress=False,
+        direct=direct,
+    )
+
+
 def emit(result: dict, path: str | None) -> None:
     """Print ``result`` as one line of JSON (after the script's table), and write it to ``path`` if given."""
     print(json.dumps(result))

@@ -22,10 +22,10 @@ import os
 import time
 
 import torch
-from common import emit
+from common import emit, ipc_config
 from torch.profiler import ProfilerActivity, profile
 
-from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
+from raysync import SessionSecret, WeightReceiver, WeightSender
 from raysync.tools.models import allocate
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -69,17 +69,9 @@ def runs(events: list[tuple[float, float, str, str]]) -> list[dict]:
 
 
 def one(src, layout, ring: str, gpu: int, warmup: int, out_dir: str) -> dict:
-    if ring == "direct":  # no ring: the receiver copies out of the trainer's tensors (cuda_ipc_direct)
-        config = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=120, progress=False)
-    else:
-        num_buffers, bucket_mb = (int(x) for x in ring.split("x"))
-        config = SyncConfig(
-            transport="cuda_ipc",
-            bucket_bytes=bucket_mb << 20,
-            num_buffers=num_buffers,
-            timeout_s=120,
-            progress=False,
-        )
+    direct = ring == "direct"  # no ring: the receiver copies out of the trainer's tensors (cuda_ipc_direct)
+    num_buffers, bucket_mb = (2, 512) if direct else (int(x) for x in ring.split("x"))  # direct: unused
+    config = ipc_config(bucket_mb, num_buffers, direct)
     secret = SessionSecret.generate()
     trace_s, trace_r = (os.path.join(out_dir, f"trace_{ring}_{w}.json") for w in ("sender", "receiver"))
     ctx = mp.get_context("spawn")
