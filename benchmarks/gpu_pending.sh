@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# What stays to be measured on one H200 for issues 19 and 24, in one device call (about 8 minutes). Give the
-# machine back (the device tool's give_back) when no next call is ready: a held machine's idle time counts.
+# What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
+# give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~2-5 minutes
+# of the budget. Still pending after stop 39: gpu_tests in a call of its own (it ran past 250 s there, cut in
+# test_gpu.py's 12th test; its digests are computed on the GPU since, 5ff41f0), and delta_trace (what paces
+# a delta push at 69e4282, where the sender's thread no longer does).
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
@@ -39,6 +42,10 @@ if [ -d build/before ]; then
     (cd build/before && export PYTHONPATH=$PWD:$PYTHONPATH && step delta_before 100 python3 benchmarks/bench_delta_push.py \
         --device cuda --layout qwen2.5-7b --transports shm --steps 4 --bf16-params)
 fi
+# 24: one profiled delta push at 4.96%, both sides' timelines, read by timeline_delta.py (torch.profiler slows
+# the host: the bucket period it shows is longer than unprofiled)
+step delta_trace 150 bash -c "python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
+    --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace"
 # 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
 step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
 # where the delta sender's thread spends a bucket (py-spy from .whl/: pip download py-spy); read it with
