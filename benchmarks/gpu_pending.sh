@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 # the GPU tests of what stop 38 landed unrun there: the grouped copy inside CopyList (direct mode's whole pushes
 # in test_gpu.py, the special values in test_copies.py) and the one-launch compare (the delta kernels' tests)
-step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_copies.py \
+step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_copies.py \
     tests/test_delta_kernels.py tests/test_delta_gpu.py
 # 24: delta pushes over shm, bf16 weights read in place (cf02d51's one compare launch a bucket); for a before /
 # after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
