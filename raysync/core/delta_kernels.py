@@ -79,9 +79,11 @@ if triton is not None:
     # the bucket (``chunk_of`` says whose), so a bucket is one launch per kind of chunk (word size, and whether
     # its new words start at 16 bytes) instead of one a chunk: a 7B bucket's 12 launches cost its sender's
     # thread ~0.4 ms of the ~2.7 ms it spent on each bucket under torch.profiler on an H200
-    # (docs/results/delta_push_shm_h200_trace_0259ee6_*). A pointer read from memory is of unknown alignment,
-    # so Triton would load scalars; ``tl.multiple_of`` on it promises 16 bytes where the host checked both
-    # chunks' (a reference chunk starts there: PAYLOAD_ALIGN; a trainer's tensor read in place may not).
+    # (docs/results/delta_push_shm_h200_trace_0259ee6_*); with one launch a kind, a 7B delta push at 5.0% took
+    # 52.9-53.0 ms against 59.8 ms for 0259ee6 in the same call (docs/benchmarks.md, section 12, Latest). A
+    # pointer read from memory is of unknown alignment, so Triton would load scalars; ``tl.multiple_of`` on it
+    # promises 16 bytes where the host checked both chunks' (a reference chunk starts there: PAYLOAD_ALIGN; a
+    # trainer's tensor read in place may not).
     @triton.jit(do_not_specialize=["columns", "kind"])
     def _compare_chunks(
         table_ptr,
