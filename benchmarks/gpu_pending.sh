@@ -44,7 +44,7 @@ if [ -d build/before ]; then
 fi
 # 24: one profiled delta push at 4.96%, both sides' timelines, read by timeline_delta.py (torch.profiler slows
 # the host: the bucket period it shows is longer than unprofiled)
-step delta_trace 150 bash -c "python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
+step delta_trace 150 bash -c "mkdir -p $OUT/trace && python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
     --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace"
 # 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
 step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
