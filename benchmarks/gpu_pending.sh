@@ -38,16 +38,25 @@ step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py te
 # after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
 step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
-if [ -d build/before ]; then
-    (cd build/before && export PYTHONPATH=$PWD:$PYTHONPATH && step delta_before 100 python3 benchmarks/bench_delta_push.py \
-        --device cuda --layout qwen2.5-7b --transports shm --steps 4 --bf16-params)
-fi
+before() {  # before NAME SECONDS COMMAND...: the step run in build/before (a tree carried for a before / after)
+    [ -d build/before ] || return 0
+    (cd build/before && export PYTHONPATH=$PWD:$PYTHONPATH && step "$@")
+}
+before delta_before 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
+    --steps 4 --bf16-params
 # 24: one profiled delta push at 4.96%, both sides' timelines, read by timeline_delta.py (torch.profiler slows
 # the host: the bucket period it shows is longer than unprofiled)
 step delta_trace 150 bash -c "mkdir -p $OUT/trace && python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
     --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace"
-# 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it
+# 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it;
+# and the raw direct push (bench_ipc), each also on the before tree when one is carried (Note [start, then check]:
+# build/before = git archive f11bbeb raysync benchmarks)
 step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
+before weightsync_before 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
+step ipc_direct 80 python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b qwen2.5-7b --direct --no-ring
+before ipc_direct_before 80 python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b qwen2.5-7b --direct --no-ring
+# the direct-mode GPU tests alone (Note [start, then check])
+step direct_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k direct
 # where the delta sender's thread spends a bucket (py-spy from .whl/: pip download py-spy); read it with
 # python benchmarks/pyspy_summary.py pyspy.txt
 step pyspy 100 py-spy record --nonblocking -r 200 --subprocesses -f raw -o "$OUT/pyspy.txt" -- \

@@ -308,8 +308,9 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_fails_
     spawn, no_leftovers
 ):
     """Direct mode reads the trainer's memory in place: a sender SIGKILLed after its PushStart leaves that
-    memory mapped here, so the push it started lands whole (its values were ready before PushStart); the next
-    one fails (PeerLost: the sender's end of the channel closed), and closing gives the dead sender's memory back."""
+    memory mapped here, so the push it started lands whole (its values were ready, and its tensors checked,
+    before PushStart: new tensor objects every push, Note [start, then check]); the next one fails (PeerLost:
+    the sender's end of the channel closed), and closing gives the dead sender's memory back."""
     import os
     import signal
 
@@ -320,7 +321,7 @@ def test_direct_sender_killed_mid_push_the_push_lands_whole_then_the_next_fails_
 
     config = SyncConfig(transport="cuda_ipc", direct=True, timeout_s=3, progress=False)
     secret, out = SessionSecret.generate(), spawn.ctx.Queue()
-    child = spawn(ipc_sender_forever, secret, config, "qwen2.5-0.5b", out)
+    child = spawn(ipc_sender_forever, secret, config, "qwen2.5-0.5b", out, True)
     torch.cuda.set_device(0)
     expected = allocate("qwen2.5-0.5b", device="cuda")  # what the sender pushes, every version
     dest = allocate("qwen2.5-0.5b", device="cuda", fill=False)
@@ -392,6 +393,46 @@ def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is
         strided = {k: v.t() if v.ndim == 2 else v for k, v in src.items()}
         with pytest.raises(LayoutError, match="direct mode .* is not contiguous"):
             sender.push(strided.items(), 3)
+
+
+def test_direct_tensors_that_move_under_the_same_objects_are_caught_after_push_start(spawn, no_leftovers):
+    """Note [start, then check]: the trainer pushes the same tensor objects, so their check runs after PushStart;
+    when some moved meanwhile (``.data`` given new storages), the receiver drops what it read, within the same
+    receive, and the push starts again with the new storages: verified, bit-exact, version 3 after 3 receives."""
+    import dataclasses
+
+    from workers import digest, ipc_receiver
+
+    from raysync import SessionSecret, WeightSender
+    from raysync.core.wire import Checked
+    from raysync.tools.models import allocate
+
+    torch.cuda.set_device(0)
+    config = dataclasses.replace(DIRECT, verify=True)
+    src = allocate("qwen2.5-0.5b", device="cuda")
+    secret, out = SessionSecret.generate(), spawn.ctx.Queue()
+    with WeightSender(secret, config) as sender:
+        spawn(ipc_receiver, sender.endpoint, secret, config, 0, None, "qwen2.5-0.5b", 3, out)
+        sender.push(src.items(), 1)
+        checks = []  # the Checked the sender sends (read, not replaced: every message still goes out)
+        channel = sender._channel.channels[0]
+        send = channel.send
+
+        def send_and_note(msg, stage):
+            if isinstance(msg, Checked):
+                checks.append(msg)
+            send(msg, stage)
+
+        channel.send = send_and_note
+        sender.push(src.items(), 2)
+        for name in list(src)[:3]:
+            t = src[name]
+            t.data = t.data + 1  # the same object, new storage
+        sender.push(src.items(), 3)
+        got = [out.get(timeout=300) for _ in range(3)]
+    assert [(c.push_id, c.same) for c in checks] == [(2, True), (3, False)]
+    assert got[1][:2] == ("digest", 2)
+    assert got[1][2] == digest(src.items(), on_device=True)
 
 
 def test_the_quick_ipc_probe_agrees_with_torchs_and_a_wrong_offset_is_not_ok():

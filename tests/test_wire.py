@@ -34,6 +34,7 @@ from raysync.core.wire import (
     MAX_LAYOUT_TENSORS,
     Abort,
     BucketReady,
+    Checked,
     Hello,
     Layout,
     PushDigest,
@@ -67,6 +68,8 @@ MESSAGES = [
     RingInfo("shm", 2, 1 << 20, ("raysync-" + "0" * 32, "raysync-" + "1" * 32)),
     Layout(1, 1024, 256, (TensorSpec("w", "bfloat16", (3, 4)), TensorSpec("s", "float8_e4m3fn", ()))),
     PushStart(7, 3, 1),
+    PushStart(8, 4, 1, checks=True),
+    Checked(8, False),
     BucketReady(7, 2, 0),
     Abort(7, "unpack bucket 2/9", "boom", "Traceback ..."),
 ]

@@ -212,8 +212,12 @@ def ipc_receiver(
         out.put(("done", ring_gpu, str(torch.cuda.get_device_properties(gpu).uuid), reserved))
 
 
-def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, out) -> None:
-    """Pushes ``layout`` from GPU 0 until killed; reports its endpoint, then every completed version."""
+def ipc_sender_forever(
+    secret: SessionSecret, config: SyncConfig, layout: str, out, fresh: bool = False
+) -> None:
+    """Pushes ``layout`` from GPU 0 until killed; reports its endpoint, then every completed version. ``fresh``:
+    new tensor objects every push (views of the same tensors), so direct mode checks them before its PushStart
+    rather than after (Note [start, then check] in raysync.core.session)."""
     from raysync.tools.models import allocate
 
     torch.cuda.set_device(0)
@@ -221,7 +225,7 @@ def ipc_sender_forever(secret: SessionSecret, config: SyncConfig, layout: str, o
     with WeightSender(secret, config) as sender:
         out.put(sender.endpoint)
         for version in range(1, 1 << 30):
-            sender.push(src.items(), version)
+            sender.push([(k, v.view_as(v)) for k, v in src.items()] if fresh else src.items(), version)
             out.put(version)
 
 

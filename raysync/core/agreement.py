@@ -24,7 +24,7 @@ from raysync.core.errors import LayoutError, RaysyncError, RemoteError, SchemaEr
 from raysync.core.plan import Bucket, plan_buckets, total_bytes
 from raysync.core.sink import LoadFn, Sink, Sinks
 from raysync.core.source import Packer, Source, SourcePacker, SourceTensor, select
-from raysync.core.wire import Abort, BucketReady, Close, DirectSources, Layout, PushStart
+from raysync.core.wire import Abort, BucketReady, Checked, Close, DirectSources, Layout, PushStart
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ReceiverLayout:
             elif isinstance(msg, Abort) and msg.push_id > self._last_push_id:
                 self._last_push_id = msg.push_id
                 raise RemoteError(channel.peer, msg.stage, msg.message, msg.traceback)
-            elif isinstance(msg, (BucketReady, Abort)):
+            elif isinstance(msg, (BucketReady, Abort, Checked)):  # Checked: of a push refused here
                 logger.debug("skipping %s left over from push %d", type(msg).__name__, msg.push_id)
             else:
                 raise SchemaError(f"{channel.peer} sent {type(msg).__name__} while no push was running")

@@ -15,7 +15,7 @@ from raysync.core.config import SyncConfig
 from raysync.core.control import ReceiverChannel
 from raysync.core.errors import IntegrityError, PushIncomplete, RemoteError, SchemaError, WeightsMixed
 from raysync.core.sink import Sink
-from raysync.core.wire import PushDigest, PushStart
+from raysync.core.wire import Checked, PushDigest, PushStart
 from raysync.transport.base import PlaneReader
 
 
@@ -36,16 +36,24 @@ class ReceiverStream:
         self._plane, self._channel, self._agreed, self._config = plane, channel, agreed, config
         self._mixed, self._incomplete = mixed, incomplete
 
-    def run(self, start: PushStart, sink: Sink, staging: bool) -> Generator[None, None, float]:
+    def run(self, start: PushStart, sink: Sink, staging: bool) -> Generator[None, None, float | None]:
         """Every bucket into the sink (yielding after each batch), then the end of the push (drained, verified,
-        applied); returns when the buckets were done, for ``last_stages_s``."""
+        applied); returns when the buckets were done, for ``last_stages_s``. None: the push was dropped, the
+        sender's tensors moved after its PushStart (Note [start, then check] in raysync.core.session)."""
         pid, buckets = start.push_id, self._agreed.buckets
         count = len(buckets)
         stage = "stream"
         parts: list | None = None
         if hasattr(self._plane, "encoded"):  # it moves only a delta bucket's bytes used (the collective)
             self._plane.encoded(sink.delta_base is not None)
+        # the sender's word on its tensors: before the first read for a sink that must not take a byte it may
+        # drop (staged), else once the reads are queued
+        check_first = start.checks and (staging or not sink.in_place)
         try:
+            if check_first:
+                stage = "the sender's check of its tensors"
+                if not self.checked(start):
+                    return None
             for batch in self._plane.batches(count):
                 named = f"bucket {batch[0]}" if len(batch) == 1 else f"buckets {batch[0]}-{batch[-1]}"
                 stage = f"wait for {named}/{count}"
@@ -58,6 +66,10 @@ class ReceiverStream:
                 parts = None
                 yield
             streamed = time.perf_counter()
+            if start.checks and not check_first:
+                stage = "the sender's check of its tensors"
+                if not self.checked(start):
+                    return None
             self._plane.drain(self._config.timeout_s)  # Note [ordering GPU buffers]
             if start.verify:
                 stage = "verify"
@@ -84,6 +96,17 @@ class ReceiverStream:
             self._channel.abort(pid, stage, e)  # first: the sender looks for it when its broadcasts fail
             self._plane.fail()
             raise self._incomplete(start, stage, str(e), undelivered) from e
+
+    def checked(self, start: PushStart) -> bool:
+        """The sender's Checked of push ``start`` (Note [start, then check]); when its tensors moved, the reads
+        of this push end first (drained), then the sender hears that it may drop the old storages: False."""
+        if self._channel.expect(Checked, start.push_id, "the sender's check of its tensors").same:
+            return True
+        self._plane.drain(self._config.timeout_s)
+        self._channel.send(
+            Checked(start.push_id, False), "drop the push read before the sender's tensors moved"
+        )
+        return False
 
     def _touching(self, sink: Sink) -> None:
         """The first byte of the push is about to reach the destinations. Note [versions never lie]: from here

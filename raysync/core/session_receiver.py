@@ -187,19 +187,25 @@ class PushReceiver(OnPlane, StagedFlips):
         into = area.target if area else into
         self._ensure_session()
         ahead = self._agreed.check_ahead(into, load_fn)
-        try:
-            start = self._agreed.next_push(self._channel, self._plane, wait_s)
-        except BaseException:
-            # the error's traceback keeps this frame: the sink checked ahead holds views of the ring (direct
-            # mode: of the sender's mapped tensors), which must not stay mapped for as long as the error lives
-            ahead = None  # noqa: F841
-            raise
-        started = time.perf_counter()
-        sink = self._accept(start, into, load_fn, ahead)
-        ahead = None
-        skip = self._agree(start, area, sink)
-        accepted = streamed = time.perf_counter()
-        if not skip:
+        while (
+            True
+        ):  # once, or again when the sender's tensors moved after PushStart (Note [start, then check])
+            try:
+                start = self._agreed.next_push(self._channel, self._plane, wait_s)
+            except BaseException:
+                # the error's traceback keeps this frame: the sink checked ahead holds views of the ring (direct
+                # mode: of the sender's mapped tensors), which must not stay mapped for as long as the error lives
+                ahead = None  # noqa: F841
+                raise
+            started = time.perf_counter()
+            sink = self._accept(start, into, load_fn, ahead)
+            ahead = None
+            skip = self._agree(start, area, sink)
+            accepted = streamed = time.perf_counter()
+            if skip and start.checks and not self._skip_checked(start):
+                continue
+            if skip:
+                break
             self._landing(start.version, area)
             try:
                 streamed = yield from self._stream.run(start, sink, staging or area is not None)
@@ -207,6 +213,10 @@ class PushReceiver(OnPlane, StagedFlips):
                 sink = None  # noqa: F841 -- Note [a kept error keeps nothing mapped]
                 self._landed(start.version, area, e)
                 raise
+            if streamed is not None:
+                break
+            sink = None  # its copies read the moved tensors' mappings, which the next DirectSources replace
+        if not skip:
             self._landed(start.version, area)
             try:
                 self._channel.send(PushDone(start.push_id, start.version), "finish")
@@ -241,6 +251,14 @@ class PushReceiver(OnPlane, StagedFlips):
         if go.full:
             sink.delta_base = None
         return go.skip
+
+    def _skip_checked(self, start: PushStart) -> bool:
+        """A skipped push that ``checks`` (Note [start, then check]): the sender's Checked; False when its tensors
+        moved (it pushes them again now)."""
+        try:
+            return self._stream.checked(start)
+        except RemoteError as e:
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, []) from e
 
     def _report(self, version: int, skipped: bool, seconds: float, sink: Sink) -> PushReport:
         layout, buckets = self._agreed.layout, len(self._agreed.buckets)

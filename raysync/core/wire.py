@@ -249,6 +249,9 @@ class PushStart:
         False  # the buckets are deltas from ``base_version`` (raysync.core.delta), unless the go says full
     )
     base_version: int = 0  # what a delta applies on top of; 0 when not a delta
+    checks: bool = (
+        False  # the sender checks its tensors after this: a Checked follows (Note [start, then check])
+    )
 
     def __post_init__(self) -> None:
         if not self.delta and self.base_version != 0:
@@ -287,6 +290,17 @@ class Queued:
     are queued on its GPU, and its event recorded after them; the next reader may go."""
 
     push_id: int
+
+
+@dataclass(frozen=True)
+class Checked:
+    """sender -> receiver, after a PushStart that ``checks`` (Note [start, then check] in raysync.core.session):
+    ``same``: the trainer's tensors are the ones the receiver maps, so what it reads is this push; else they moved
+    (new storages, shapes), and the push starts again at once. receiver -> sender, answering a ``same=False``:
+    its reads of this push ended, it drops it, and it waits for the push again."""
+
+    push_id: int
+    same: bool
 
 
 @dataclass(frozen=True)
@@ -330,6 +344,7 @@ Message = (
     | BucketReady
     | BucketFreed
     | Queued
+    | Checked
     | PushDigest
     | PushDone
     | Abort
