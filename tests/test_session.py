@@ -91,6 +91,57 @@ def test_same_tensor_objects_updated_in_place_or_given_new_data(private_tmp, in_
             assert all(same_bits(dest[k], v) for k, v in src.items()), version
 
 
+class CheckingSender(WeightSender):
+    """Checks its tensors after PushStart, as direct mode's sender does for the same tensor objects (Note [start,
+    then check] in raysync.core.session), here over shm: the receiver's half of that protocol runs on the CPU."""
+
+    _checks_after_start = True
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_push_checked_after_its_start_commits_only_on_the_senders_word(private_tmp, in_thread, verify):
+    """Note [start, then check]: the receiver commits once the sender's Checked says the tensors are the same,
+    and when they moved (new storage, another stride, another shape with the destinations changed to match,
+    which the receiver refuses until the sender takes the start back) it drops the push within the same receive
+    and takes it again, bit-exact. A staged sink waits for Checked before its first read, so a ring plane can
+    carry this here (an in-place sink reads first: only direct mode, whose reads ask nothing more of the
+    sender, runs it so)."""
+    from raysync.core.wire import Checked
+
+    cfg = SyncConfig(bucket_bytes=4096, timeout_s=5, progress=False, verify=verify, staged=True)
+    secret = SessionSecret.generate()
+    with CheckingSender(secret, cfg) as sender, WeightReceiver(sender.endpoint, secret, cfg) as receiver:
+        channel = sender._channel.channels[0]
+        send, checks = channel.send, []
+
+        def send_and_note(msg, stage):  # every message still goes out
+            if isinstance(msg, Checked):
+                checks.append((msg.push_id, msg.same))
+            send(msg, stage)
+
+        channel.send = send_and_note
+        src = model(1)
+        dest = zeros_like(src)
+        for version in (1, 2, 3, 4, 5):
+            if version == 2:
+                for t in src.values():
+                    t.add_(1)  # in place: the same tensors
+            if version == 3:
+                src["embed.weight"].data = src["embed.weight"] * 3  # same object, new storage
+            if version == 4:
+                w = src["layer.0.weight"]
+                w.data = w.data.t()  # same object and data pointer, another stride
+            if version == 5:
+                src["layer.0.bias"].data = torch.randn(16)  # same object, another shape: a new layout
+                dest["layer.0.bias"] = torch.zeros(16)
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(src.items(), version)
+            assert got.result(timeout=10).version == version == receiver.version
+            assert all(same_bits(dest[k], v) for k, v in src.items()), version
+    # push ids: one per push, and one more for each that started again
+    assert checks == [(2, True), (3, False), (5, False), (7, False)]
+
+
 def test_load_fn_gets_whole_tensors(private_tmp, in_thread):
     loaded: dict[str, torch.Tensor] = {}
     calls: list[int] = []

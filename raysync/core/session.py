@@ -31,6 +31,9 @@ full if any cannot take the delta, or an Abort for all when any receiver refused
 # moved (new storages or shapes: rare), the receiver lets its reads end, drops the push (an in-place sink is
 # MIXED meanwhile: Note [versions never lie]), answers Checked, and waits for the push again within the same
 # receive; the sender keeps the old storages exported until that answer, then pushes the tensors as new ones.
+# Destinations that refuse such a start (a new shape on both sides) wait for Checked before refusing: when the
+# sender takes the start back, the refusal goes with it. Only a plane whose reads ask nothing more of the
+# sender runs this with an in-place sink: a ring's receiver waits for BucketReady, not Checked, as it reads.
 
 Every wait is bounded by ``timeout_s``. A push that fails here before it starts (the trainer's source raised,
 a layout over the bounds, a pack ahead) is announced to the receiver with an Abort, so it raises at once.

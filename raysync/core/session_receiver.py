@@ -36,6 +36,7 @@ from raysync.core.staging_memory import StagingInfo, StagingMemory
 from raysync.core.version import MIXED, Version
 from raysync.core.wire import (
     Accept,
+    Checked,
     Hello,
     PushDone,
     PushStart,
@@ -200,6 +201,8 @@ class PushReceiver(OnPlane, StagedFlips):
             started = time.perf_counter()
             sink = self._accept(start, into, load_fn, ahead)
             ahead = None
+            if sink is None:
+                continue
             skip = self._agree(start, area, sink)
             accepted = streamed = time.perf_counter()
             if skip and start.checks and not self._skip_checked(start):
@@ -252,6 +255,20 @@ class PushReceiver(OnPlane, StagedFlips):
             sink.delta_base = None
         return go.skip
 
+    def _taken_back(self, start: PushStart) -> bool:
+        """A push that ``checks`` and that these destinations refuse: its tensors may have moved to what the
+        destinations now are (a new shape on both sides), so the sender's Checked decides. True when they moved:
+        the push is dropped as any moved one is (Accept, then Checked back) and the refusal with it."""
+        pid = start.push_id
+        try:
+            if self._channel.expect(Checked, pid, "accept: the sender's check of its tensors").same:
+                return False
+        except RemoteError as e:  # the sender failed its check: that is what this push ends with
+            raise self._incomplete(start, f"sender: {e.stage}", e.message, self._agreed.names) from e
+        self._channel.send(Accept(pid, False), "accept: a push the sender takes back")
+        self._channel.send(Checked(pid, False), "accept: a push the sender takes back")  # nothing read
+        return True
+
     def _skip_checked(self, start: PushStart) -> bool:
         """A skipped push that ``checks`` (Note [start, then check]): the sender's Checked; False when its tensors
         moved (it pushes them again now)."""
@@ -274,14 +291,17 @@ class PushReceiver(OnPlane, StagedFlips):
         into: Mapping[str, torch.Tensor] | None,
         load_fn: LoadFn | None,
         ahead: tuple | None = None,
-    ) -> Sink:
-        """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise."""
+    ) -> Sink | None:
+        """Check the layout and every destination; on any mismatch tell the sender, touch nothing, raise. None:
+        the sender took this push back (Note [start, then check]), and the refusal with it."""
         try:
             self._plane.check_start(start.push_id, start.layout_id)
             sink = self._agreed.sink_for(start, into, load_fn, ahead)
             sink.verify = start.verify
             return sink
         except RaysyncError as e:
+            if start.checks and self._taken_back(start):
+                return None
             self._channel.abort(start.push_id, "accept", e)
             raise self._incomplete(start, "accept", str(e), self._agreed.names) from e
         except Exception as e:  # not a refusal but a failure here: the sender hears it now, not at timeout_s
