@@ -253,7 +253,7 @@ def test_a_sender_killed_mid_delta_push_leaves_mixed_not_wrong_weights(private_t
     ],
 )
 def test_push_start_schema_refuses_a_base_version_without_a_delta(body, ok):
-    frame = {"push_id": 1, "version": 4, "layout_id": 1, "verify": False, **body}
+    frame = {"push_id": 1, "version": 4, "layout_id": 1, "verify": False, "checks": False, **body}
     if ok:
         assert _decode_body(PushStart, frame, "PushStart").base_version == body["base_version"]
     else:
