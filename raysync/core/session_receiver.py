@@ -188,9 +188,8 @@ class PushReceiver(OnPlane, StagedFlips):
         into = area.target if area else into
         self._ensure_session()
         ahead = self._agreed.check_ahead(into, load_fn)
-        while (
-            True
-        ):  # once, or again when the sender's tensors moved after PushStart (Note [start, then check])
+        # once, or again when the sender's tensors moved after its PushStart (Note [start, then check])
+        while True:
             try:
                 start = self._agreed.next_push(self._channel, self._plane, wait_s)
             except BaseException:

@@ -249,9 +249,8 @@ class PushStart:
         False  # the buckets are deltas from ``base_version`` (raysync.core.delta), unless the go says full
     )
     base_version: int = 0  # what a delta applies on top of; 0 when not a delta
-    checks: bool = (
-        False  # the sender checks its tensors after this: a Checked follows (Note [start, then check])
-    )
+    # the sender checks its tensors after this PushStart: a Checked follows (Note [start, then check])
+    checks: bool = False
 
     def __post_init__(self) -> None:
         if not self.delta and self.base_version != 0:
