@@ -398,7 +398,7 @@ def test_direct_tensors_that_move_are_shared_again_verified_and_a_strided_one_is
 def test_direct_tensors_that_move_under_the_same_objects_are_caught_after_push_start(spawn, no_leftovers):
     """Note [start, then check]: the trainer pushes the same tensor objects, so their check runs after PushStart;
     when some moved meanwhile (``.data`` given new storages), the receiver drops what it read, within the same
-    receive, and the push starts again with the new storages: verified, bit-exact, version 3 after 3 receives."""
+    receive, and the push starts again with the new storages: verified, and bit-exact after the third receive."""
     import dataclasses
 
     from workers import digest, ipc_receiver
