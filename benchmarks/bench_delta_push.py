@@ -308,7 +308,9 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
 def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool = False) -> dict:
     if trainer.params[0][1].is_cuda:
         torch.cuda.synchronize()
-    profiler = torch.profiler.profile() if profile else contextlib.nullcontext()
+    # RAYSYNC_PROFILE_STACK=1: with Python's calls in the trace (benchmarks/host_share.py reads them)
+    stacks = os.environ.get("RAYSYNC_PROFILE_STACK") == "1"
+    profiler = torch.profiler.profile(with_stack=stacks) if profile else contextlib.nullcontext()
     with profiler:
         t0 = time.perf_counter()
         report = sender.push(trainer.named(), version, full=full)

@@ -35,6 +35,8 @@ step() {  # step NAME SECONDS COMMAND...
 # in test_gpu.py, the special values in test_copies.py) and the one-launch compare (the delta kernels' tests)
 step gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_copies.py \
     tests/test_delta_kernels.py tests/test_delta_gpu.py
+# the delta kernels' GPU tests alone (their buffers kept in the workspace: Note [the sender's small tables are kept])
+step delta_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernels.py tests/test_delta_gpu.py
 # 24: delta pushes over shm, bf16 weights read in place (cf02d51's one compare launch a bucket); for a before /
 # after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
 step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
@@ -49,6 +51,11 @@ before delta_before 100 python3 benchmarks/bench_delta_push.py --device cuda --l
 # the host: the bucket period it shows is longer than unprofiled)
 step delta_trace 150 bash -c "mkdir -p $OUT/trace && python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
     --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace"
+# 24: the same profiled push with Python's calls (torch.profiler's with_stack: slower still), read by host_share.py:
+# where the sender's thread spends a bucket
+step delta_stack 150 bash -c "mkdir -p $OUT/stack && RAYSYNC_PROFILE_STACK=1 python3 benchmarks/bench_delta_push.py \
+    --device cuda --layout qwen2.5-7b --transports shm --steps 4 --bf16-params --profile --trace $OUT/stack && \
+    python3 benchmarks/host_share.py $OUT/stack/sender.json --per 32 --top 60 && gzip $OUT/stack/*.json"
 # 19: WeightSync with the default config (direct through the grouped copy), 7B and 1.5B, the raw session beside it;
 # and the raw direct push (bench_ipc), each also on the before tree when one is carried (Note [start, then check]:
 # build/before = git archive f11bbeb raysync benchmarks)

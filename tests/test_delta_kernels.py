@@ -267,7 +267,8 @@ def edge_buckets_write_what_torchs_kernels_write(device: str, interpreted: bool 
 def two_buckets_in_flight(device: str, interpreted: bool = False) -> None:
     """Buckets encoded as the push encodes them (Note [two buckets in flight] in raysync.core.delta_encode): the
     changes of the two buckets after each found without waiting, in the workspace's masks 0 and 1 by turns, the
-    listing of each after its counts: the same bytes and references as torch's kernels give one at a time."""
+    listing of each after its counts: the same bytes and references as torch's kernels give one at a time, in
+    two pushes (the second reuses what the first left in the workspace)."""
     if interpreted:
         delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
     shapes = [([70_000, 5000], 0.02), ([130_000], 0.01), ([9000, 9000, 70_000], 0.03), ([65_536], 0.001)]
@@ -281,21 +282,27 @@ def two_buckets_in_flight(device: str, interpreted: bool = False) -> None:
         space = delta_encode.Workspace.for_buckets(
             [[(n, 2) for n in s] for s, _ in shapes], torch.device(device)
         )
-        outs, ahead = [], {}
-        for k, pairs in enumerate(buckets):
-            out = torch.zeros(
-                delta.capacity([(n.numel(), 2) for _, n in pairs]), dtype=torch.uint8, device=device
-            )
-            changes = ahead.pop(k, None)
-            code = delta_encode.encode(
-                pairs, out, base_version=1, space=space, advance=True, changes=changes, slot=k % 2
-            )
-            outs.append(out[: code.nbytes].cpu())
-            for j in (k + 1, k + 2):
-                if j < len(buckets) and j not in ahead and fused:
-                    ahead[j] = delta_encode.find_changes(
-                        buckets[j], based=True, space=space, slot=j % 2, wait=False
-                    )
+        outs = []
+        for version in (1, 2):  # a second push reuses the workspace's buffers (the counts' sums, its tables)
+            if version == 2:
+                for pairs in buckets:
+                    for _, n in pairs:
+                        n[::97] += 1
+            ahead = {}
+            for k, pairs in enumerate(buckets):
+                out = torch.zeros(
+                    delta.capacity([(n.numel(), 2) for _, n in pairs]), dtype=torch.uint8, device=device
+                )
+                changes = ahead.pop(k, None)
+                code = delta_encode.encode(
+                    pairs, out, base_version=version, space=space, advance=True, changes=changes, slot=k % 2
+                )
+                outs.append(out[: code.nbytes].cpu())
+                for j in (k + 1, k + 2):
+                    if j < len(buckets) and j not in ahead and fused:
+                        ahead[j] = delta_encode.find_changes(
+                            buckets[j], based=True, space=space, slot=j % 2, wait=False
+                        )
         return outs, [o.cpu() for b in buckets for o, _ in b]
 
     (want, want_refs), (got, refs) = push(False), push(True)

@@ -113,10 +113,12 @@ def _slab(space: Workspace | None, slot: int, elements: int, device) -> torch.Te
     return slab
 
 
-def cross(counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A bucket's counts on their way to the host, not waited for: on a CUDA device into pinned memory on a
-    stream of their own, behind the current stream's work (Note [the counts cross on a stream of their own]),
-    with the event that ends the copy; elsewhere the tensor itself and None."""
+def cross(
+    counts: torch.Tensor, host: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A bucket's counts on their way to the host, not waited for: on a CUDA device into pinned memory (``host``,
+    a workspace's, or new) on a stream of their own, behind the current stream's work (Note [the counts cross
+    on a stream of their own]), with the event that ends the copy; elsewhere the tensor itself and None."""
     if not counts.is_cuda:
         return counts, None
     stream = _CROSSING.get(counts.device)
@@ -124,7 +126,10 @@ def cross(counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         stream = _CROSSING[counts.device] = torch.cuda.Stream(counts.device)
     stream.wait_stream(torch.cuda.current_stream(counts.device))
     with torch.cuda.stream(stream):
-        host = counts.to("cpu", non_blocking=True)  # into pinned memory
+        if host is None:
+            host = counts.to("cpu", non_blocking=True)  # into pinned memory
+        else:
+            host.copy_(counts, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(stream)
     counts.record_stream(stream)  # made on the current stream, read on this one: not reused before
@@ -163,13 +168,16 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
     sizes = tuple(n.numel() for _, n in based)
     blocks = space.blocks(sizes, device) if space is not None else delta_kernels.Blocks.of(sizes, device)
     slab = _slab(space, slot, blocks.elements, device)
-    counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
     shape = tuple(None if o is None else n.numel() for o, n in views)
-    if space is not None:  # made once per bucket shape
+    if space is not None:  # made once per bucket shape (Note [the sender's small tables are kept])
+        sums, picked, host = space.counting(slot, blocks, device)
+        counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks, sums)
         masks = space.chunk_masks(slab, slot, shape, blocks.firsts)
+        crossing, ready = cross(counted.picked(picked).view(-1), host)
     else:
+        counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
         masks = chunk_masks(slab, shape, blocks.firsts)
-    crossing, ready = cross(counted.picked().reshape(-1))
+        crossing, ready = cross(counted.picked().reshape(-1))
     return Counting(masks, counted, crossing, ready)
 
 

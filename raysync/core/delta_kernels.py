@@ -97,6 +97,10 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         g = tl.program_id(0).to(tl.int64)  # the block, in the bucket's mask
+        if g == 0:  # column 0 of the sums, before all: a reused buffer's (only differences of the sums are
+            # read, but what a buffer held before could make them overflow)
+            tl.store(sums_ptr, 0)
+            tl.store(sums_ptr + columns, 0)
         row = table_ptr + tl.load(chunk_of_ptr + g).to(tl.int64) * 5  # old, new, n, first block, kind
         if tl.load(row + 4) == kind:  # the chunks of another kind are another launch's
             old_ptr = tl.load(row).to(tl.pointer_type(WORD))
@@ -122,7 +126,7 @@ if triton is not None:
             forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
             entry = changed | forced
             tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))  # the padding past the chunk's end: none
-            unchanged = forced & ~changed  # column 0 of the sums: before all
+            unchanged = forced & ~changed
             tl.store(sums_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))
             tl.store(sums_ptr + columns + g + 1, tl.sum(unchanged.to(tl.int32), axis=0).to(tl.int64))
 
@@ -233,10 +237,12 @@ class Counted:
     cut: list[int] | None = None
     forced: list[int] | None = None
 
-    def picked(self) -> torch.Tensor:
+    def picked(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The entries and unchanged forced ones before each chunk's first block, and before the end: [2,
-        chunks + 1], on the device (``crossed`` takes them on the host)."""
-        return self.sums[:, self.blocks.bounds]
+        chunks + 1], on the device (``crossed`` takes them on the host), into ``out`` when given."""
+        if out is None:
+            return self.sums[:, self.blocks.bounds]
+        return torch.index_select(self.sums, 1, self.blocks.bounds, out=out)
 
     def crossed(self, host: list[int]) -> Counted:
         chunks = len(self.blocks.firsts)
@@ -251,15 +257,19 @@ class Counted:
         return self.cut[j + 1] - self.cut[j]
 
 
-def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks) -> Counted:
+def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor | None = None) -> Counted:
     """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into
     ``mask`` (uint8 of ``blocks.elements``) and count its entries by block: one pass over the chunks, a launch
-    per kind of chunk (Note [one compare launch a bucket]), then the blocks' running sums. No host sync (Note
-    [fused delta kernels])."""
+    per kind of chunk (Note [one compare launch a bucket]), then the blocks' running sums, into ``sums`` (int64
+    [2, blocks + 1] on the device: a workspace's, reused) or a new tensor. No host sync (Note [fused delta
+    kernels])."""
     device = mask.device
     columns = blocks.firsts[-1] + 1
-    sums = torch.zeros(2, columns, dtype=torch.int64, device=device)  # column 0: before every block
+    if sums is None:
+        sums = torch.empty(2, columns, dtype=torch.int64, device=device)
     table, kinds = _compare_table(pairs, blocks, device)
+    if not kinds:  # no launch writes the sums' first column
+        sums.zero_()
     if kinds:
         with on(device):
             for kind, (itemsize, aligned) in enumerate(kinds):
@@ -307,12 +317,13 @@ _TABLES: dict = {}  # _compare_table's, the most recently used last
 _TABLES_KEPT = 512  # a 7B layout's buckets are 32, each compared in one of two slots
 
 
-def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
+def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None) -> None:
     """Every GAPS payload of a counted bucket: per chunk with a reference (``counted``'s order) its (reference,
     new) word views and its payload's (entries, address of its gaps, of its values) on the chunks' device, or
     None for a chunk that goes another way. The GAPS chunks' entries are listed from the mask (their mask
     positions, increasing, one launch), then each entry's gap, value and, with ``advance``, the reference's
-    element set to it are written (one launch per word size)."""
+    element set to it are written (one launch per word size). ``upload(words, device)``: how the table
+    reaches the device (a workspace's kept buffers: raysync.core.delta_workspace.HostWords), else ``to_device``."""
     firsts, cut, device = counted.blocks.firsts, counted.cut, counted.mask.device
     listed, rows, at = [[0, 0] for _ in pairs], {}, 0
     for j, ((old, new), payload) in enumerate(zip(pairs, payloads, strict=True)):
@@ -333,9 +344,8 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool) -> None:
     # the listing's table and every write's rows cross in one copy: [flag, offset] per chunk, then 8 words a row
     # (64 bytes: each launch's rows start at 16 bytes, as ``warm`` compiled it)
     groups = list(rows.items())
-    table = to_device(
-        [w for pair in listed for w in pair] + [w for _, same in groups for r in same for w in r], device
-    )
+    words = [w for pair in listed for w in pair] + [w for _, same in groups for r in same for w in r]
+    table = to_device(words, device) if upload is None else upload(words, device)
     with on(device):
         _list_blocks[(firsts[-1],)](
             counted.mask,

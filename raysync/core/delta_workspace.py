@@ -21,6 +21,16 @@ its GPU (``copy_in_stream``).
 # stream of its own (``copy_in_stream``): 61.0-64.2 ms at 5.0% against 64.7-72.2 ms before, in the same leases
 # (docs/benchmarks.md 12b). Publishing bucket k only after bucket k + 1 was packed instead made it slower: the
 # receiver waited a bucket longer.
+#
+# Note [the sender's small tables are kept]
+# Once a delta push's buckets were encoded while the one before crossed, the sender's thread paced the push: on
+# an H200 a 7B delta at 5% spent ~1.7 ms of host time a bucket (torch.profiler, docs/results/delta_trace_h200_s40_*)
+# where its kernels took ~0.95 ms and its copy out ~0.9. Part of that was small tensors made per bucket: the
+# counts' sums (zeros: an allocation and a fill), what is picked of them and their pinned copy on the host, the
+# header and the kernels' table (each a tensor from a list, pinned, then copied). Now each slot keeps them, made
+# once: ``counting`` (the sums, the picks, their pinned copy) and ``HostWords`` (a pinned buffer and a device
+# buffer per use, reused by the buckets of that slot, which follow one another on the current stream; the host
+# writes a pinned buffer again only once the copy that read it last has run: its event).
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ class Workspace:
         default_factory=lambda: [None] * SLOTS
     )  # a slot's copy's end
     stream: object | None = None  # CUDA: the side stream that copies the staged bytes out (CopyOut)
+    # the small tables the host writes for the device: Note [the sender's small tables are kept]
+    words: HostWords = field(default_factory=lambda: HostWords())
 
     @classmethod
     def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
@@ -81,6 +93,38 @@ class Workspace:
             held[1][sizes] = chunk_masks(slab, sizes, firsts)
         return held[1][sizes]
 
+    def counting(self, slot: int, blocks: Blocks, device: torch.device) -> tuple:
+        """Slot ``slot``'s buffers for a bucket's counts (delta_kernels.count_blocks): the blocks' sums [2,
+        blocks + 1] and what is picked of them [2, chunks + 1] on the device, and on CUDA the pinned host
+        memory they cross into (else None). Views of one buffer per slot, made once per bucket shape: the
+        buckets of a slot are counted one after the other (Note [the sender's small tables are kept])."""
+        key = ("counting", slot, blocks.firsts)
+        held = self.spans.get(key)
+        if held is not None and held[0].device == device:
+            return held
+        columns, chunks = blocks.firsts[-1] + 1, len(blocks.firsts)
+        need = 2 * columns + 2 * chunks
+        slab, host = self.spans.get(("counting", slot), (None, None))
+        if slab is None or slab.numel() < need or slab.device != device:
+            for old in [k for k in self.spans if k[:2] == ("counting", slot)]:
+                del self.spans[old]  # views of the buffers this slot held before
+            slab = torch.empty(
+                max(need, 2 * slab.numel() if slab is not None else 0), dtype=torch.int64, device=device
+            )
+            host = (
+                torch.empty(slab.numel(), dtype=torch.int64, pin_memory=True)
+                if device.type == "cuda"
+                else None
+            )
+            self.spans[("counting", slot)] = (slab, host)
+        held = (
+            slab[: 2 * columns].view(2, columns),
+            slab[2 * columns : need].view(2, chunks),
+            None if host is None else host[: 2 * chunks],
+        )
+        self.spans[key] = held
+        return held
+
     def touch(self) -> None:
         """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
         self.mask.zero_()
@@ -105,6 +149,53 @@ class Workspace:
             event, self.copied[s] = self.copied[s], None
             if event is not None:
                 event.synchronize()
+
+
+class HostWords:
+    """Small int64 tables the host writes for the device: a bucket's header and table, the kernels' tables.
+    On CUDA each use (``key``) keeps a pinned buffer and a device buffer, reused by every bucket under that key
+    (Note [the sender's small tables are kept])."""
+
+    def __init__(self):
+        self._held: dict = {}  # key -> (pinned host buffer, its numpy view, device buffer, the last copy's end)
+
+    def copy(self, key, words: list[int], dst: torch.Tensor) -> None:
+        """``words`` into ``dst`` (int64, their length), queued on the current stream when it is on CUDA."""
+        if not dst.is_cuda:
+            dst.copy_(torch.tensor(words, dtype=torch.int64))
+            return
+        host = self._written(key, words, dst.device)
+        dst.copy_(host, non_blocking=True)
+        self._held[key][3].record(torch.cuda.current_stream(dst.device))
+
+    def table(self, key, words: list[int], device: torch.device) -> torch.Tensor:
+        """``words`` as an int64 tensor on ``device``. On CUDA the next table under ``key`` overwrites it, on
+        the current stream: after the kernels queued before it, which read it."""
+        if device.type != "cuda":
+            return torch.tensor(words, dtype=torch.int64)
+        host = self._written(key, words, device)
+        dst = self._held[key][2][: len(words)]
+        dst.copy_(host, non_blocking=True)
+        self._held[key][3].record(torch.cuda.current_stream(device))
+        return dst
+
+    def _written(self, key, words: list[int], device: torch.device) -> torch.Tensor:
+        """``words`` in key's pinned buffer, once the copy that read it last has run."""
+        n, held = len(words), self._held.get(key)
+        if held is None or held[0].numel() < n or held[2].device != device:
+            size = max(64, 2 * n)
+            host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            held = (
+                host,
+                host.numpy(),
+                torch.empty(size, dtype=torch.int64, device=device),
+                torch.cuda.Event(),
+            )
+            self._held[key] = held
+        else:
+            held[3].synchronize()  # long run, as a rule: it is the copy of the bucket before last
+        held[1][:n] = words
+        return held[0][:n]
 
 
 class CopyOut:
