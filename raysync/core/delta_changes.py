@@ -124,14 +124,20 @@ def cross(
     stream = _CROSSING.get(counts.device)
     if stream is None:
         stream = _CROSSING[counts.device] = torch.cuda.Stream(counts.device)
-    stream.wait_stream(torch.cuda.current_stream(counts.device))
-    with torch.cuda.stream(stream):
+    current = torch.cuda.current_stream(counts.device)
+    stream.wait_stream(current)
+    torch.cuda.set_stream(
+        stream
+    )  # (torch.cuda.stream's context does more: Note [the sender's small tables ...])
+    try:
         if host is None:
             host = counts.to("cpu", non_blocking=True)  # into pinned memory
         else:
             host.copy_(counts, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(stream)
+    finally:
+        torch.cuda.set_stream(current)
     counts.record_stream(stream)  # made on the current stream, read on this one: not reused before
     return host, ready
 

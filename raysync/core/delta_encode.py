@@ -224,7 +224,8 @@ def encode(
         target = space.staging(used, device, slot)
     header = [MAGIC, -1 if base_version is None else base_version, len(codes), used]
     rows = [[int(c.mode), c.numel, c.itemsize, c.entries] for c in codes]
-    _write_words(out, header + [w for row in rows for w in row], space, slot)  # from the host, into ``out``
+    stream = torch.cuda.current_stream(out.device) if out.is_cuda and space is not None else None  # once
+    _write_words(out, header + [w for row in rows for w in row], space, slot, stream)  # from the host
     offset = _align(HEADER_BYTES + ROW_BYTES * len(codes))
     copy = CopyOut(out, target, offset, space, slot) if target is not out else None
     offsets = []
@@ -243,7 +244,9 @@ def encode(
             upload = (
                 None
                 if space is None
-                else lambda words, device: space.words.table(("table", slot), words, device)
+                else lambda words, device: space.words.table(
+                    ("table", slot), words, device, stream if out.device == device else None
+                )
             )
             delta_kernels.write_counted(
                 [v for _, v in based], [p for p, _ in based], changes.entries, advance, upload
@@ -346,11 +349,13 @@ def _advance(code: ChunkCode, old: torch.Tensor, index: torch.Tensor | None, reg
         old.index_copy_(0, index, values)  # index: on the chunks' device, which is the reference's
 
 
-def _write_words(out: torch.Tensor, words: list[int], space: Workspace | None = None, slot: int = 0) -> None:
+def _write_words(
+    out: torch.Tensor, words: list[int], space: Workspace | None = None, slot: int = 0, stream=None
+) -> None:
     """From the host: into a GPU buffer through pinned memory, queued (a pageable copy would wait for the
     stream); through the workspace's pinned buffer when there is one (Note [the sender's small tables are kept])."""
     if space is not None and out.is_cuda:
-        space.words.copy(("header", slot), words, out[: 8 * len(words)].view(torch.int64))
+        space.words.copy(("header", slot), words, out[: 8 * len(words)].view(torch.int64), stream)
         return
     words = torch.tensor(words, dtype=torch.int64)
     if out.is_cuda:

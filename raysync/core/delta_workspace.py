@@ -159,25 +159,27 @@ class HostWords:
     def __init__(self):
         self._held: dict = {}  # key -> (pinned host buffer, its numpy view, device buffer, the last copy's end)
 
-    def copy(self, key, words: list[int], dst: torch.Tensor) -> None:
-        """``words`` into ``dst`` (int64, their length), queued on the current stream when it is on CUDA."""
+    def copy(self, key, words: list[int], dst: torch.Tensor, stream=None) -> None:
+        """``words`` into ``dst`` (int64, their length), queued on the current stream (``stream``, when the
+        caller has it) when it is on CUDA."""
         if not dst.is_cuda:
             dst.copy_(torch.tensor(words, dtype=torch.int64))
             return
-        host = self._written(key, words, dst.device)
-        dst.copy_(host, non_blocking=True)
-        self._held[key][3].record(torch.cuda.current_stream(dst.device))
+        self._send(key, self._written(key, words, dst.device), dst, stream)
 
-    def table(self, key, words: list[int], device: torch.device) -> torch.Tensor:
+    def table(self, key, words: list[int], device: torch.device, stream=None) -> torch.Tensor:
         """``words`` as an int64 tensor on ``device``. On CUDA the next table under ``key`` overwrites it, on
-        the current stream: after the kernels queued before it, which read it."""
+        the current stream (``stream``): after the kernels queued before it, which read it."""
         if device.type != "cuda":
             return torch.tensor(words, dtype=torch.int64)
         host = self._written(key, words, device)
         dst = self._held[key][2][: len(words)]
-        dst.copy_(host, non_blocking=True)
-        self._held[key][3].record(torch.cuda.current_stream(device))
+        self._send(key, host, dst, stream)
         return dst
+
+    def _send(self, key, host: torch.Tensor, dst: torch.Tensor, stream) -> None:
+        dst.copy_(host, non_blocking=True)
+        self._held[key][3].record(stream or torch.cuda.current_stream(dst.device))
 
     def _written(self, key, words: list[int], device: torch.device) -> torch.Tensor:
         """``words`` in key's pinned buffer, once the copy that read it last has run."""
@@ -258,8 +260,12 @@ class CopyOut:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.staged.device))  # after the kernels that wrote them
         self.stream.wait_event(written)
-        with torch.cuda.stream(self.stream):
+        current = torch.cuda.current_stream(self.staged.device)
+        torch.cuda.set_stream(self.stream)  # (cheaper than torch.cuda.stream's context)
+        try:
             self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
+        finally:
+            torch.cuda.set_stream(current)
         self.done = end
 
 
