@@ -133,3 +133,46 @@ def test_the_command_line_lists_its_commands_and_refuses_unknown_ones():
         [sys.executable, "-m", "raysync", "nope"], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 2 and "unknown command 'nope'" in run.stderr
+
+
+def test_bench_help_names_the_weightsync_benchmark(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli(["bench", "--help"])
+    assert stop.value.code == 0 and "--ray" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        cli(["bench", "--ray", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and out.startswith("usage: raysync bench --ray") and "--default-only" in out
+
+
+@pytest.mark.slow
+def test_bench_ray_pushes_through_weightsync_next_to_the_raw_session(private_tmp, tmp_path):
+    """`raysync bench --ray` as a user runs it, in a process of its own with a local Ray of its own
+    (RAY_ADDRESS=local; Ray's files in this test's temp dir): the default config's row per driver, each with
+    WeightSync's median, the raw session's and Ray's share, the same JSON printed and written."""
+    out = tmp_path / "ws.json"
+    argv = ["--device", "cpu", "--layout", "qwen2-tiny", "--pushes", "2", "--default-only", "--out", str(out)]
+    env = os.environ | {"TMPDIR": private_tmp, "RAY_TMPDIR": private_tmp, "RAY_ADDRESS": "local"}
+    run = subprocess.run(
+        [sys.executable, "-m", "raysync", "bench", "--ray", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table, printed = run.stdout.rstrip().rsplit("\n", 1)
+    result = json.loads(printed)
+    assert json.loads(out.read_text()) == result and result["pushes"] == 2
+    (layout,) = result["layouts"]
+    assert layout["layout"] == "qwen2-tiny" and layout["bytes"] > 0 and layout["floor_one_copy_s"] > 0
+    rows = {r["config"]: r for r in layout["rows"]}
+    default = "default: SyncConfig()"
+    assert list(rows) == [default, f"{default}, compiled graph", f"{default}, ordinary calls"]
+    for name, row in rows.items():
+        assert row["transport"] == "shm" and row["rounds_went"] == [row["rounds_by"]], name
+        assert row["weightsync_median_s"] > 0 and row["raw_median_s"] > 0 and row["raw_from_row"] == default
+        assert row["ray_share_s"] == row["weightsync_median_s"] - row["raw_median_s"]
+        assert row["breakdown_ms"]["total"] > 0 and row["breakdown_ms"]["session"] > 0
+    assert "loop: driver until the first go sent" in rows[default]["breakdown_ms"]
+    assert "WeightSync ms" in table and f"{default:<42}shm" in table and "wall time:" in table

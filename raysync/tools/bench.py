@@ -4,6 +4,7 @@
     raysync bench                                   # CPU: shm and collective (gloo), Qwen2.5-0.5B layout
     raysync bench --device cuda --layout qwen2.5-7b # GPU: cuda_ipc, shm (and collective with 2 GPUs)
     raysync bench --json out.json --plot out.png    # --plot needs matplotlib (pip install raysync[plot])
+    raysync bench --ray --help                      # a push through WeightSync (Ray actors): raysync.tools.bench_ray
 
 Each point: a sender in this process, a receiver in a spawned one (on GPU: the same GPU for the rings, GPU 1
 for the collective); one warm-up push sets the session up, then ``--pushes`` pushes are timed end to end
@@ -20,6 +21,7 @@ import json
 import multiprocessing as mp
 import platform
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -228,7 +230,20 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--ray" in argv:  # the WeightSync benchmark: the other arguments are its own
+        from raysync.tools import bench_ray  # imports Ray: only for --ray
+
+        argv.remove("--ray")
+        return bench_ray.main(argv, prog="raysync bench --ray")
     ap = argparse.ArgumentParser(prog="raysync bench", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--ray",
+        action="store_true",
+        help="instead: a push through WeightSync between Ray actors, next to the raw session (no Ray) and the "
+        "copy floor, Ray's share their difference; every other option is then its own "
+        "(raysync bench --ray --help)",
+    )
     ap.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )

@@ -16,7 +16,7 @@ COMMANDS = {
     ),
     "bench": (
         "raysync.tools.bench",
-        "every transport here x bucket sizes x model layouts, next to copy floors",
+        "every transport here x bucket sizes x model layouts, next to copy floors; --ray: through WeightSync",
     ),
 }
 
