@@ -168,7 +168,8 @@ class WeightSync:
         which every receiver has dropped it. A push while a version is staged replaces it (staged) or drops
         it (applied live). Staged and full pushes run through ordinary Ray calls, also with compiled_graph."""
         self._check_open("push")
-        self._graphs.settle()  # the last round's late answers first: nothing else runs in those sessions meanwhile
+        if staged or full or self._connections.broken:  # Note [the senders' answers, late] in push_loop
+            self._graphs.settle()  # the last round's late answers first: nothing else runs in those sessions
         # pairs repaired: an actor may have been restarted (no loop in it), so new loops (or graph)
         if self._connections.repair():
             self._graphs.close()
@@ -187,7 +188,12 @@ class WeightSync:
                 full=full,
             )
             graph, rounds = (None, "calls (a full push)") if full else self._graphs.for_push()
-            report = round_.run(graph, rounds, whole=self._graphs.whole)
+            if graph is None:  # ordinary calls: the loops' last round is over first
+                self._graphs.settle()
+            try:
+                report = round_.run(graph, rounds, whole=self._graphs.whole)
+            finally:  # a sender's late failure this round took: its pairs reconnect before the next push
+                self._graphs.settle(wait=False)
         logger.info("%s", report)
         return report
 

@@ -284,14 +284,14 @@ class GraphKeeper:
         )
         return not adapters and not self._connections.group.followers(receivers_of)
 
-    def settle(self) -> None:
+    def settle(self, wait: bool = True) -> None:
         """Take what the last round left owed (push loops: Note [the senders' answers, late] in
         raysync.ray.push_loop): a sender that failed after its receivers applied the push has its pairs reconnected
-        before the next push."""
+        before the next push. ``wait=False``: only the answers a round took already."""
         settle = getattr(self._graph, "settle", None)
         if settle is None:
             return
-        for key, answer in settle().items():
+        for key, answer in settle(wait).items():
             logger.warning(
                 "WeightSync %s: %s failed after its receivers applied the last push; its pairs reconnect: %s",
                 self._connections.sync_id,

@@ -29,10 +29,16 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 # hop of the session's control channel later (130-210 us on the H200, docs/benchmarks.md section 10). When every receiver
 # of a sender answered that it holds the pushed version, the round is over for the driver: push() returns
 # without waiting for that sender, whose pair reports are made of its receivers' (the bytes and the seconds of
-# the same session). The sender's own answer is owed: the next push, of any kind, first takes it (``settle``,
-# bounded by timeout_s), so that nothing else runs in that sender's sessions while its loop finishes the round;
-# a sender that failed after its receivers applied the push (e.g. closing its round) has its pairs
-# reconnected, with a warning, before that push. The sender's tensors are free when push() returns: a receiver
+# the same session). The sender's own answer is owed. The next push through the loops sends its gos first and
+# takes it during its round: a loop runs one round at a time (it reads the next go once it has answered the
+# last), and that answer was sent before the sender's next PushStart, so it is in before the receivers' next
+# answers. Anything else (a staged or full push, ordinary calls, a repair) first takes it (``settle``, bounded by
+# timeout_s), so that nothing else runs in that sender's sessions while its loop finishes the round. A sender
+# that failed after its receivers applied the push (e.g. closing its round) has its pairs reconnected, with a
+# warning, before the next push; found during a round through the loops, that round has run on its pairs
+# already (it failed there, or went through) and the push after it reconnects them. Taking it before the gos
+# cost the driver ~50-180 us of its time before its first go on the 2-core VM (median 152-181 us there, with the
+# answer already in: benchmarks/bench_ray_share.py's stamps). The sender's tensors are free when push() returns: a receiver
 # answers after its reads ended (direct mode) and the sender packs every bucket before PushDone (a ring).
 """
 
@@ -170,6 +176,9 @@ class PushLoops:
         self._end, secret = _driver_end(self.keys, nodes)
         self._round, self.alive = 0, False
         self._version, self._owed, self._check_now = 0, set(), False  # Note [the senders' answers, late]
+        # the last round's owed keys, their answers taken during this round, its version
+        self._late: tuple[set, dict, int] = (set(), {}, 0)
+        self._found: dict[Key, Any] = {}  # those of them that are not a success, for ``settle``
         self._sender_keys = [k for k in self.keys if k[0] == "sender"]
         self._receiver_keys = [k for k in self.keys if k[0] == "receiver"]
         self._receivers_of = {
@@ -199,8 +208,7 @@ class PushLoops:
         a loop gone); raises GraphTimedOut past ``deadline``. Any error ends the loops (Note [push loops]).
         A sender whose receivers all answered that they hold ``version`` is not waited for (Note [the senders'
         answers, late]): its answer here is made of theirs, and ``settle`` takes its own."""
-        if self._owed:
-            raise RuntimeError("PushLoops.run before settle(): a sender's answer to the last round is owed")
+        late, self._owed = self._owed, set()  # the last round's, taken during this one (Note [... late])
         self._round += 1
         end, answers = self._end, {}
         for key in self._go_order:
@@ -208,7 +216,17 @@ class PushLoops:
                 end.send(key, "go", [self._round, version])
             except ConnectionError:  # no connection to that loop: ask Ray why, now
                 self._check_now = True
-        self._await(answers, version, deadline, lambda: self._early(answers, version))
+        self._late = (late, {}, self._version)
+        try:
+            self._await(
+                answers,
+                version,
+                deadline,
+                lambda: self._early(answers, version) and late <= self._late[1].keys(),
+            )
+        finally:
+            self._found |= {k: a for k, a in self._late[1].items() if not _all_ok(a)}
+            self._late = (set(), {}, 0)
         self._owed = {k for k in self.keys if k not in answers}
         for key in self._owed:
             answers[key] = {j: EndpointResult(report=r.report) for j, r in self._theirs(key, answers).items()}
@@ -216,11 +234,13 @@ class PushLoops:
             self.teardown()
         return answers
 
-    def settle(self) -> dict[Key, Any]:
+    def settle(self, wait: bool = True) -> dict[Key, Any]:
         """The owed answers of the last round (Note [the senders' answers, late]), waited for up to timeout_s: those
-        that are not a success, by key (a typed error for one that did not come: the loops are then ended)."""
-        if not self._owed:
-            return {}
+        that are not a success, by key (a typed error for one that did not come: the loops are then ended); and
+        those a round took meanwhile. ``wait=False``: only those taken already."""
+        found, self._found = self._found, {}
+        if not self._owed or not wait:
+            return found
         answers: dict[Key, Any] = {}
         owed, self._owed = self._owed, set()
         try:
@@ -235,7 +255,7 @@ class PushLoops:
         bad = {k: a for k, a in answers.items() if k in owed and not _all_ok(a)}
         if bad and self.alive:
             self.teardown()
-        return bad
+        return found | bad
 
     def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough) -> None:
         """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place."""
@@ -281,18 +301,24 @@ class PushLoops:
         return out
 
     def _take(self, answers: dict[Key, Any], version: int) -> None:
+        owed, late, late_version = self._late
         for key, kind, body in self._end.frames():
-            if kind not in ("answer", "failed") or not body or body[0] != self._round:
-                continue  # a hello, or the answer of an earlier round that timed out
+            if kind not in ("answer", "failed") or not body:
+                continue  # a hello
+            into, of = answers, version
+            if body[0] != self._round:
+                if body[0] != self._round - 1 or key not in owed:
+                    continue  # the answer of an earlier round that timed out
+                into, of = late, late_version  # a sender's answer to the last round (Note [... late])
             try:
                 if kind == "answer" and len(body) == 2 and type(body[1]) is list:
-                    answers[key] = from_wire(body[1])
+                    into[key] = from_wire(body[1])
                 elif kind == "failed" and len(body) == 3 and all(type(s) is str for s in body[1:]):
-                    answers[key] = errors.RemoteError(self.actors.label(key), f"push v{version}", *body[1:])
+                    into[key] = errors.RemoteError(self.actors.label(key), f"push v{of}", *body[1:])
                 else:
                     raise errors.SchemaError(f"{self.actors.label(key)} answered a malformed {kind}")
             except errors.SchemaError as e:
-                answers[key] = e
+                into[key] = e
 
     def _check(self, keys: list[Key], version: int) -> dict[Key, Exception]:
         """Ask Ray about ``keys`` (Note [push loops]): a typed error for each one lost; none for those whose loop
