@@ -61,6 +61,8 @@ step delta_stack 150 bash -c "mkdir -p $OUT/stack && RAYSYNC_PROFILE_STACK=1 pyt
 # build/before = git archive f11bbeb raysync benchmarks)
 step weightsync 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
 before weightsync_before 80 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --default-only
+# 19: every forced mode through the loops beside the default (the default within 1.1x of the best forced mode)
+step weightsync_forced 240 python3 benchmarks/bench_weightsync.py --layout qwen2.5-7b qwen2.5-1.5b --driver loop
 step ipc_direct 80 python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b qwen2.5-7b --direct --no-ring
 before ipc_direct_before 80 python3 benchmarks/bench_ipc.py --layout qwen2.5-1.5b qwen2.5-7b --direct --no-ring
 # the direct-mode GPU tests alone (Note [start, then check])
