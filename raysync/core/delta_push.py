@@ -226,20 +226,20 @@ class Reference:
 
     @property
     def stages(self) -> bool:
-        """This delta push encodes each bucket into a staging buffer on the trainer's GPU, ahead of the claim
-        of its ring buffer (``stage``), and then only copies it across (``send``, ``copied``): Note [a bucket
-        is encoded while the one before crosses] in raysync.core.delta_workspace."""
+        """Each bucket is encoded into a staging buffer on the trainer's GPU ahead of its claim (``stage``), then
+        copied across (``send``, ``copied``): Note [a bucket is encoded while ...] in delta_workspace."""
         return self.active and self.base is not None and self._ref is not None and self._looks_ahead
 
-    def stage(self, k: int) -> None:
-        """Encode bucket k of a delta push into staging buffer k % 2 (``stages``)."""
+    def stage(self, k: int, ahead: bool = True) -> None:
+        """Encode bucket k of a delta push into staging buffer k % 2 (``stages``); ``ahead=False``: the caller
+        calls ``find_ahead`` (Note [publish, then look ahead] in sender_stream)."""
         if k not in self._staged:
             target = self._ref.staging(k % 2)
-            nbytes = self.encode(k, target)
-            written = torch.cuda.Event()  # its copy across waits for this, not for the compares queued next
+            nbytes, written = self.encode(k, target), torch.cuda.Event()  # the copy across waits for it
             written.record(torch.cuda.current_stream(target.device))
             self._staged[k] = (nbytes, written)
-            self._find_ahead(k)  # queued after this bucket's payloads (Note [two buckets in flight])
+            if ahead:  # queued after this bucket's payloads (Note [two buckets in flight])
+                self.find_ahead(k)
 
     def send(self, k: int, buffer: torch.Tensor) -> int:
         """Bucket k, staged (``stage``), on its way into ``buffer`` on the copy stream; ``copied(k)`` waits for
@@ -311,10 +311,10 @@ class Reference:
     @property
     def _looks_ahead(self) -> bool:
         """A reference on a GPU and a ring elsewhere (host memory, another GPU): each bucket's bytes cross on a
-        copy stream, and buckets are staged (``stages``) and their changes found ahead (``_find_ahead``)."""
+        copy stream, and buckets are staged (``stages``) and their changes found ahead (``find_ahead``)."""
         return self._ref.device.type == "cuda" and self._ref.ring_device != self._ref.device
 
-    def _find_ahead(self, k: int) -> None:
+    def find_ahead(self, k: int) -> None:
         """Once bucket k is staged, start finding the changes of the two buckets after it (Notes [the next
         bucket's compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode):
         only buckets read in place, which need no packing (packing one into the scratch would overwrite what

@@ -8,6 +8,14 @@ A delta push whose encoding crosses to the ring on a copy stream (``Reference.st
 into a staging buffer once bucket k's copy is queued, before it publishes bucket k and claims bucket k + 1's
 buffer (Note [a bucket is encoded while the one before crosses] in raysync.core.delta_workspace).
 
+# Note [publish, then look ahead]
+# Bucket k's copy across (~0.95 ms for a 7B bucket at 5% on an H200) was published only after the sender's thread
+# had encoded bucket k + 1 and then started the compares of the buckets after it (``find_ahead``), ~1.3 ms of host
+# work under the profiler: in a timeline of stop 40 (docs/results/delta_trace_h200_s40_*) the engine's copy in of
+# a bucket began ~1.6 ms after its copy out ended, and with two ring buffers the next claim waits for that copy
+# in. So bucket k is published once bucket k + 1's encoding is queued, and the compares ahead are queued after:
+# they are needed two buckets later.
+
 In a delta push a bucket's encoding may use fewer bytes than the bucket: a plane that moves only the bytes
 used (the collective's ``encoded(k, nbytes)``) hears how many right before ``publish(k)``.
 """
@@ -131,11 +139,15 @@ class SenderStream:
                 stage = f"pack bucket {k}/{count}"
                 if k >= packed_ahead:
                     self._pack(k)
-                if self._ref.stages and packed_ahead <= k + 1 < count:  # Note [a bucket is encoded while ...]
+                # Note [a bucket is encoded while ...] in delta_workspace; Note [publish, then look ahead]
+                staging = self._ref.stages and packed_ahead <= k + 1 < count
+                if staging:
                     stage = f"encode bucket {k + 1}/{count}"
-                    self._ref.stage(k + 1)
+                    self._ref.stage(k + 1, ahead=False)
                     stage = f"pack bucket {k}/{count}"
                 self._publish(k, bar)
+                if staging:
+                    self._ref.find_ahead(k + 1)
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
             stage = "verify" if self._digests is not None else "finish"
             self._send_digests(push_id)
