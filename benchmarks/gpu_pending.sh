@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
 # give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~2-5 minutes
-# of the budget. After stop 40: weightsync (and weightsync_before on a carried tree) for any change to the loops'
-# hops or the receiver's check of its destinations (19: Ray's share 0.62-0.93 ms); delta_shm_bf16 with
-# delta_before for any change to the delta sender's per-bucket host work (24: the sender's thread paces the push,
-# docs/benchmarks.md section 12 Latest); delta_trace to see it.
+# of the budget. After stop 41: weightsync (and weightsync_before on a carried tree) for any change to the loops'
+# hops (19: Ray's share 0.35-0.94 ms); delta_shm_bf16 with delta_before for any change to the delta path (24:
+# ~1.6 ms a bucket unprofiled whatever the sender's host work, docs/benchmarks.md section 12 Latest); delta_trace
+# and delta_stack to see it.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
