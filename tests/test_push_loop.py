@@ -425,3 +425,33 @@ def test_a_round_is_over_once_every_receiver_holds_the_version_and_the_senders_a
     assert not loops._early({("receiver", 0): {0: ok, 1: stale}, ("sender", 1): {2: ok}}, 7)
     assert not loops._early({("receiver", 0): {0: ok, 1: failed}, ("sender", 1): {2: ok}}, 7)
     assert not loops._early({("receiver", 0): ValueError("lost"), ("sender", 1): {2: ok}}, 7)
+
+
+def test_a_senders_late_answer_is_taken_in_the_next_round_and_one_that_never_comes_is_a_timeout():
+    """Note [the senders' answers, late]: the next round through the loops waits for the senders' answers to the
+    last round; one not in timeout_s into the round is a PeerTimeout, also as that sender's answer to this round
+    (its loop has not started it), unless Ray's verdict came first."""
+    from types import SimpleNamespace
+
+    from raysync.core.errors import PeerTimeout
+    from raysync.ray.push_loop import PushLoops
+
+    loops = object.__new__(PushLoops)
+    loops.actors, loops._timeout_s = SimpleNamespace(label=lambda key: f"{key[0]} #{key[1]}"), 2.0
+    owed, now = {("sender", 0), ("sender", 1)}, time.monotonic()
+    ok = {
+        0: EndpointResult(report=PushReport(6, "shm", bytes=1, buckets=1, tensors=1, seconds=0.1), version=6)
+    }
+    loops._late, answers = (owed, {("sender", 0): ok}, 6), {}
+    assert not loops._late_in(answers, now + 60)  # sender 1's answer may still come
+    assert answers == {}
+    verdict = ValueError("Ray says: gone")
+    answers[("sender", 1)] = verdict
+    assert loops._late_in(answers, now)  # overdue: the verdict Ray gave stands
+    assert loops._late[1][("sender", 1)] is verdict and answers[("sender", 1)] is verdict
+    loops._late, answers = (owed, {("sender", 0): ok}, 6), {}
+    assert loops._late_in(answers, now)
+    late = loops._late[1][("sender", 1)]
+    assert isinstance(late, PeerTimeout) and answers == {("sender", 1): late} and "sender #1" in str(late)
+    loops._late = (owed, {("sender", 0): ok, ("sender", 1): ok}, 6)
+    assert loops._late_in({}, now + 60)  # both in

@@ -32,7 +32,7 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 # the same session). The sender's own answer is owed. The next push through the loops sends its gos first and
 # takes it during its round: a loop runs one round at a time (it reads the next go once it has answered the
 # last), and that answer was sent before the sender's next PushStart, so it is in before the receivers' next
-# answers. Anything else (a staged or full push, ordinary calls, a repair) first takes it (``settle``, bounded by
+# answers; one not in within timeout_s of the round's start is a PeerTimeout (``_late_in``), as ``settle`` makes it. Anything else (a staged or full push, ordinary calls, a repair) first takes it (``settle``, bounded by
 # timeout_s), so that nothing else runs in that sender's sessions while its loop finishes the round. A sender
 # that failed after its receivers applied the push (e.g. closing its round) has its pairs reconnected, with a
 # warning, before the next push; found during a round through the loops, that round has run on its pairs
@@ -217,13 +217,13 @@ class PushLoops:
                 end.send(key, "go", [self._round, version])
             except ConnectionError:  # no connection to that loop: ask Ray why, now
                 self._check_now = True
-        self._late = (late, {}, self._version)
+        self._late, by = (late, {}, self._version), time.monotonic() + self._timeout_s
         try:
             self._await(
                 answers,
                 version,
                 deadline,
-                lambda: self._early(answers, version) and late <= self._late[1].keys(),
+                lambda: self._late_in(answers, by) and self._early(answers, version),
             )
         finally:
             self._found |= {k: a for k, a in self._late[1].items() if not _all_ok(a)}
@@ -278,6 +278,21 @@ class PushLoops:
                 self._take(answers, version)  # an answer that came meanwhile wins over a verdict
                 answers.update({k: v for k, v in verdicts.items() if k not in answers})
                 next_check = time.monotonic() + self._timeout_s
+
+    def _late_in(self, answers: dict[Key, Any], by: float) -> bool:
+        """Whether every sender's answer to the last round is in (Note [the senders' answers, late]). One not in
+        by ``by`` (timeout_s into this round) is a PeerTimeout, as ``settle`` makes it, and this round's answer
+        of that sender too: its loop has not started this round."""
+        owed, taken, _ = self._late
+        missing = owed - taken.keys()
+        if missing and time.monotonic() >= by:
+            for key in missing:
+                late = errors.PeerTimeout(
+                    self.actors.label(key), "the answer to the last push", self._timeout_s
+                )
+                taken[key] = answers.setdefault(key, late)
+            return True
+        return not missing
 
     def _early(self, answers: dict[Key, Any], version: int) -> bool:
         """Every receiver answered, and every sender did or need not (its receivers all hold ``version``)."""
