@@ -68,7 +68,7 @@ import torch
 
 from raysync.core import delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
-from raysync.core.delta_workspace import chunk_masks
+from raysync.core.delta_workspace import chunk_masks, on_stream
 
 if TYPE_CHECKING:
     from raysync.core.delta_workspace import Workspace
@@ -124,20 +124,12 @@ def cross(
     stream = _CROSSING.get(counts.device)
     if stream is None:
         stream = _CROSSING[counts.device] = torch.cuda.Stream(counts.device)
-    current = torch.cuda.current_stream(counts.device)
-    stream.wait_stream(current)
-    torch.cuda.set_stream(
-        stream
-    )  # (torch.cuda.stream's context does more: Note [the sender's small tables ...])
-    try:
-        if host is None:
-            host = counts.to("cpu", non_blocking=True)  # into pinned memory
-        else:
-            host.copy_(counts, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    finally:
-        torch.cuda.set_stream(current)
+    stream.wait_stream(torch.cuda.current_stream(counts.device))
+    if host is None:
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    on_stream(stream, lambda: host.copy_(counts, non_blocking=True))  # into pinned memory
+    ready = torch.cuda.Event()
+    ready.record(stream)
     counts.record_stream(stream)  # made on the current stream, read on this one: not reused before
     return host, ready
 

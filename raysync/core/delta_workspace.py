@@ -37,7 +37,7 @@ its GPU (``copy_in_stream``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -262,13 +262,25 @@ class CopyOut:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.staged.device))  # after the kernels that wrote them
         self.stream.wait_event(written)
-        current = torch.cuda.current_stream(self.staged.device)
-        torch.cuda.set_stream(self.stream)  # (cheaper than torch.cuda.stream's context)
-        try:
-            self.out[self.done : end].copy_(self.staged[self.done : end], non_blocking=True)
-        finally:
-            torch.cuda.set_stream(current)
+        done = self.done
+        on_stream(self.stream, lambda: self.out[done:end].copy_(self.staged[done:end], non_blocking=True))
         self.done = end
+
+
+def on_stream(stream, work: Callable[[], object]) -> None:
+    """``work()`` with ``stream`` current. On the thread's current device through ``set_stream``, cheaper than
+    torch.cuda.stream's context (which reads the environment and the current stream twice); on another device
+    through that context, which restores the device too (``set_stream`` would leave the thread on the stream's)."""
+    if stream.device_index != torch.cuda.current_device():
+        with torch.cuda.stream(stream):
+            work()
+        return
+    current = torch.cuda.current_stream(stream.device)
+    torch.cuda.set_stream(stream)
+    try:
+        work()
+    finally:
+        torch.cuda.set_stream(current)
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # copy_in_stream's, one per device
