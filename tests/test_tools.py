@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -149,7 +150,8 @@ def test_bench_help_names_the_weightsync_benchmark(capsys):
 def test_bench_ray_pushes_through_weightsync_next_to_the_raw_session(private_tmp, tmp_path):
     """`raysync bench --ray` as a user runs it, in a process of its own with a local Ray of its own
     (RAY_ADDRESS=local; Ray's files in this test's temp dir): the default config's row per driver, each with
-    WeightSync's median, the raw session's and Ray's share, the same JSON printed and written."""
+    WeightSync's pushes and the raw session's, measured in turn in the row, their medians, Ray's share (of the
+    medians, and paired push by push), the same JSON printed and written."""
     out = tmp_path / "ws.json"
     argv = ["--device", "cpu", "--layout", "qwen2-tiny", "--pushes", "2", "--default-only", "--out", str(out)]
     env = os.environ | {"TMPDIR": private_tmp, "RAY_TMPDIR": private_tmp, "RAY_ADDRESS": "local"}
@@ -171,8 +173,17 @@ def test_bench_ray_pushes_through_weightsync_next_to_the_raw_session(private_tmp
     assert list(rows) == [default, f"{default}, compiled graph", f"{default}, ordinary calls"]
     for name, row in rows.items():
         assert row["transport"] == "shm" and row["rounds_went"] == [row["rounds_by"]], name
-        assert row["weightsync_median_s"] > 0 and row["raw_median_s"] > 0 and row["raw_from_row"] == default
+        assert row["weightsync_median_s"] > 0 and row["raw_median_s"] > 0
+        ws, raw = row["weightsync_s"], row["raw_s"]  # interleaved: one raw push beside each WeightSync push
+        assert len(ws) == len(raw) == 2 and row["weightsync_median_s"] == statistics.median(ws)
+        assert row["raw_median_s"] == statistics.median(raw) and row["raw_min_s"] == min(raw)
         assert row["ray_share_s"] == row["weightsync_median_s"] - row["raw_median_s"]
+        assert row["ray_share_paired_s"] == statistics.median(w - r for w, r in zip(ws, raw, strict=True))
         assert row["breakdown_ms"]["total"] > 0 and row["breakdown_ms"]["session"] > 0
     assert "loop: driver until the first go sent" in rows[default]["breakdown_ms"]
-    assert "WeightSync ms" in table and f"{default:<42}shm" in table and "wall time:" in table
+    assert (
+        "WeightSync ms" in table
+        and "paired" in table
+        and f"{default:<42}shm" in table
+        and "wall time:" in table
+    )

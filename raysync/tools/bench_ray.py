@@ -14,17 +14,24 @@ run fits in 4 minutes (the JSON's ``wall_s`` says what it took). Each row, after
 
     setup        ``WeightSync(...)`` until the first push can start (placement, plan, sessions, rings, graph, loops)
     WeightSync   ``sync.push(version)`` on the driver, end to end (every pair's answer back on the driver)
-    raw session  WeightSender / WeightReceiver in two processes of their own (no Ray), with the config the plan
-                 gave the pair: what the transport costs without Ray (measured once per pair config and layout:
-                 the default config's rows share one)
-    Ray's share  WeightSync minus raw session (medians)
+    raw session  a WeightSender in this process, a WeightReceiver in a spawned one (no Ray), with the config the
+                 plan gave the pair: what the transport costs without Ray. Its session is opened beside the
+                 row's WeightSync (its actors alive), after one warm-up push of each the row runs ``--pushes``
+                 iterations of one WeightSync push and one raw push, WeightSync first in odd iterations, the raw
+                 session first in even ones, so that both medians come from the same minutes
+    Ray's share  median(WeightSync) - median(raw session), the JSON's ``ray_share_s``; "paired": the median
+                 over iterations of (WeightSync push i - raw push i), ``ray_share_paired_s``; every push's
+                 seconds in ``weightsync_s`` and ``raw_s``
 
 and the floor, measured in the trainer's process on its device in the same run: one copy of every tensor.
 ``--breakdown`` (on by default) splits the default config's push (each driver) into where the driver and the
-actors spend it (Ray's calls timed in this process; the actors stamp when their source and sink are called).
+actors spend it (Ray's calls timed in this process; the actors stamp when their source and sink are called),
+after the row's interleaved pushes (no raw push among them).
 The engine's destinations are checked against the trainer's tensors after every row. Between two timed pushes the
 trainer runs a train step's stand-in (``Holder.step``: new first elements, the GPU synchronized), waited for as an
-RL loop waits for its step; the raw session does the same in its sender. Prints a table and JSON.
+RL loop waits for its step; the raw session does the same in its sender (``RawSession.push``), and its receiver's
+bytes are checked at the end of each row. The raw session's tensors live beside the actors' for the whole layout
+(on a GPU: four copies of the layout). Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import torch
 
 from raysync import SyncConfig, WeightSync
 from raysync.core.errors import PlanError
-from raysync.tools.bench_ray_measure import Holder, breakdown, raw_session, sink, source
+from raysync.tools.bench_ray_measure import Holder, RawPeer, RawSession, breakdown, sink, source
 from raysync.tools.models import allocate
 
 MiB = 1 << 20
@@ -98,11 +105,9 @@ def configs(args) -> dict[str, tuple[SyncConfig, str]]:
     return rows if args.default_only else rows | forced_rows
 
 
-def run_config(
-    name: str, spec: tuple[SyncConfig, str], actors: tuple[Any, Any], args, layout: str, raws: dict[str, Any]
-) -> dict[str, Any]:
-    """``raws``: the raw sessions measured so far for this layout, by the pair's config: a row whose pair has the
-    config of an earlier row (the default config's rows: the first one's) takes that row's raw figure."""
+def run_config(name: str, spec: tuple[SyncConfig, str], actors: tuple[Any, Any], args, peer: RawPeer) -> dict:
+    """One row: WeightSync's pushes and, with the config the plan gave the pair, the raw session's (on ``peer``),
+    one of each in turn (the order swapped every iteration), so that both medians come from the same minutes."""
     (config, rounds), (trainer, engine) = spec, actors
     row: dict[str, Any] = {"config": name, "rounds_by": rounds}
     ray.get(trainer.bump.remote(len(name) % 50 + 10))
@@ -120,31 +125,53 @@ def run_config(
             "why": "; ".join(filter(None, (pair.reason, pair.how))),
             "rounds": sync.plan.rounds,
         }
-        sync.push(0)  # warm-up: sessions, rings, exports
-        times, rounds = [], set()
-        for v in range(1, args.pushes + 1):
-            ray.get(trainer.step.remote(v % 50 + 60))  # waited for, as an RL loop waits for its train step
-            t0 = time.perf_counter()
-            report = sync.push(v)
-            times.append(time.perf_counter() - t0)
-            rounds.add(report.rounds)
+        # collective: a broadcast group, not a WeightSender's ring (benchmarks/bench_collective.py has its raw figure)
+        raw = None if pair.transport == "collective" else peer.session(pair.config(config))
+        try:
+            row |= interleaved(sync, raw, trainer, args.pushes)
+        finally:
+            if raw is not None:
+                raw.close()  # checks the raw receiver's bytes
         want, got = ray.get([trainer.checksum.remote(), engine.checksum.remote()])
         assert want == got, f"{name}: the engine holds other bytes than the trainer"
-        row |= {"weightsync_median_s": statistics.median(times), "weightsync_min_s": min(times)}
-        row["rounds_went"] = sorted(rounds)  # SyncReport.rounds of the timed pushes
         if args.breakdown and name.startswith("default"):  # each driver
             row["breakdown_ms"] = breakdown(sync, trainer, engine, args.pushes, args.pushes + 1)
-        pair_config = pair.config(config)
-    if pair.transport == "collective":
-        return row  # a broadcast group, not a WeightSender's ring: benchmarks/bench_collective.py has its raw figure
-    key = repr(pair_config)
-    if key not in raws:
-        raws[key] = raw_session(pair_config, layout, args.device, args.pushes, args.threads) | {"row": name}
-    raw = raws[key]
-    row["raw_from_row"] = raw["row"]
-    row |= {"raw_median_s": raw["median_s"], "raw_min_s": raw["min_s"]}
-    row["ray_share_s"] = row["weightsync_median_s"] - raw["median_s"]
     return row
+
+
+def interleaved(sync: WeightSync, raw: RawSession | None, trainer: Any, pushes: int) -> dict[str, Any]:
+    """After a warm-up push of each, ``pushes`` iterations of one WeightSync push and one raw push (WeightSync
+    first in odd iterations, the raw session first in even ones), each after its train step's stand-in."""
+
+    def weightsync(v: int) -> float:
+        ray.get(trainer.step.remote(v % 50 + 60))  # waited for, as an RL loop waits for its train step
+        t0 = time.perf_counter()
+        report = sync.push(v)
+        went.add(report.rounds)
+        return time.perf_counter() - t0
+
+    went: set[str] = set()
+    sync.push(0)  # warm-ups: sessions, rings, exports
+    if raw is not None:
+        raw.push(0)
+    ws, rs = [], []
+    for v in range(1, pushes + 1):
+        if raw is not None and v % 2 == 0:
+            rs.append(raw.push(v))
+        ws.append(weightsync(v))
+        if raw is not None and v % 2 == 1:
+            rs.append(raw.push(v))
+    out = {
+        "weightsync_median_s": statistics.median(ws),
+        "weightsync_min_s": min(ws),
+        "rounds_went": sorted(went),  # SyncReport.rounds of the timed pushes
+        "weightsync_s": ws,
+    }
+    if raw is not None:
+        out |= {"raw_median_s": statistics.median(rs), "raw_min_s": min(rs), "raw_s": rs}
+        out["ray_share_s"] = out["weightsync_median_s"] - out["raw_median_s"]  # the medians' difference
+        out["ray_share_paired_s"] = statistics.median(w - r for w, r in zip(ws, rs, strict=True))
+    return out
 
 
 def run_layout(layout: str, args) -> dict[str, Any]:
@@ -154,10 +181,11 @@ def run_layout(layout: str, args) -> dict[str, Any]:
     engine = holder.remote(layout, args.device, False, args.threads)
     floor = ray.get(trainer.floor_s.remote(10))
     nbytes = sum(t.nbytes for t in allocate(layout, device="meta").values())
-    raws: dict[str, Any] = {}
-    rows = [
-        run_config(name, spec, (trainer, engine), args, layout, raws) for name, spec in configs(args).items()
-    ]
+    peer = RawPeer(layout, args.device, args.threads)  # after the floor: its copies' memory is free again
+    try:
+        rows = [run_config(name, spec, (trainer, engine), args, peer) for name, spec in configs(args).items()]
+    finally:
+        peer.close()
     for a in (trainer, engine):
         ray.kill(a)
     return {"layout": layout, "bytes": nbytes, "floor_one_copy_s": floor, "rows": rows}
@@ -171,17 +199,18 @@ def print_layout(r: dict[str, Any], hardware: str) -> None:
     )
     print(
         f"{'config':<42}{'transport':<11}{'mode':<20}{'setup ms':>9}{'WeightSync ms':>14}{'raw ms':>9}"
-        f"{'Ray ms':>8}{'/floor':>8}"
+        f"{'Ray ms':>8}{'paired':>8}{'/floor':>8}"
     )
     for row in r["rows"]:
         if "refused" in row:
             print(f"{row['config']:<42}refused: {row['refused'][:110]}")
             continue
-        raw = (ms(row["raw_median_s"]), ms(row["ray_share_s"])) if "raw_median_s" in row else ("-", "-")
+        keys = ("raw_median_s", "ray_share_s", "ray_share_paired_s")
+        raw = [ms(row[k]) if k in row else "-" for k in keys]
         print(
             f"{row['config']:<42}{row['transport']:<11}{row['mode']:<20}{ms(row['setup_s']):>9}"
             f"{ms(row['weightsync_median_s']):>14}"
-            f"{raw[0]:>9}{raw[1]:>8}"
+            f"{raw[0]:>9}{raw[1]:>8}{raw[2]:>8}"
             f"{row['weightsync_median_s'] / r['floor_one_copy_s']:>8.1f}"
         )
     if split := [row for row in r["rows"] if "breakdown_ms" in row]:  # one column per driver

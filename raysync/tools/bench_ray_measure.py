@@ -1,10 +1,13 @@
 """What `raysync bench --ray` (raysync.tools.bench_ray) measures with: the trainer and engine actors, the raw
-session (two processes, no Ray), and where a WeightSync push spends its time (the breakdown)."""
+session (a WeightSender in this process, a WeightReceiver in a spawned one, no Ray; pushed one push at a time, so
+that its pushes can be interleaved with WeightSync's), and where a WeightSync push spends its time (the
+breakdown)."""
 
 from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import queue
 import statistics
 import time
 from typing import Any
@@ -13,6 +16,7 @@ import ray
 import torch
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
+from raysync.core.errors import SessionClosed
 from raysync.ray import loop_channel, push_loop
 from raysync.ray.endpoint import applied_version
 from raysync.tools.bench import checksum, floor_s
@@ -80,44 +84,87 @@ def sync(tensors: dict[str, torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-# --- the raw session: two processes, no Ray ------------------------------------------------------------------------
-def raw_receiver(
-    q_in, q_out, config: SyncConfig, layout: str, device: str, pushes: int, threads: int
-) -> None:
+# --- the raw session: two processes, no Ray, pushed one push at a time ----------------------------------------------
+class RawPeer:
+    """A spawned process that holds a layout's destinations and serves raw sessions, one after the other: each a
+    WeightReceiver that takes pushes until its sender closes the session. ``src`` (here, the senders' tensors) and
+    the destinations are allocated once per layout, so that a session can be opened beside each row's WeightSync
+    while its actors also exist, and its pushes interleaved with WeightSync's (``RawSession``)."""
+
+    def __init__(self, layout: str, device: str, threads: int, timeout_s: float = 900.0):
+        ctx = mp.get_context("spawn")
+        self._in, self._out, self.timeout_s = ctx.Queue(), ctx.Queue(), timeout_s
+        self._proc = ctx.Process(
+            target=raw_receiver, args=(self._in, self._out, layout, device, threads, timeout_s)
+        )
+        self._proc.start()
+        self.src = allocate(layout, device=device)
+
+    def session(self, config: SyncConfig) -> RawSession:
+        return RawSession(self, config)
+
+    def close(self) -> None:
+        self._in.put(None)
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+class RawSession:
+    """A WeightSender here, to the peer's WeightReceiver, with ``config`` (the config the plan gave the pair).
+    ``push(version)`` runs the train step's stand-in (as ``Holder.step``), then one timed push; ``close()`` ends
+    the session and checks that the receiver holds the sender's bytes (RawSessionError otherwise)."""
+
+    def __init__(self, peer: RawPeer, config: SyncConfig):
+        self._peer = peer
+        secret = SessionSecret.generate()
+        self._sender = WeightSender(secret, config)
+        peer._in.put((self._sender.endpoint, secret, config))
+
+    def push(self, version: int) -> float:
+        src = self._peer.src
+        for t in src.values():
+            t.view(-1)[:1].fill_(version % 50 + 60)
+        sync(src)
+        t0 = time.perf_counter()
+        self._sender.push(src.items(), version)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sender.close()  # its Close ends the receiver's session
+        try:
+            outcome, value = self._peer._out.get(timeout=self._peer.timeout_s)
+        except queue.Empty:
+            raise RawSessionError(
+                f"the raw receiver did not answer within {self._peer.timeout_s} s"
+            ) from None
+        if outcome != "ok":
+            raise RawSessionError(f"the raw receiver failed: {value}")
+        if value != checksum(self._peer.src):
+            raise RawSessionError("the raw session's receiver holds other bytes than the sender's")
+
+
+class RawSessionError(RuntimeError):
+    """The raw session's receiver failed, did not answer in time, or holds other bytes than the sender's."""
+
+
+def raw_receiver(q_in, q_out, layout: str, device: str, threads: int, timeout_s: float) -> None:
+    """The peer's process: a session per ``(endpoint, secret, config)`` from ``q_in`` until None; after each, its
+    destinations' checksum (or the error) on ``q_out``."""
     torch.set_num_threads(threads)
     dest = allocate(layout, device=device, fill=False)
-    endpoint, secret = q_in.get(timeout=300)
-    with WeightReceiver(endpoint, secret, config) as receiver:
-        for _ in range(pushes + 1):
-            receiver.receive(into=dest)
-    q_out.put(checksum(dest))
-
-
-def raw_session(config: SyncConfig, layout: str, device: str, pushes: int, threads: int) -> dict[str, Any]:
-    """Median seconds of a push between a WeightSender here and a WeightReceiver in a spawned process."""
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=raw_receiver, args=(q_in, q_out, config, layout, device, pushes, threads))
-    proc.start()
-    src = allocate(layout, device=device)
-    secret = SessionSecret.generate()
-    try:
-        with WeightSender(secret, config) as sender:
-            q_in.put((sender.endpoint, secret))
-            sender.push(src.items(), 0)  # warm-up: the session's set-up
-            times = []
-            for version in range(1, pushes + 1):
-                for t in src.values():  # the train step's stand-in, as in WeightSync's rows (Holder.step)
-                    t.view(-1)[:1].fill_(version % 50 + 60)
-                sync(src)
-                t0 = time.perf_counter()
-                sender.push(src.items(), version)
-                times.append(time.perf_counter() - t0)
-        got = q_out.get(timeout=300)
-    finally:
-        proc.join(timeout=60)
-    assert got == checksum(src), "the raw session's receiver holds other bytes than the sender's"
-    return {"median_s": statistics.median(times), "min_s": min(times)}
+    while (job := q_in.get(timeout=timeout_s)) is not None:
+        endpoint, secret, config = job
+        try:
+            with WeightReceiver(endpoint, secret, config) as receiver:
+                while True:
+                    try:
+                        receiver.receive(into=dest)
+                    except SessionClosed:
+                        break
+            q_out.put(("ok", checksum(dest)))
+        except Exception as e:  # the sender's close() reports it
+            q_out.put(("error", repr(e)))
 
 
 # --- where a WeightSync push spends its time ----------------------------------------------------------------------
