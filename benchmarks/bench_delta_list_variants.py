@@ -16,6 +16,11 @@ positions are checked against the kernel's):
     rows R i32           the same, the positions and offsets computed in 32 bits
     bits: compare        a compare that writes a bitmask (one bit an element) instead of a byte an element
     bits: list R         the listing from that bitmask
+    write advance=A      the GAPS write as it is (delta_kernels.write_gaps), with and without the reference's
+                         scatter (ADVANCE)
+    copy, then compare (+ advance)  after a copy of the old words into the reference, a compare of one aligned chunk into the byte mask, without counts, and the same with
+                         the reference taking the new words where they differ (a store the compare's own loads
+                         brought into the cache, where the write's scatter stores far from any load)
     only the scan        (diagnostic) the scan of a block's mask, nothing stored but its total
     only the store       (diagnostic) the positions stored without the scan (not compacted)
 """
@@ -74,6 +79,18 @@ def list_bits(bits_ptr, sums_ptr, index_ptr, BLOCK: tl.constexpr):
     rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(m, axis=1) - m
     out = index_ptr + tl.load(sums_ptr + g)
     tl.store(out + rank, (g * BLOCK).to(tl.int32) + k, mask=m != 0)
+
+
+@triton.jit
+def compare_plain(old_ptr, new_ptr, mask_ptr, BLOCK: tl.constexpr, ADVANCE: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK)
+    old = tl.load(tl.multiple_of(old_ptr, 16) + g * BLOCK + k)
+    new = tl.load(tl.multiple_of(new_ptr, 16) + g * BLOCK + k)
+    changed = old != new
+    tl.store(mask_ptr + g * BLOCK + k, changed.to(tl.uint8))
+    if ADVANCE:
+        tl.store(old_ptr + g * BLOCK + k, new, mask=changed)
 
 
 @triton.jit
@@ -150,6 +167,26 @@ def main():
         list_bits[(blocks,)](bits, sums, got, BLOCK=BLOCK, num_warps=w)
         res[f"bits: list warps={w} (timing only: no forced entries in the bits)"] = timed_cuda(
             lambda w=w: list_bits[(blocks,)](bits, sums, got, BLOCK=BLOCK, num_warps=w), 20
+        )
+    gaps = torch.empty(entries + 8, dtype=torch.int16, device=dev)
+    values = torch.empty(entries + 8, dtype=torch.int16, device=dev)
+    ref = old.clone()
+    row = [0, entries, 0, new.data_ptr(), ref.data_ptr(), gaps.data_ptr(), values.data_ptr(), 0]
+    rows = torch.tensor(row, dtype=torch.int64, device=dev)
+    for advance in (True, False):
+        res[f"write advance={int(advance)}"] = timed_cuda(
+            lambda a=advance: delta_kernels.write_gaps(want, rows, entries, 2, a), 20
+        )
+    for advance in (
+        0,
+        1,
+    ):  # each run after a copy of the old words into the reference (its cost in both rows)
+        res[f"copy, then compare{' + advance' if advance else ''}"] = timed_cuda(
+            lambda a=advance: (
+                ref.copy_(old),
+                compare_plain[(blocks,)](ref, new, mask, BLOCK=BLOCK, ADVANCE=a),
+            ),
+            20,
         )
     out = torch.empty(blocks, dtype=torch.int32, device=dev)
     res["only the scan"] = timed_cuda(lambda: scan_only[(blocks,)](mask, out, BLOCK=BLOCK), 20)
