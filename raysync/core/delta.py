@@ -208,12 +208,6 @@ def copy_in(buffer: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, t
     return copy_in_stream(buffer[:used], device)
 
 
-# Note [kernels queued once their bytes are in]
-# On one GPU shared by a trainer and an engine (two processes, so two contexts, which the GPU runs in turns),
-# a profiled 7B delta push at 5% (docs/results/delta_trace_h200_s41_09226c2) never ran the sender's kernels
-# and the engine's at once, and left the SMs idle ~0.4 ms every two buckets. The engine queued its decode
-# kernels behind its copy in (a stream waiting on the copy's event): its context held work that could not
-# run. Now decode waits on the host for the copy in, then queues the kernels, a launch after the copy's end.
 def decode(
     buffer: torch.Tensor,
     destinations: Sequence[torch.Tensor],
@@ -273,8 +267,6 @@ def decode(
         elif c.mode == Mode.FULL:
             work.append((i, dest, None, region))
     payloads = [last for _, _, last in gapped if isinstance(last, tuple)]
-    if copied is not None and payloads:  # Note [kernels queued once their bytes are in]
-        copied.synchronize()
     kernels = delta_decode_kernels.GapsApply(payloads) if payloads else None
     mark("index")
     deferred = unsettled is not None and kernels is not None and not work  # only the kernels write
