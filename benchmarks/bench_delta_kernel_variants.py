@@ -77,13 +77,17 @@ def main():
     layout = delta_kernels.Blocks.of([n], dev)
     blocks, mask = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
     res = {"torch ne": timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)}
-    counted = delta_kernels.count_blocks([(old, new)], mask, layout)
+    words = delta_kernels.mask_words(mask, layout)
+    counted = delta_kernels.count_blocks([(old, new)], words, layout)
     sums = counted.sums
 
     def compare():  # raysync's compare, its blocks' running sums included
-        delta_kernels.count_blocks([(old, new)], mask, layout)
+        delta_kernels.count_blocks([(old, new)], words, layout)
 
-    res["raysync's compare kernel (mask, counts by block, running sums)"] = timed_cuda(compare, 20)
+    res["raysync's compare kernel (bitmask, counts by block, running sums)"] = timed_cuda(compare, 20)
+    # the variants below read a byte mask of the same entries: the changed elements and the forced ones
+    torch.ne(old, new, out=mask.view(torch.bool))
+    mask[65535::65536] = 1
     # the last entry before each block, for the variants below: a running maximum of each block's last
     at = torch.arange(BLOCK, device=dev).expand(blocks, BLOCK)
     last = torch.where(mask.view(blocks, BLOCK) != 0, at, -1).amax(1)

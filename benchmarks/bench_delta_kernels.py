@@ -45,10 +45,10 @@ def main() -> None:
             torch.nonzero_static(torch.ne(old, new, out=mask), size=cap, fill_value=n).view(-1), starts
         ),
         "kernels: count_blocks (compare, counts by block)": lambda: delta_kernels.count_blocks(
-            [(old, new)], slab, blocks
+            [(old, new)], delta_kernels.mask_words(slab, blocks), blocks
         ),
     }
-    counted = delta_kernels.count_blocks([(old, new)], slab, blocks)
+    counted = delta_kernels.count_blocks([(old, new)], delta_kernels.mask_words(slab, blocks), blocks)
     entries = counted.entries(0)
     index = torch.nonzero(torch.ne(old, new, out=mask)).view(-1)
     reference = old.clone()

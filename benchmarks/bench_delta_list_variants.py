@@ -9,13 +9,12 @@ In a profiled 7B delta push at 4.96% (docs/results/delta_trace_h200_s41_09226c2.
 of positions, far under what the GPU's memory moves in 0.37 ms. Rows (medians of 20 runs, ms; each variant's
 positions are checked against the kernel's):
 
-    kernel warps=W       the listing as it is (Note [the listing by rows]), W warps a program
-    one scan warps=W     the listing before it: one scan along the block's 4096 elements
-    rows R warps=W       a block's mask as R rows: each row's entries summed, a scan of the R sums, a scan along
+    kernel warps=W       the listing as it is (Note [the listing by rows]: from the bitmask), W warps a program
+    one scan warps=W     the listing of stop 41: a byte mask, one scan along the block's 4096 elements
+    rows R warps=W       a block's byte mask as R rows: each row's entries summed, a scan of the R sums, a scan along
                          each row (shorter scans than one of 4096)
     rows R i32           the same, the positions and offsets computed in 32 bits
-    bits: compare        a compare that writes a bitmask (one bit an element) instead of a byte an element
-    bits: list R         the listing from that bitmask
+    bits: compare        a compare that writes a bitmask (one bit an element), without counts
     write advance=A      the GAPS write as it is (delta_kernels.write_gaps), with and without the reference's
                          scatter (ADVANCE)
     copy, then compare (+ advance)  after a copy of the old words into the reference, a compare of one aligned chunk into the byte mask, without counts, and the same with
@@ -70,18 +69,6 @@ def compare_bits(old_ptr, new_ptr, bits_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def list_bits(bits_ptr, sums_ptr, index_ptr, BLOCK: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64)
-    words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(tl.uint32, bitcast=True)
-    m = ((words[:, None] >> tl.arange(0, 32)[None, :].to(tl.uint32)) & 1).to(tl.int32)
-    k = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    per_row = tl.sum(m, axis=1)
-    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(m, axis=1) - m
-    out = index_ptr + tl.load(sums_ptr + g)
-    tl.store(out + rank, (g * BLOCK).to(tl.int32) + k, mask=m != 0)
-
-
-@triton.jit
 def compare_plain(old_ptr, new_ptr, mask_ptr, BLOCK: tl.constexpr, ADVANCE: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
@@ -115,9 +102,14 @@ def main():
     new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=gen)
     old = torch.where(torch.rand(n, device=dev, generator=gen) < 0.05, new + 1, new)
     layout = delta_kernels.Blocks.of([n], dev)
-    blocks, mask = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
-    counted = delta_kernels.count_blocks([(old, new)], mask, layout)
+    blocks, slab = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
+    words = delta_kernels.mask_words(slab, layout)  # the kernels' bitmask
+    counted = delta_kernels.count_blocks([(old, new)], words, layout)
     sums, entries = counted.sums, int(counted.sums[0, -1])
+    # the same entries as a byte mask (one byte an element), which the variants before the bitmask read
+    mask = (
+        ((words.view(-1, 1) >> torch.arange(32, device=dev, dtype=torch.int32)) & 1).to(torch.uint8).view(-1)
+    )
     table = torch.tensor([1, 0], dtype=torch.int64, device=dev)
     want = torch.empty(entries, dtype=torch.int32, device=dev)
     got = torch.empty(n, dtype=torch.int32, device=dev)
@@ -125,14 +117,16 @@ def main():
 
     def kernel(w, out):
         delta_kernels._list_blocks[(blocks,)](
-            mask, sums, layout.chunk_of, table, out, BLOCK=BLOCK, ROWS=delta_kernels.LIST_ROWS, num_warps=w
+            words, sums, layout.chunk_of, table, out, BLOCK=BLOCK, num_warps=w
         )
 
     kernel(4, want)
-    if not torch.equal(want.long(), mask.nonzero().view(-1)):
-        raise SystemExit("the kernel's positions are not the mask's nonzero elements")
-    res["compare (count_blocks, as it is)"] = timed_cuda(
-        lambda: delta_kernels.count_blocks([(old, new)], mask, layout, sums), 20
+    expect = old != new
+    expect[65535::65536] = True  # Note [delta pushes]: the forced entries
+    if not torch.equal(want.long(), expect.nonzero().view(-1)):
+        raise SystemExit("the kernels' positions are not the changed and forced elements")
+    res["compare (count_blocks, as it is: the bitmask)"] = timed_cuda(
+        lambda: delta_kernels.count_blocks([(old, new)], words, layout, sums), 20
     )
     bad = []
     for w in (2, 4, 8, 16):
@@ -161,12 +155,6 @@ def main():
     for w in (4, 8):
         res[f"bits: compare warps={w}"] = timed_cuda(
             lambda w=w: compare_bits[(blocks,)](old, new, bits, BLOCK=BLOCK, num_warps=w), 20
-        )
-    for w in (4, 8):
-        got.zero_()
-        list_bits[(blocks,)](bits, sums, got, BLOCK=BLOCK, num_warps=w)
-        res[f"bits: list warps={w} (timing only: no forced entries in the bits)"] = timed_cuda(
-            lambda w=w: list_bits[(blocks,)](bits, sums, got, BLOCK=BLOCK, num_warps=w), 20
         )
     gaps = torch.empty(entries + 8, dtype=torch.int16, device=dev)
     values = torch.empty(entries + 8, dtype=torch.int16, device=dev)

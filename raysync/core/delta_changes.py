@@ -142,7 +142,7 @@ class Counting:
     """A bucket's compare and counts by the kernels (``start_counting``), queued: its chunks' counts and cuts
     crossing to the host behind an event; ``wait()`` (the one host sync) returns them."""
 
-    masks: list[torch.Tensor | None]  # per chunk, its part of the mask (None: no reference)
+    masks: list[torch.Tensor | None]  # per chunk, its part of the bitmask, int32 words (None: no reference)
     counted: delta_kernels.Counted
     crossing: torch.Tensor  # on the host once ``ready``: the cuts, then the forced ones' running sums
     ready: torch.cuda.Event | None
@@ -160,8 +160,8 @@ class Counting:
 
 def start_counting(views, space: Workspace | None, device: torch.device, slot: int = 0) -> Counting:
     """Compare a bucket (its word views, (reference or None, new) per chunk) and count its entries with the
-    fused kernels (Note [fused delta kernels]), into the workspace's mask ``slot``, without waiting: the counts
-    cross to pinned host memory behind an event."""
+    fused kernels (Note [fused delta kernels]), into the bitmask in the workspace's mask ``slot``
+    (delta_kernels.mask_words), without waiting: the counts cross to pinned host memory behind an event."""
     based = [(o, n) for o, n in views if o is not None]
     sizes = tuple(n.numel() for _, n in based)
     blocks = space.blocks(sizes, device) if space is not None else delta_kernels.Blocks.of(sizes, device)
@@ -169,12 +169,12 @@ def start_counting(views, space: Workspace | None, device: torch.device, slot: i
     shape = tuple(None if o is None else n.numel() for o, n in views)
     if space is not None:  # made once per bucket shape (Note [the sender's small tables are kept])
         sums, picked, host = space.counting(slot, blocks, device)
-        counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks, sums)
-        masks = space.chunk_masks(slab, slot, shape, blocks.firsts)
+        counted = delta_kernels.count_blocks(based, delta_kernels.mask_words(slab, blocks), blocks, sums)
+        masks = space.chunk_masks(slab, slot, shape, blocks.firsts, bits=True)
         crossing, ready = cross(counted.picked(picked).view(-1), host)
     else:
-        counted = delta_kernels.count_blocks(based, slab.view(torch.uint8), blocks)
-        masks = chunk_masks(slab, shape, blocks.firsts)
+        counted = delta_kernels.count_blocks(based, delta_kernels.mask_words(slab, blocks), blocks)
+        masks = chunk_masks(slab, shape, blocks.firsts, bits=True)
         crossing, ready = cross(counted.picked().reshape(-1))
     return Counting(masks, counted, crossing, ready)
 

@@ -321,7 +321,7 @@ def _write_payload(
     if code.mode == Mode.FULL:
         region.copy_(new.view(torch.uint8))
     elif code.mode == Mode.GAPS:
-        assert mask is not None
+        assert mask is not None and mask.dtype == torch.bool, "torch's path lists from a bool mask"
         if listed is None:
             mask[GAP_SPAN - 1 :: GAP_SPAN] = True  # Note [delta pushes]: no gap longer than 65536
             index = indices(mask, code.entries)

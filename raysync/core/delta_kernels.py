@@ -4,7 +4,7 @@ decoding is raysync.core.delta_decode_kernels). Used when Triton imports (torch'
 it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit for bit the same.
 
     warm(device, itemsizes)                           # at set-up: compiled, not in the first delta push
-    counted = count_blocks(pairs, mask, blocks)       # compare into the mask, entries counted by block
+    counted = count_blocks(pairs, mask_words(slab, blocks), blocks)  # compare into a bitmask, count by block
     write_counted(pairs, payloads, counted, advance)  # (counts on the host) the GAPS payloads, references advanced
 
 # Note [fused delta kernels]
@@ -15,7 +15,7 @@ it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit 
 # thread spent 97 ms launching ~70 operations a bucket. Here a bucket's chunks (those with a reference) lie in
 # its mask in whole blocks of BLOCK elements (``Blocks``), so that every block belongs to one chunk:
 # * ``count_blocks``: one pass over the chunks (one launch per kind of chunk: Note [one compare launch a
-#   bucket]) reads their reference and new words, writes the mask of entries (changed
+#   bucket]) reads their reference and new words, writes the bitmask of entries (changed
 #   elements, and the forced ones at index 65535 mod 65536: Note [delta pushes]) and per block how many entries
 #   it holds and how many forced entries did not change; a running sum of those gives each block's first
 #   entry and each chunk's counts (they cross to the host behind an event: the bucket's one sync). It reads what
@@ -31,12 +31,10 @@ it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit 
 #   times as many as there are entries at 5%. Measured with build variants, docs/benchmarks.md section 12a.)
 # The receiver's ``GapsApply`` (raysync.core.delta_decode_kernels) sums each block's gaps (the running sum is
 # the index), checks on the device that every payload's last index fits its destination, and one kernel writes
-# the values, none of them unless all fit; the caller either reads the check back first (one sync) or leaves it for ``settle`` (raysync.core.delta:
-# the bucket then waits only for its copy in). What they spare is passes over the bucket, launches (a few a
-# bucket, not several a chunk) and host syncs: on the H200 a 7B delta at 5% went from 106 to 64 ms with the
-# first kernels (docs/benchmarks.md, section 12c). What a payload holds, and what a destination ends with, is
-# what torch's path gives (tests/test_delta_kernels.py compares them byte for byte, on a GPU and in Triton's
-# interpreter).
+# the values, none of them unless all fit (the check read back first, or left for ``settle``). What they spare
+# is passes over the bucket, launches and host syncs (a 7B delta at 5% on an H200: 106 -> 64 ms with the first
+# kernels, docs/benchmarks.md 12c). Payloads and destinations are torch's path's, byte for byte
+# (tests/test_delta_kernels.py, on a GPU and in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ except ImportError:  # pragma: no cover - depends on the install
 BLOCK = 4096  # elements a compare or listing block takes; each chunk's mask is padded to whole blocks
 assert 65536 % BLOCK == 0, "a forced entry (index 65535 mod 65536) must end a block"
 WRITE_BLOCK = 1024  # entries a write or decode block takes
-LIST_ROWS = 32  # the rows a listing block's mask is taken as (Note [the listing by rows])
 
 
 def available(device: torch.device | None) -> bool:
@@ -78,13 +75,10 @@ if triton is not None:
     # on an H200, where torch's ne takes 0.35 ms; this way it takes 0.37 ms, its counts included.
     # Note [one compare launch a bucket]: the chunks' addresses come from a table, one program per block of
     # the bucket (``chunk_of`` says whose), so a bucket is one launch per kind of chunk (word size, and whether
-    # its new words start at 16 bytes) instead of one a chunk: a 7B bucket's 12 launches cost its sender's
-    # thread ~0.4 ms of the ~2.7 ms it spent on each bucket under torch.profiler on an H200
-    # (docs/results/delta_push_shm_h200_trace_0259ee6_*); with one launch a kind, a 7B delta push at 5.0% took
-    # 52.9-53.0 ms against 59.8 ms for 0259ee6 in the same call (docs/benchmarks.md, section 12, Latest). A
-    # pointer read from memory is of unknown alignment, so Triton would load scalars; ``tl.multiple_of`` on it
-    # promises 16 bytes where the host checked both chunks' (a reference chunk starts there: PAYLOAD_ALIGN; a
-    # trainer's tensor read in place may not).
+    # its new words start at 16 bytes) instead of one a chunk (a 7B delta push at 5.0% on an H200: 52.9-53.0
+    # ms against 59.8 ms; docs/benchmarks.md, section 12, stop 39). A pointer read from memory is of unknown
+    # alignment, so Triton would load scalars; ``tl.multiple_of`` on it promises 16 bytes where the host
+    # checked both chunks' (a reference chunk starts there: PAYLOAD_ALIGN; a tensor read in place may not).
     @triton.jit(do_not_specialize=["columns", "kind"])
     def _compare_chunks(
         table_ptr,
@@ -111,7 +105,8 @@ if triton is not None:
                 new_ptr = tl.multiple_of(new_ptr, 16)
             n = tl.load(row + 2)
             b = g - tl.load(row + 3)  # the block's place in its chunk
-            k = tl.arange(0, BLOCK)
+            # the block as rows of 32 elements: each row's entries become one word of the bitmask
+            k = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
             base = b * BLOCK
             if base + BLOCK <= n:
                 changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
@@ -126,26 +121,32 @@ if triton is not None:
             spans = 65536 // BLOCK
             forced = live & (k == BLOCK - 1) & (b % spans == spans - 1)
             entry = changed | forced
-            tl.store(mask_ptr + g * BLOCK + k, entry.to(tl.uint8))  # the padding past the chunk's end: none
+            words = tl.sum(entry.to(tl.uint32) << tl.arange(0, 32)[None, :].to(tl.uint32), axis=1)
+            at = mask_ptr + g * (BLOCK // 32)  # the padding past the chunk's end: no entry
+            tl.store(at + tl.arange(0, BLOCK // 32), words.to(tl.int32, bitcast=True))
             unchanged = forced & ~changed
-            tl.store(sums_ptr + g + 1, tl.sum(entry.to(tl.int32), axis=0).to(tl.int64))
-            tl.store(sums_ptr + columns + g + 1, tl.sum(unchanged.to(tl.int32), axis=0).to(tl.int64))
+            tl.store(sums_ptr + g + 1, tl.sum(tl.sum(entry.to(tl.int32), axis=1), axis=0).to(tl.int64))
+            tl.store(
+                sums_ptr + columns + g + 1,
+                tl.sum(tl.sum(unchanged.to(tl.int32), axis=1), axis=0).to(tl.int64),
+            )
 
-    # Note [the listing by rows]: a block's mask is taken as LIST_ROWS rows; an entry's rank in its block is the
-    # entries of the rows before its own (a scan of the rows' sums) plus those before it in its row (a scan
-    # along the row). On an H200, one 512 MB bf16 bucket at 5%: 0.29 ms, against 0.38-0.45 ms for one scan
-    # along the block's 4096 elements (2-4 warps; benchmarks/bench_delta_list_variants.py,
-    # docs/results/delta_list_variants_h200_s42.txt). The positions are the same, in the same places.
+    # Note [the listing by rows]: a block's mask is read as its BLOCK / 32 words, each a row of 32 bits; an
+    # entry's rank in its block is the entries of the rows before its own (a scan of the rows' sums) plus those
+    # before it in its row (a scan along the row). On an H200, one 512 MB bf16 bucket at 5%
+    # (benchmarks/bench_delta_list_variants.py, docs/results/delta_list_variants_h200_s42_*.txt): 0.20 ms,
+    # against 0.29 ms for a byte mask read as 32 rows and 0.38-0.45 ms for one scan along the block's 4096
+    # bytes; and the compare writes 1/8 of the bytes. The positions are the same, in the same places.
     @triton.jit
-    def _list_blocks(
-        mask_ptr, sums_ptr, chunk_of_ptr, table_ptr, index_ptr, BLOCK: tl.constexpr, ROWS: tl.constexpr
-    ):
+    def _list_blocks(mask_ptr, sums_ptr, chunk_of_ptr, table_ptr, index_ptr, BLOCK: tl.constexpr):
         g = tl.program_id(0).to(tl.int64)
         row = table_ptr + tl.load(chunk_of_ptr + g).to(tl.int64) * 2
         if tl.load(row) != 0:  # the block's chunk goes GAPS: its entries are listed
-            WIDTH: tl.constexpr = BLOCK // ROWS
-            k = tl.arange(0, ROWS)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-            m = tl.load(mask_ptr + g * BLOCK + k).to(tl.int32)
+            words = tl.load(mask_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
+                tl.uint32, bitcast=True
+            )
+            m = ((words[:, None] >> tl.arange(0, 32)[None, :].to(tl.uint32)) & 1).to(tl.int32)
+            k = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
             per_row = tl.sum(m, axis=1)
             rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(m, axis=1) - m
             place = tl.load(sums_ptr + g) + tl.load(row + 1)  # the block's first entry's place in the listing
@@ -174,12 +175,7 @@ if triton is not None:
             reference = tl.load(row + 4).to(tl.pointer_type(WORD))
             tl.store(reference + at, value, mask=live)
 
-    TL_INTS = {
-        1: tl.int8,
-        2: tl.int16,
-        4: tl.int32,
-        8: tl.int64,
-    }  # word size -> Triton's integer of that width
+    TL_INTS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # word size -> Triton's int
 INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # ... and torch's
 
 
@@ -199,7 +195,7 @@ def warm(device: torch.device, itemsizes) -> None:
             pairs = [(reference[: BLOCK + 1], new[skew : skew + BLOCK + 1])]
             blocks = Blocks.of([BLOCK + 1], device)
             slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
-            counted = count_blocks(pairs, slab, blocks)
+            counted = count_blocks(pairs, mask_words(slab, blocks), blocks)
             row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
             write_counted(pairs, row, counted, advance=True)
     if device.type == "cuda":  # (Triton's interpreter runs them on the CPU)
@@ -237,12 +233,12 @@ class Blocks:
 
 @dataclass
 class Counted:
-    """A bucket's compare on the device (``count_blocks``): its mask (entries: changed elements and the forced
-    ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``, plus
+    """A bucket's compare on the device (``count_blocks``): its bitmask (entries: changed elements and the
+    forced ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``, plus
     every entry: only its differences are read);
     ``cut``, where each chunk's entries begin (and their end), and ``forced`` per chunk, once on the host."""
 
-    mask: torch.Tensor  # uint8, the blocks' elements
+    mask: torch.Tensor  # int32 words, one bit an element of the blocks (``mask_words``)
     blocks: Blocks
     sums: torch.Tensor  # int64 [2, blocks + 1]
     cut: list[int] | None = None
@@ -268,9 +264,16 @@ class Counted:
         return self.cut[j + 1] - self.cut[j]
 
 
+def mask_words(slab: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The bitmask of ``blocks`` in a mask's buffer (bool or uint8, at least ``blocks.elements``: it holds one
+    byte an element for torch's path): its first ``blocks.elements / 8`` bytes, as int32 words. Element i of
+    the blocks is bit i % 32 of word i // 32."""
+    return slab.view(torch.uint8)[: blocks.elements // 8].view(torch.int32)
+
+
 def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor | None = None) -> Counted:
-    """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into
-    ``mask`` (uint8 of ``blocks.elements``) and count its entries by block: one pass over the chunks, a launch
+    """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into the
+    bitmask ``mask`` (``mask_words``) and count its entries by block: one pass over the chunks, a launch
     per kind of chunk (Note [one compare launch a bucket]), then the blocks' running sums, into ``sums`` (int64
     [2, blocks + 1] on the device: a workspace's, reused) or a new tensor. No host sync (Note [fused delta
     kernels])."""
@@ -281,7 +284,7 @@ def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor |
     table, kinds = _compare_table(pairs, blocks, device)
     if not kinds:  # no launch writes the sums' first column
         sums.zero_()
-    if kinds:
+    else:
         with on(device):
             for kind, (itemsize, aligned) in enumerate(kinds):
                 _compare_chunks[(blocks.firsts[-1],)](
@@ -350,7 +353,7 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None)
         return
     # mask positions: int32 while they fit (half the bytes for the write to read, and at most 4 bytes an entry,
     # where a GAPS chunk of bf16 can hold up to half its elements as entries: up to the bucket's bytes)
-    wide = counted.mask.numel() > 2**31 - 1
+    wide = counted.blocks.elements > 2**31 - 1
     index = torch.empty(at, dtype=torch.int64 if wide else torch.int32, device=device)
     # the listing's table and every write's rows cross in one copy: [flag, offset] per chunk, then 8 words a row
     # (64 bytes: each launch's rows start at 16 bytes, as ``warm`` compiled it)
@@ -365,7 +368,6 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None)
             table,
             index,
             BLOCK=BLOCK,
-            ROWS=LIST_ROWS,
         )
     at = 2 * len(listed)
     for itemsize, same in groups:

@@ -84,15 +84,17 @@ class Workspace:
             self.spans[key] = Blocks.of(sizes, device)
         return self.spans[key]
 
-    def chunk_masks(self, slab: torch.Tensor, slot: int, sizes: tuple[int | None, ...], firsts) -> list:
+    def chunk_masks(
+        self, slab: torch.Tensor, slot: int, sizes: tuple[int | None, ...], firsts, bits: bool = False
+    ) -> list:
         """``chunk_masks`` of ``slab``, the mask of ``slot``, made once per slab and bucket shape: a bucket's
         slices are the same every push."""
-        key = ("masks", slot)
+        key = ("masks", slot, bits)
         held = self.spans.get(key)
         if held is None or held[0] is not slab:
             held = self.spans[key] = (slab, {})
         if sizes not in held[1]:
-            held[1][sizes] = chunk_masks(slab, sizes, firsts)
+            held[1][sizes] = chunk_masks(slab, sizes, firsts, bits)
         return held[1][sizes]
 
     def counting(self, slot: int, blocks: Blocks, device: torch.device) -> tuple:
@@ -306,10 +308,16 @@ def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tens
     return moved, copied
 
 
-def chunk_masks(slab: torch.Tensor, sizes: tuple[int | None, ...], firsts: Sequence[int]) -> list:
+def chunk_masks(
+    slab: torch.Tensor, sizes: tuple[int | None, ...], firsts: Sequence[int], bits: bool = False
+) -> list:
     """Each chunk's part of the mask ``slab`` as the fused kernels lay it out (the j-th chunk with a reference
-    from block ``firsts[j]``; None for a chunk of no reference, whose size is None)."""
+    from block ``firsts[j]``; None for a chunk of no reference, whose size is None): a bool per element, or
+    with ``bits`` the int32 words of the kernels' bitmask in the same buffer (delta_kernels.mask_words)."""
     at, masks = iter(firsts), []
+    if bits:
+        words = slab.view(torch.uint8)[: firsts[-1] * BLOCK // 8].view(torch.int32)
+        return [None if n is None else words[next(at) * (BLOCK // 32) :][: -(-n // 32)] for n in sizes]
     for n in sizes:
         masks.append(None if n is None else slab[next(at) * BLOCK :][:n])
     return masks
