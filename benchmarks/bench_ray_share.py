@@ -21,6 +21,8 @@ microseconds:
     go -> woke                   a loop's read returns the go (loop only)
     go -> work starts            the endpoint function begins (sender_push, _receive) in each actor
     work                         the endpoint function, session included
+    PushDone sent -> work done   the receiver's session after it sent its sender PushDone (its report, the
+                                 endpoint's bookkeeping)
     work done -> encoded         the answer made into a frame (loop only)
     encoded -> sent              the frame handed to the socket (loop only)
     sent -> received             the driver reads it (loop only)
@@ -135,11 +137,23 @@ def _wrap(owner: Any, attr: str, before: str | None, after: str | None) -> None:
 
 def instrument_actor(actor: Any) -> None:
     """In an actor (through __ray_call__): its endpoint functions, and its push loop's wake-up, answer, send."""
+    from raysync.core import control
     from raysync.ray import endpoint, loop_channel, push_loop
 
     _wrap(endpoint, "sender_push", "work starts", "work done")
     _wrap(endpoint, "_receive", "work starts", "work done")
     _wrap(push_loop, "_run", None, "encoded")
+    channel = control.Channel
+    if not getattr(channel.send, "_stamped", False):  # the receiver's PushDone, handed to its socket
+        send_msg = channel.send
+
+        def timed_send_msg(self, msg, *args, **kwargs):
+            send_msg(self, msg, *args, **kwargs)
+            if type(msg).__name__ == "PushDone":
+                _stamp("PushDone sent")
+
+        timed_send_msg._stamped = True  # type: ignore[attr-defined]
+        channel.send = timed_send_msg
     member = loop_channel.MemberEnd
     if getattr(member.recv, "_stamped", False):
         return
@@ -268,6 +282,7 @@ def stages(
             gap(f"{who}: go -> woke", ev, ("woke", 0), None)
             gap(f"{who}: woke -> work starts", ev, ("work starts", 0), ("woke", 0))
             gap(f"{who}: work done -> encoded", ev, ("encoded", -1), ("work done", -1))
+            gap(f"{who}: PushDone sent -> work done", ev, ("work done", -1), ("PushDone sent", -1))
             gap(f"{who}: encoded -> sent", ev, ("sent", -1), ("encoded", -1))
     if rounds == "loop":  # the driver reads the answers in the order they come: match them by time
         for who, ev in (("sender", sender), ("receiver", receiver)):
