@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from common import timed_cuda
 
-from raysync.core import delta_kernels
+from raysync.core import delta_blocks, delta_kernels
 
 BLOCK = 4096
 
@@ -74,10 +74,10 @@ def main():
     g = torch.Generator(device=dev).manual_seed(0)
     new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=g)
     old = torch.where(torch.rand(n, device=dev, generator=g) < 0.05, new + 1, new)
-    layout = delta_kernels.Blocks.of([n], dev)
+    layout = delta_blocks.Blocks.of([n], dev)
     blocks, mask = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
     res = {"torch ne": timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)}
-    words = delta_kernels.mask_words(mask, layout)
+    words = delta_blocks.mask_words(mask, layout)
     counted = delta_kernels.count_blocks([(old, new)], words, layout)
     sums = counted.sums
 

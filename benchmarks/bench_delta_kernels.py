@@ -17,7 +17,7 @@ import argparse
 import torch
 from common import emit, timed_cuda
 
-from raysync.core import delta_decode_kernels, delta_kernels
+from raysync.core import delta_blocks, delta_decode_kernels, delta_kernels
 from raysync.core.delta_changes import _listing_cap
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     mask = torch.empty(n, dtype=torch.bool, device=device)
     cap = _listing_cap(n, 1)
     starts = torch.tensor([0, n], dtype=torch.int64, device=device)
-    blocks = delta_kernels.Blocks.of([n], device)
+    blocks = delta_blocks.Blocks.of([n], device)
     slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
     rows = {
         "floor: ne of reference and new into the mask": lambda: torch.ne(old, new, out=mask),
@@ -45,10 +45,10 @@ def main() -> None:
             torch.nonzero_static(torch.ne(old, new, out=mask), size=cap, fill_value=n).view(-1), starts
         ),
         "kernels: count_blocks (compare, counts by block)": lambda: delta_kernels.count_blocks(
-            [(old, new)], delta_kernels.mask_words(slab, blocks), blocks
+            [(old, new)], delta_blocks.mask_words(slab, blocks), blocks
         ),
     }
-    counted = delta_kernels.count_blocks([(old, new)], delta_kernels.mask_words(slab, blocks), blocks)
+    counted = delta_kernels.count_blocks([(old, new)], delta_blocks.mask_words(slab, blocks), blocks)
     entries = counted.entries(0)
     index = torch.nonzero(torch.ne(old, new, out=mask)).view(-1)
     reference = old.clone()

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from common import timed_cuda
 
-from raysync.core import delta_kernels
+from raysync.core import delta_blocks, delta_kernels
 
-BLOCK = delta_kernels.BLOCK
+BLOCK = delta_blocks.BLOCK
 
 
 @triton.jit
@@ -101,9 +101,9 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=gen)
     old = torch.where(torch.rand(n, device=dev, generator=gen) < 0.05, new + 1, new)
-    layout = delta_kernels.Blocks.of([n], dev)
+    layout = delta_blocks.Blocks.of([n], dev)
     blocks, slab = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
-    words = delta_kernels.mask_words(slab, layout)  # the kernels' bitmask
+    words = delta_blocks.mask_words(slab, layout)  # the kernels' bitmask
     counted = delta_kernels.count_blocks([(old, new)], words, layout)
     sums, entries = counted.sums, int(counted.sums[0, -1])
     # the same entries as a byte mask (one byte an element), which the variants before the bitmask read

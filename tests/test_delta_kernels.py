@@ -52,12 +52,12 @@ def bucket(device: str) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     return pairs
 
 
-def listed_changes(pairs, space, fused: bool) -> delta_encode.Changes:
-    """The bucket's changes found the GPU's ways, without waiting: counted by the kernels, or listed by torch's
-    (nonzero_static, capped)."""
+def listed_changes(pairs, space, fused: bool, advance: bool = False) -> delta_encode.Changes:
+    """The bucket's changes found the GPU's ways, without waiting: counted by the kernels (``advance``: their
+    compare advances the references), or listed by torch's (nonzero_static, capped)."""
     os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
     if fused:
-        return delta_encode.find_changes(pairs, based=True, space=space, wait=False)
+        return delta_encode.find_changes(pairs, based=True, space=space, wait=False, advance=advance)
     views = [(None if o is None else delta._bits(o, "reference"), delta._bits(n, "new")) for o, n in pairs]
     masks, span = delta_changes.compare(views, True, space, pairs[0][1].device)
     listing = delta_changes.start_listing(masks, span, space.spans)
@@ -65,26 +65,36 @@ def listed_changes(pairs, space, fused: bool) -> delta_encode.Changes:
 
 
 def compare_paths(device: str, interpreted: bool = False) -> None:
-    """Encode one bucket with torch's kernels and with the fused ones: the same bytes, the same references."""
+    """Encode one bucket with torch's kernels and with the fused ones (the references advanced by the write, or
+    by the compare: Note [the reference advances at the compare]): the same bytes, the same references."""
     if interpreted:  # the kernels run on CPU tensors through Triton's interpreter
         delta_kernels.available = lambda d: os.environ.get("RAYSYNC_DELTA_KERNELS") != "0"
     results = []
-    for fused in (False, True):
+    for fused, advance in ((False, False), (True, False), (True, True)):
         pairs = [(None if o is None else o.clone(), n) for o, n in bucket(device)]
         sizes = [[(n.numel(), n.element_size()) for _, n in pairs]]
         space = delta_encode.Workspace.for_buckets(sizes, torch.device(device))
         out = torch.zeros(delta.capacity(sizes[0]), dtype=torch.uint8, device=device)
-        changes = listed_changes(pairs, space, fused)
+        changes = listed_changes(pairs, space, fused, advance)
+        if advance:  # the compare's counts in: the references hold the changed words already
+            changes.ready()
+            assert changes.entries.advanced and all(
+                o is None or torch.equal(o.cpu(), n)
+                for (o, _), (_, n) in zip(pairs, bucket("cpu"), strict=True)
+            )
+            with pytest.raises(delta.LayoutError, match="advanced the references"):
+                delta_encode.encode(pairs, out, base_version=3, space=space, advance=False, changes=changes)
         code = delta_encode.encode(pairs, out, base_version=3, space=space, advance=True, changes=changes)
         assert (changes.entries is not None) == fused
         results.append((code, out[: code.nbytes].cpu(), [None if o is None else o.cpu() for o, _ in pairs]))
-    (torch_code, torch_bytes, torch_refs), (code, got, refs) = results
-    modes = [c.mode for c in code.chunks]
-    assert modes == [c.mode for c in torch_code.chunks]
-    assert {delta.Mode.GAPS, delta.Mode.FULL, delta.Mode.SAME} <= set(modes)
-    assert torch.equal(got, torch_bytes)
-    for r, t, (_, n) in zip(refs, torch_refs, bucket("cpu"), strict=True):
-        assert (r is None and t is None) or (torch.equal(r, t) and torch.equal(r.view(-1), n.view(-1)))
+    (torch_code, torch_bytes, torch_refs), *kernels = results
+    for code, got, refs in kernels:
+        modes = [c.mode for c in code.chunks]
+        assert modes == [c.mode for c in torch_code.chunks]
+        assert {delta.Mode.GAPS, delta.Mode.FULL, delta.Mode.SAME} <= set(modes)
+        assert torch.equal(got, torch_bytes)
+        for r, t, (_, n) in zip(refs, torch_refs, bucket("cpu"), strict=True):
+            assert (r is None and t is None) or (torch.equal(r, t) and torch.equal(r.view(-1), n.view(-1)))
     for fused in (False, True):  # it decodes onto the old bytes into the new ones, either way
         os.environ["RAYSYNC_DELTA_KERNELS"] = "1" if fused else "0"
         held = [torch.zeros_like(n) if o is None else o.clone() for o, n in bucket(device)]
@@ -300,8 +310,8 @@ def two_buckets_in_flight(device: str, interpreted: bool = False) -> None:
                 outs.append(out[: code.nbytes].cpu())
                 for j in (k + 1, k + 2):
                     if j < len(buckets) and j not in ahead and fused:
-                        ahead[j] = delta_encode.find_changes(
-                            buckets[j], based=True, space=space, slot=j % 2, wait=False
+                        ahead[j] = delta_encode.find_changes(  # as the push does: advanced at the compare
+                            buckets[j], based=True, space=space, slot=j % 2, wait=False, advance=True
                         )
         return outs, [o.cpu() for b in buckets for o, _ in b]
 

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from raysync.core import delta_kernels
+from raysync.core import delta_blocks, delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
 from raysync.core.delta_workspace import chunk_masks, on_stream
 
@@ -143,11 +143,11 @@ class Counting:
     crossing to the host behind an event; ``wait()`` (the one host sync) returns them."""
 
     masks: list[torch.Tensor | None]  # per chunk, its part of the bitmask, int32 words (None: no reference)
-    counted: delta_kernels.Counted
+    counted: delta_blocks.Counted
     crossing: torch.Tensor  # on the host once ``ready``: the cuts, then the forced ones' running sums
     ready: torch.cuda.Event | None
 
-    def wait(self) -> tuple[list[tuple[int, int] | None], delta_kernels.Counted]:
+    def wait(self) -> tuple[list[tuple[int, int] | None], delta_blocks.Counted]:
         """Per chunk: (changed, forced); and the bucket's counts for ``delta_kernels.write_counted``."""
         if self.ready is not None:
             self.ready.synchronize()
@@ -158,22 +158,28 @@ class Counting:
         return _spread(self.masks, counts), counted
 
 
-def start_counting(views, space: Workspace | None, device: torch.device, slot: int = 0) -> Counting:
+def start_counting(
+    views, space: Workspace | None, device: torch.device, slot: int = 0, advance: bool = False
+) -> Counting:
     """Compare a bucket (its word views, (reference or None, new) per chunk) and count its entries with the
     fused kernels (Note [fused delta kernels]), into the bitmask in the workspace's mask ``slot``
-    (delta_kernels.mask_words), without waiting: the counts cross to pinned host memory behind an event."""
+    (delta_blocks.mask_words), without waiting: the counts cross to pinned host memory behind an event.
+    ``advance``: the references take the changed words as they are compared (Note [the reference advances at
+    the compare] in raysync.core.delta_kernels)."""
     based = [(o, n) for o, n in views if o is not None]
     sizes = tuple(n.numel() for _, n in based)
-    blocks = space.blocks(sizes, device) if space is not None else delta_kernels.Blocks.of(sizes, device)
+    blocks = space.blocks(sizes, device) if space is not None else delta_blocks.Blocks.of(sizes, device)
     slab = _slab(space, slot, blocks.elements, device)
     shape = tuple(None if o is None else n.numel() for o, n in views)
     if space is not None:  # made once per bucket shape (Note [the sender's small tables are kept])
         sums, picked, host = space.counting(slot, blocks, device)
-        counted = delta_kernels.count_blocks(based, delta_kernels.mask_words(slab, blocks), blocks, sums)
+        words = delta_blocks.mask_words(slab, blocks)
+        counted = delta_kernels.count_blocks(based, words, blocks, sums, advance)
         masks = space.chunk_masks(slab, slot, shape, blocks.firsts, bits=True)
         crossing, ready = cross(counted.picked(picked).view(-1), host)
     else:
-        counted = delta_kernels.count_blocks(based, delta_kernels.mask_words(slab, blocks), blocks)
+        words = delta_blocks.mask_words(slab, blocks)
+        counted = delta_kernels.count_blocks(based, words, blocks, advance=advance)
         masks = chunk_masks(slab, shape, blocks.firsts, bits=True)
         crossing, ready = cross(counted.picked().reshape(-1))
     return Counting(masks, counted, crossing, ready)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from raysync.core import delta_kernels
+from raysync.core.delta_blocks import BLOCK
 from raysync.core.delta_kernels import INTS, WRITE_BLOCK, on, to_device
 
 try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without it use torch's kernels
@@ -57,7 +58,7 @@ def warm(device: torch.device, itemsizes) -> None:
     if not delta_kernels.available(device) or key in _warm:
         return
     for itemsize in sorted(set(itemsizes)):
-        dest, gaps, values = torch.zeros(3, 2 * delta_kernels.BLOCK + 16, dtype=INTS[itemsize], device=device)
+        dest, gaps, values = torch.zeros(3, 2 * BLOCK + 16, dtype=INTS[itemsize], device=device)
         apply = GapsApply([(1, gaps.data_ptr(), values.data_ptr(), dest)])
         apply.ends()
         apply.run()

@@ -38,7 +38,10 @@ payloads, on the device that holds the chunks (Note [where a delta is encoded]).
 # when the new tensors change while the bucket is encoded (the trainer's tensors, read in place: Note [a delta
 # read in place] in raysync.core.delta_reference): an element that changed after the compare is not sent and
 # not taken, and the next push compares against what the receivers hold. What the trainer meant is checked
-# apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``).
+# apart from it: verify digests the new tensors, not the reference (raysync.core.delta_push, ``meant``). With
+# the fused kernels and changes found with ``advance``, the GAPS values go into the reference at the compare
+# instead, and the payload takes them from it (Note [the reference advances at the compare] in
+# raysync.core.delta_kernels): the same invariant, without the scatter.
 #
 # Note [the next bucket's compare overlaps this one's copy]
 # (The push session now stages its buckets instead, Note [a bucket is encoded while the one before crosses] in
@@ -74,7 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raysync.core import delta_kernels
+from raysync.core import delta_blocks, delta_kernels
 from raysync.core.delta import (
     GAP_SPAN,
     HEADER_BYTES,
@@ -122,7 +125,7 @@ class Changes:
     # a listing or the kernels' counting not waited for yet (``find_changes(wait=False)``)
     listing: Listing | Counting | None = None
     # a bucket the kernels counted, which they write (``listed``, ``gaps``: None; Note [fused delta kernels])
-    entries: delta_kernels.Counted | None = None
+    entries: delta_blocks.Counted | None = None
 
     def ready(self) -> Changes:
         """The counts, listings and gaps, waiting for a listing or counting under way (its one host sync)."""
@@ -143,15 +146,18 @@ def find_changes(
     sparse: bool = False,
     slot: int = 0,
     wait: bool = True,
+    advance: bool = False,
 ) -> Changes:
     """The compare and count stages of ``encode`` for one bucket (its arguments, ``based``: base_version is not
     None), ending in their one host sync. The masks live in ``space``'s mask ``slot`` (Note [two buckets in
     flight]) until the compare of the bucket after next. ``wait=False``: the sync of a bucket the fused kernels
-    count, or torch's lists, is left to ``Changes.ready`` (one torch's kernels count waits here all the same)."""
+    count, or torch's lists, is left to ``Changes.ready`` (one torch's kernels count waits here all the same).
+    ``advance``: for an ``encode(advance=True)``, the fused kernels' compare advances the references already
+    (Note [the reference advances at the compare] in raysync.core.delta_kernels); elsewhere encode does."""
     views = [(_bits(old, "reference") if old is not None else None, _bits(new, "new")) for old, new in pairs]
     device = _check_pairs(pairs, views)
     if based and delta_kernels.available(device) and any(o is not None for o, _ in views):
-        counting = start_counting(views, space, device, slot)  # Note [fused delta kernels]
+        counting = start_counting(views, space, device, slot, advance)  # Note [fused delta kernels]
         changes = Changes(views, device, based, counting.masks, None, None, None, counting)
         return changes.ready() if wait else changes
     masks, span = compare(views, based, space, device, slot)
@@ -201,11 +207,14 @@ def encode(
         )
     mark = mark or _no_mark
     if changes is None:
-        changes = find_changes(pairs, based=base_version is not None, space=space, sparse=sparse, slot=slot)
+        based = base_version is not None
+        changes = find_changes(pairs, based=based, space=space, sparse=sparse, slot=slot, advance=advance)
         mark("compare")
     elif changes.based != (base_version is not None):
         raise LayoutError("changes found for another base than this encoding's: find them again")
     changes.ready()
+    if changes.entries is not None and changes.entries.advanced and not advance:
+        raise LayoutError("changes found by a compare that advanced the references: encode with advance=True")
     views, device, masks, counts = changes.views, changes.device, changes.masks, changes.counts
     codes = tuple(
         _choose(n.numel(), n.element_size(), c, max_density) for (_, n), c in zip(views, counts, strict=True)
@@ -232,7 +241,11 @@ def encode(
     for code in codes:
         offsets.append(offset)
         offset = _align(offset + code.payload_bytes)
-    fused = changes.entries is not None and target.device == device
+    fused = changes.entries is not None  # the kernels' bitmask: their payloads are written on their device
+    if fused and target.device != device:
+        raise LayoutError(
+            "changes counted by the fused kernels are written on the chunks' device: staged=None"
+        )
     try:
         if fused:  # every GAPS payload at once, queued before the copies that read them
             at = [target.data_ptr() + o for o in offsets]

@@ -15,20 +15,28 @@ it, or with RAYSYNC_DELTA_KERNELS=0, the same work runs as torch's kernels, bit 
 # thread spent 97 ms launching ~70 operations a bucket. Here a bucket's chunks (those with a reference) lie in
 # its mask in whole blocks of BLOCK elements (``Blocks``), so that every block belongs to one chunk:
 # * ``count_blocks``: one pass over the chunks (one launch per kind of chunk: Note [one compare launch a
-#   bucket]) reads their reference and new words, writes the bitmask of entries (changed
-#   elements, and the forced ones at index 65535 mod 65536: Note [delta pushes]) and per block how many entries
-#   it holds and how many forced entries did not change; a running sum of those gives each block's first
-#   entry and each chunk's counts (they cross to the host behind an event: the bucket's one sync). It reads what
-#   torch's ne reads, and took 0.37 ms on a 512 MB bf16 bucket where ne takes 0.35; before it, a listing was
-#   ne, then a count pass over the mask, the forced entries set by index, and the chunks cut by another pass.
+#   bucket]) reads their reference and new words, writes the bitmask of entries (changed elements, and the
+#   forced ones at index 65535 mod 65536: Note [delta pushes]) and per block how many entries it holds and how
+#   many forced entries did not change; a running sum of those gives each block's first entry and each chunk's
+#   counts (they cross to the host behind an event: the bucket's one sync). It reads what torch's ne reads.
 # * ``write_counted``, once the modes are chosen on the host: the GAPS chunks' blocks list their entries' mask
-#   positions (ranked by a cumsum within the block, placed by the running sum), then one kernel per word size
-#   writes every GAPS payload (``write_gaps``): per entry its gap from the entry before it in its chunk, its
-#   value, and the reference's element, from a table of each chunk's addresses (made on the host, crossing with
-#   the launch). Listing after the counts are known needs no cap and no second try for a dense bucket. (Writing
-#   the payloads straight from the mask, one program per block of elements, took 2.1-3.4 ms a bucket against
-#   ~0.7 for listing and then writing per entry: every lane of the block issues the gathers and scatters, 20
-#   times as many as there are entries at 5%. Measured with build variants, docs/benchmarks.md section 12a.)
+#   positions (Note [the listing by rows]), then one kernel per word size writes every GAPS payload
+#   (``write_gaps``): per entry its gap from the entry before it in its chunk and its value, from a table of
+#   each chunk's addresses (made on the host, crossing with the launch). Listing after the counts are known
+#   needs no cap and no second try for a dense bucket. (Writing the payloads straight from the mask, one
+#   program per block of elements, took 2.1-3.4 ms a bucket against ~0.7 for listing and then writing per
+#   entry: every lane issues the gathers and scatters; docs/benchmarks.md section 12a.)
+#
+# Note [the reference advances at the compare]
+# The reference must end a bucket holding what its receivers will (Note [the reference advances by the
+# encoding] in raysync.core.delta_encode). Scattering the GAPS values into it after the write cost 0.22 ms of
+# the write's 0.36 ms on a 512 MB bf16 bucket at 5% on an H200: a store per entry into sectors that no load
+# had brought into the cache. So a push's compare (``advance``) stores the new words that differ into the
+# reference as it reads them (0.12 ms more than the compare), and the write reads the values from the
+# reference: what is sent is what the reference took, even if the tensors change after the compare (read in
+# place). A FULL chunk's bytes still overwrite it; a SAME chunk had nothing to take. A compare that advanced
+# must be followed by its encoding or by the push's failure (the reference is then no version): the sender
+# never compares such a bucket again within the push (raysync.core.delta_push, ``find_ahead``).
 # The receiver's ``GapsApply`` (raysync.core.delta_decode_kernels) sums each block's gaps (the running sum is
 # the index), checks on the device that every payload's last index fits its destination, and one kernel writes
 # the values, none of them unless all fit (the check read back first, or left for ``settle``). What they spare
@@ -41,8 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -52,8 +58,8 @@ try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without i
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK = 4096  # elements a compare or listing block takes; each chunk's mask is padded to whole blocks
-assert 65536 % BLOCK == 0, "a forced entry (index 65535 mod 65536) must end a block"
+from raysync.core.delta_blocks import BLOCK, Blocks, Counted, mask_words
+
 WRITE_BLOCK = 1024  # entries a write or decode block takes
 
 
@@ -90,6 +96,7 @@ if triton is not None:
         WORD: tl.constexpr,
         ALIGNED: tl.constexpr,
         BLOCK: tl.constexpr,
+        ADVANCE: tl.constexpr,
     ):
         g = tl.program_id(0).to(tl.int64)  # the block, in the bucket's mask
         if g == 0:  # column 0 of the sums, before all: a reused buffer's (only differences of the sums are
@@ -109,13 +116,15 @@ if triton is not None:
             k = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
             base = b * BLOCK
             if base + BLOCK <= n:
-                changed = tl.load(old_ptr + base + k) != tl.load(new_ptr + base + k)
+                fresh = tl.load(new_ptr + base + k)
+                changed = tl.load(old_ptr + base + k) != fresh
                 live = k >= 0
             else:
                 live = k < n - base
-                changed = tl.load(old_ptr + base + k, mask=live, other=0) != tl.load(
-                    new_ptr + base + k, mask=live, other=0
-                )
+                fresh = tl.load(new_ptr + base + k, mask=live, other=0)
+                changed = tl.load(old_ptr + base + k, mask=live, other=0) != fresh
+            if ADVANCE:  # Note [the reference advances at the compare]
+                tl.store(old_ptr + base + k, fresh, mask=changed)
             # Note [delta pushes]: every index 65535 mod 65536 of a chunk is an entry; BLOCK divides 65536, so
             # it is the last element of every (65536 / BLOCK)-th block
             spans = 65536 // BLOCK
@@ -195,9 +204,10 @@ def warm(device: torch.device, itemsizes) -> None:
             pairs = [(reference[: BLOCK + 1], new[skew : skew + BLOCK + 1])]
             blocks = Blocks.of([BLOCK + 1], device)
             slab = torch.empty(blocks.elements, dtype=torch.uint8, device=device)
-            counted = count_blocks(pairs, mask_words(slab, blocks), blocks)
-            row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
-            write_counted(pairs, row, counted, advance=True)
+            for advance in (False, True):  # a push's compare advances the reference (Note [the ...compare])
+                counted = count_blocks(pairs, mask_words(slab, blocks), blocks, advance=advance)
+                row = [(counted.entries(0), payload.data_ptr(), payload[BLOCK:].data_ptr())]
+                write_counted(pairs, row, counted, advance=True)
     if device.type == "cuda":  # (Triton's interpreter runs them on the CPU)
         torch.cuda.synchronize(device)
     _warm.add(key)
@@ -206,77 +216,15 @@ def warm(device: torch.device, itemsizes) -> None:
 _warm: set = set()
 
 
-@dataclass(frozen=True)
-class Blocks:
-    """A bucket's chunks (those with a reference) laid out in whole blocks of BLOCK elements, one after the
-    other in its mask: chunk j's element i at ``firsts[j] * BLOCK + i``, every block in one chunk. Made once
-    per bucket shape (``Workspace.spans`` keeps them)."""
-
-    firsts: tuple[int, ...]  # each chunk's first block, then the blocks of all
-    bounds: torch.Tensor  # the same, int64 on the device
-    chunk_of: torch.Tensor  # int32 [blocks]: each block's chunk
-
-    @classmethod
-    def of(cls, sizes: Sequence[int], device: torch.device) -> Blocks:
-        firsts = [0]
-        for n in sizes:
-            firsts.append(firsts[-1] + triton.cdiv(n, BLOCK))
-        spans = torch.tensor(firsts, dtype=torch.int64)
-        chunk_of = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), spans.diff())
-        return cls(tuple(firsts), spans.to(device), chunk_of.to(device))
-
-    @property
-    def elements(self) -> int:
-        """The mask's elements: every block's."""
-        return self.firsts[-1] * BLOCK
-
-
-@dataclass
-class Counted:
-    """A bucket's compare on the device (``count_blocks``): its bitmask (entries: changed elements and the
-    forced ones) and per block the entries before it (``sums[0]``) and the unchanged forced ones (``sums[1]``, plus
-    every entry: only its differences are read);
-    ``cut``, where each chunk's entries begin (and their end), and ``forced`` per chunk, once on the host."""
-
-    mask: torch.Tensor  # int32 words, one bit an element of the blocks (``mask_words``)
-    blocks: Blocks
-    sums: torch.Tensor  # int64 [2, blocks + 1]
-    cut: list[int] | None = None
-    forced: list[int] | None = None
-
-    def picked(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The entries and unchanged forced ones before each chunk's first block, and before the end: [2,
-        chunks + 1], on the device (``crossed`` takes them on the host), into ``out`` when given."""
-        if out is None:
-            return self.sums[:, self.blocks.bounds]
-        return torch.index_select(self.sums, 1, self.blocks.bounds, out=out)
-
-    def crossed(self, host: list[int]) -> Counted:
-        chunks = len(self.blocks.firsts)
-        self.cut = host[:chunks]
-        self.forced = [b - a for a, b in zip(host[chunks:-1], host[chunks + 1 :], strict=True)]
-        return self
-
-    def entries(self, j: int) -> int:
-        """Chunk j's entries (changed and forced), from the device: a host sync (``warm``'s)."""
-        if self.cut is None:
-            self.crossed(self.picked().reshape(-1).tolist())
-        return self.cut[j + 1] - self.cut[j]
-
-
-def mask_words(slab: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """The bitmask of ``blocks`` in a mask's buffer (bool or uint8, at least ``blocks.elements``: it holds one
-    byte an element for torch's path): its first ``blocks.elements / 8`` bytes, as int32 words. Element i of
-    the blocks is bit i % 32 of word i // 32."""
-    return slab.view(torch.uint8)[: blocks.elements // 8].view(torch.int32)
-
-
-def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor | None = None) -> Counted:
+def count_blocks(
+    pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor | None = None, advance: bool = False
+) -> Counted:
     """Compare each (reference, new) word pair (the chunks with a reference, in ``blocks``' order) into the
     bitmask ``mask`` (``mask_words``) and count its entries by block: one pass over the chunks, a launch
     per kind of chunk (Note [one compare launch a bucket]), then the blocks' running sums, into ``sums`` (int64
     [2, blocks + 1] on the device: a workspace's, reused) or a new tensor. No host sync (Note [fused delta
-    kernels])."""
+    kernels]). ``advance``: each reference takes the new words that differ from it, in the same pass (Note [the
+    reference advances at the compare])."""
     device = mask.device
     columns = blocks.firsts[-1] + 1
     if sums is None:
@@ -297,11 +245,12 @@ def count_blocks(pairs, mask: torch.Tensor, blocks: Blocks, sums: torch.Tensor |
                     WORD=TL_INTS[itemsize],
                     ALIGNED=aligned,
                     BLOCK=BLOCK,
+                    ADVANCE=advance,
                 )
     # one running sum over both rows, flat: row 1's sums then carry row 0's total, which its differences (the
     # forced ones per chunk) drop; a scan along rows of 2 x 65537 took 0.11 ms a 512 MB bucket on an H200
     sums.view(-1).cumsum_(0)
-    return Counted(mask, blocks, sums)
+    return Counted(mask, blocks, sums, advanced=advance)
 
 
 def _compare_table(pairs, blocks: Blocks, device: torch.device) -> tuple[torch.Tensor | None, list]:
@@ -336,8 +285,11 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None)
     new) word views and its payload's (entries, address of its gaps, of its values) on the chunks' device, or
     None for a chunk that goes another way. The GAPS chunks' entries are listed from the mask (their mask
     positions, increasing, one launch), then each entry's gap, value and, with ``advance``, the reference's
-    element set to it are written (one launch per word size). ``upload(words, device)``: how the table
-    reaches the device (a workspace's kept buffers: raysync.core.delta_workspace.HostWords), else ``to_device``."""
+    element set to it are written (one launch per word size); a bucket whose compare advanced the references
+    has its values read from them (what the compare found) and nothing scattered (Note [the reference advances
+    at the compare]). ``upload(words, device)``: how the table reaches the device (a workspace's kept buffers:
+    raysync.core.delta_workspace.HostWords), else ``to_device``."""
+    assert advance or not counted.advanced, "the compare advanced the references: the encoding must"
     firsts, cut, device = counted.blocks.firsts, counted.cut, counted.mask.device
     listed, rows, at = [[0, 0] for _ in pairs], {}, 0
     for j, ((old, new), payload) in enumerate(zip(pairs, payloads, strict=True)):
@@ -346,7 +298,8 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None)
         count, gaps, values = payload
         assert cut[j + 1] - cut[j] == count, "a chunk's entries are not its count's"
         listed[j] = [1, at - cut[j]]
-        row = [at, count, firsts[j] * BLOCK, new.data_ptr(), old.data_ptr(), gaps, values, 0]
+        source = old if counted.advanced else new  # the values: what the compare found
+        row = [at, count, firsts[j] * BLOCK, source.data_ptr(), old.data_ptr(), gaps, values, 0]
         rows.setdefault(new.element_size(), []).append(row)
         at += count
     if not rows:
@@ -371,7 +324,8 @@ def write_counted(pairs, payloads, counted: Counted, advance: bool, upload=None)
         )
     at = 2 * len(listed)
     for itemsize, same in groups:
-        write_gaps(index, table[at : at + 8 * len(same)], max(r[1] for r in same), itemsize, advance)
+        scatter = advance and not counted.advanced
+        write_gaps(index, table[at : at + 8 * len(same)], max(r[1] for r in same), itemsize, scatter)
         at += 8 * len(same)
 
 

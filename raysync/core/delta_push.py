@@ -318,25 +318,24 @@ class Reference:
         """Once bucket k is staged, start finding the changes of the two buckets after it (Notes [the next
         bucket's compare overlaps this one's copy] and [two buckets in flight] in raysync.core.delta_encode):
         only buckets read in place, which need no packing (packing one into the scratch would overwrite what
-        verify digests of the bucket before). A failure here is left for that bucket's encode to meet again,
-        at its own stage."""
+        verify digests of the bucket before). A failure here fails the push: a compare may have advanced the
+        reference already (Note [the reference advances at the compare] in raysync.core.delta_kernels), and
+        comparing that bucket again would find none of those changes; a failed push leaves the reference at no
+        version, so the next push is full."""
         for j in (k + 1, k + 2):
             pairs = self._read_in_place(j) if j < len(self._ref.offsets) - 1 else None
             if pairs is None or j in self._ahead:
                 continue
             sparse, self._ref.sparse[j] = self._ref.sparse[j], False
-            try:
-                self._ahead[j] = find_changes(
-                    pairs,
-                    based=self._on_time(j),
-                    space=self._ref.space,
-                    sparse=sparse,
-                    slot=j % 2,
-                    wait=False,
-                )
-            except Exception:
-                logger.debug("bucket %d: its changes are found again by its own encode", j, exc_info=True)
-                return
+            self._ahead[j] = find_changes(
+                pairs,
+                based=self._on_time(j),
+                space=self._ref.space,
+                sparse=sparse,
+                slot=j % 2,
+                wait=False,
+                advance=True,  # Note [the reference advances at the compare] in delta_kernels
+            )
 
     def _read_in_place(self, k: int) -> list | None:
         """Bucket k's (reference, trainer's tensor) chunk pairs when it is read in place, else None."""

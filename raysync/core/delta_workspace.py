@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raysync.core.delta_kernels import BLOCK, Blocks
+from raysync.core.delta_blocks import BLOCK, Blocks
 
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
 SLOTS = 2  # staging buffers: Note [a bucket is encoded while the one before crosses]
@@ -56,7 +56,7 @@ class Workspace:
     mask: torch.Tensor  # bool, at least the bucket's elements
     # the same, for the buckets that compare into slot 1 (Note [two buckets in flight] in delta_encode)
     second_mask: torch.Tensor | None = None
-    # by a bucket's chunk sizes: SpanLayout (torch's listing, delta_changes), delta_kernels.Blocks under
+    # by a bucket's chunk sizes: SpanLayout (torch's listing, delta_changes), delta_blocks.Blocks under
     # ("blocks", sizes) (``blocks``); and under ("masks", slot) that slot's mask and its chunk slices by shape
     # (``chunk_masks``)
     spans: dict = field(default_factory=dict)
@@ -72,12 +72,12 @@ class Workspace:
     @classmethod
     def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
         """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each (a chunk's
-        mask rounded up to whole blocks of the fused kernels, raysync.core.delta_kernels.Blocks)."""
+        mask rounded up to whole blocks of the fused kernels, raysync.core.delta_blocks.Blocks)."""
         elements = max((sum(n + BLOCK - 1 for n, _ in chunks) for chunks in sizes), default=0)
         return cls(torch.empty(elements, dtype=torch.bool, device=device))
 
     def blocks(self, sizes: tuple[int, ...], device: torch.device) -> Blocks:
-        """The fused kernels' layout of a bucket whose chunks have ``sizes`` elements (delta_kernels.Blocks),
+        """The fused kernels' layout of a bucket whose chunks have ``sizes`` elements (delta_blocks.Blocks),
         made once: its two small copies to the device wait for the stream."""
         key = ("blocks", sizes)
         if key not in self.spans:
@@ -313,7 +313,7 @@ def chunk_masks(
 ) -> list:
     """Each chunk's part of the mask ``slab`` as the fused kernels lay it out (the j-th chunk with a reference
     from block ``firsts[j]``; None for a chunk of no reference, whose size is None): a bool per element, or
-    with ``bits`` the int32 words of the kernels' bitmask in the same buffer (delta_kernels.mask_words)."""
+    with ``bits`` the int32 words of the kernels' bitmask in the same buffer (delta_blocks.mask_words)."""
     at, masks = iter(firsts), []
     if bits:
         words = slab.view(torch.uint8)[: firsts[-1] * BLOCK // 8].view(torch.int32)

@@ -149,6 +149,7 @@ class SenderStream:
                     stage = f"pack bucket {k}/{count}"
                 self._publish(k, bar)
                 if staging:
+                    stage = f"compare the buckets after {k + 1}/{count}"
                     self._ref.find_ahead(k + 1)
                 logger.debug("bucket %d: %d chunks, %d bytes", k, len(bucket.chunks), bucket.nbytes)
             stage = "verify" if self._digests is not None else "finish"
