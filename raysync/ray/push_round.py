@@ -132,7 +132,7 @@ class PushRound:
             for j, r in answer.items():
                 if type(r) is not EndpointResult or r.failure is not None:
                     return None
-                if role == "sender":
+                if role == "sender" and r.report is not None:  # as _read_senders reads it
                     pairs.append(PairReport(i, j, transports[i, j], r.report.bytes, r.report.seconds))
         pairs.sort(key=lambda p: p.receiver)
         return SyncReport(self.version, time.perf_counter() - started, tuple(pairs), rounds=rounds)
