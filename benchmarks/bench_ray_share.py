@@ -138,11 +138,11 @@ def _wrap(owner: Any, attr: str, before: str | None, after: str | None) -> None:
 def instrument_actor(actor: Any) -> None:
     """In an actor (through __ray_call__): its endpoint functions, and its push loop's wake-up, answer, send."""
     from raysync.core import control
-    from raysync.ray import endpoint, loop_channel, push_loop
+    from raysync.ray import endpoint, loop_channel, loop_member
 
     _wrap(endpoint, "sender_push", "work starts", "work done")
     _wrap(endpoint, "_receive", "work starts", "work done")
-    _wrap(push_loop, "_run", None, "encoded")
+    _wrap(loop_member, "_run", None, "encoded")
     channel = control.Channel
     if not getattr(channel.send, "_stamped", False):  # the receiver's PushDone, handed to its socket
         send_msg = channel.send

@@ -27,8 +27,9 @@ WeightSync is the facade over the pieces, each in its module:
     connections.py  PairConnections: the plan, each pair's session, repair of the pairs a push broke
     push_round.py   PushRound: one push across every pair at once, into a SyncReport or a SyncError
     push_graph.py   PushGraph: the push round as one compiled Ray graph, rebuilt when the connections change
-    push_loop.py    PushLoops: push rounds through a loop in each actor (the default), over loop_channel.py's
-                    sockets; call_order.py: a round behind the driver's own pending calls goes through calls
+    push_loop.py    PushLoops: push rounds through a loop in each actor (the default; loop_member.py, the
+                    actor's side), over loop_channel.py's sockets; call_order.py: a round behind the driver's
+                    own pending calls goes through calls
     staged_round.py StagedPushes: a push staged on every receiver, its flip (all or nothing), its discard
     results.py      what the actors answer the driver (EndpointResult, ...); report.py what push returns
 """

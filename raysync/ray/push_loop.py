@@ -2,7 +2,7 @@
 thread) that waits on raysync's own control channel for the driver's "push version v": a round costs the driver a
 signed frame out and one back per actor, not a Ray call's submission, scheduling and answer.
 
-    driver (PushLoops, loop_channel.DriverEnd)      each member actor (_serve, on a thread of its own)
+    driver (PushLoops, loop_channel.DriverEnd)      each member actor (loop_member._serve, a thread of its own)
     listens ─── go [round, version] ─────────>  MemberEnd  endpoint.sender_round / endpoint.receiver_round, as
             <── answer [round, results] ──────             a compiled graph's tasks run them: EndpointResults
 
@@ -41,106 +41,35 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 # us from push() until its gos were sent when it took that answer first, 104-161 us taking it during the round.
 # The sender's tensors are free when push() returns: a receiver answers after its reads ended (direct mode) and
 # the sender packs every bucket before PushDone (a ring).
+#
+# Note [the driver looks, near a round's end]
+# A round's last answer wakes the driver from its wait on the channel's sockets: on the H200's host, 0.19-0.24 ms
+# from the receiver's answer made to push()'s return (docs/benchmarks.md section 10), of which the wake-up is
+# part. So near the time the last round took (``_expected``), the driver looks without sleeping: from
+# SPIN_BEFORE_S before it to SPIN_AFTER_S after it, then it sleeps in the wait again. A round over SPIN_UP_TO_S
+# (a large model, a slow plane) never spins: the wake-up is nothing beside it. At most ~2.5 ms of one core a push.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import threading
 import time
-import traceback
 from typing import Any
 
 from raysync.core import errors
 from raysync.ray import call_order
-from raysync.ray import endpoint as ep
 from raysync.ray.actors import Key, SyncActors
 from raysync.ray.connections import PairConnections
-from raysync.ray.loop_channel import DriverEnd, MemberEnd
-from raysync.ray.loop_wire import Codec, from_wire, to_wire
+from raysync.ray.loop_channel import DriverEnd
+from raysync.ray.loop_member import loop_alive, start_loop, stop_loops
+from raysync.ray.loop_wire import Codec, from_wire
 from raysync.ray.push_graph import GraphKeeper, GraphTimedOut, PushGraph
 from raysync.ray.results import EndpointResult
 
 logger = logging.getLogger(__name__)
 
-_MAX_DRIVER_FRAME = 4096  # what a loop takes from the driver: go, stop
 _MAX_ANSWER_FRAME = 64 << 20  # what the driver takes from a loop (failures carry tracebacks)
-_IDLE_POLL_S = 1.0  # an idle loop looks whether close() stopped it this often
-_ANSWER_SEND_S = 60.0  # how long an answer may wait for the driver to read it (a late one: the next push's)
-_LOOPS = "_raysync_loops"  # on the actor: (sync_id, member) -> (its thread, the Event that stops it)
-
-
-# --- inside the actor -------------------------------------------------------------------------------------------------
-def start_loop(actor: Any, sync_id: str, member: str, job: tuple, address: str, secret: bytes) -> None:
-    """(Re)start this actor's push loop as ``member`` of WeightSync ``sync_id`` (through ``__ray_call__``); it has
-    connected and said hello when this returns. ``job``: ("sender", its receivers) or ("receiver", its slots)."""
-    import torch
-
-    stop_loops(actor, sync_id, member, 0.0)  # an earlier one has lost its driver: it is ending
-    codec = Codec(secret, member, "actor")
-    hello = codec.encode("hello", [os.getpid()])
-    # made here, then used by the loop's thread only
-    end = MemberEnd.connect(address, member, hello, _MAX_DRIVER_FRAME, timeout_s=30.0)
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # the thread works there
-    stop = threading.Event()
-    args = (actor, sync_id, job, end, codec, device, stop)
-    thread = threading.Thread(target=_serve, args=args, name=f"raysync-push-loop-{member}", daemon=True)
-    actor.__dict__.setdefault(_LOOPS, {})[(sync_id, member)] = (thread, stop)
-    thread.start()
-
-
-def _serve(actor: Any, sync_id: str, job: tuple, end: MemberEnd, codec: Codec, device, stop) -> None:
-    try:
-        if device is not None:
-            import torch
-
-            torch.cuda.set_device(device)
-        while not stop.is_set():
-            frame = end.recv(_IDLE_POLL_S)
-            if frame is None:
-                continue
-            try:
-                kind, body = codec.decode(frame)
-            except errors.WireError as e:
-                logger.warning("a push loop dropped a frame: %s", e)
-                continue
-            if kind == "stop":
-                break
-            if kind == "go" and len(body) == 2 and all(type(v) is int for v in body):
-                end.send(_run(codec, actor, sync_id, job, *body), _ANSWER_SEND_S)
-    except (OSError, errors.WireError) as e:  # the driver's end closed (or died), or sent too much
-        logger.info("a push loop of WeightSync %s ended: %s", sync_id, e)
-    finally:
-        end.close()
-
-
-def _run(codec: Codec, actor: Any, sync_id: str, job: tuple, round_: int, version: int) -> bytes:
-    """This member's part of the round, as the frame that answers it."""
-    role, members = job
-    try:
-        run = ep.sender_round if role == "sender" else ep.receiver_round
-        return codec.encode("answer", [round_, to_wire(run(actor, version, sync_id, list(members)))])
-    except Exception as e:  # the endpoint functions answer failures themselves: this is anything else
-        text = "".join(traceback.format_exception(e))
-        return codec.encode("failed", [round_, f"{type(e).__name__}: {e}", text])
-
-
-def stop_loops(actor: Any, sync_id: str, member: str, timeout_s: float) -> bool:
-    """End this actor's push loop as ``member`` of ``sync_id``; returns whether it still runs after ``timeout_s``
-    (busy with a push that has not ended)."""
-    thread, stop = actor.__dict__.get(_LOOPS, {}).pop((sync_id, member), (None, None))
-    if thread is None:
-        return False
-    stop.set()
-    thread.join(timeout_s)
-    return thread.is_alive()
-
-
-def loop_alive(actor: Any, sync_id: str, member: str) -> bool:
-    thread, _ = actor.__dict__.get(_LOOPS, {}).get((sync_id, member), (None, None))
-    return thread is not None and thread.is_alive()
 
 
 # --- on the driver ----------------------------------------------------------------------------------------------------
@@ -176,6 +105,9 @@ class PushLoops:
         self._end: DriverEnd | None
         self._end, secret = _driver_end(self.keys, nodes)
         self._round, self.alive = 0, False
+        self._expected: float | None = (
+            None  # the last round's time, go to enough (Note [the driver looks, ...])
+        )
         self._version, self._owed, self._check_now = 0, set(), False  # Note [the senders' answers, late]
         # the last round's owed keys, their answers taken during this round, its version
         self._late: tuple[set, dict, int] = (set(), {}, 0)
@@ -217,14 +149,22 @@ class PushLoops:
                 end.send(key, "go", [self._round, version])
             except ConnectionError:  # no connection to that loop: ask Ray why, now
                 self._check_now = True
-        self._late, by = (late, {}, self._version), time.monotonic() + self._timeout_s
+        sent = time.monotonic()
+        self._late, by = (late, {}, self._version), sent + self._timeout_s
+        expected, self._expected = self._expected, None
+        spin = None
+        if expected is not None and expected <= SPIN_UP_TO_S:  # Note [the driver looks, near a round's end]
+            spin = (sent + expected - SPIN_BEFORE_S, sent + expected + SPIN_AFTER_S)
         try:
             self._await(
                 answers,
                 version,
                 deadline,
                 lambda: self._late_in(answers, by) and self._early(answers, version),
+                spin,
             )
+            if all(_all_ok(a) for a in answers.values()):
+                self._expected = time.monotonic() - sent
         finally:
             self._found |= {k: a for k, a in self._late[1].items() if not _all_ok(a)}
             self._late = (set(), {}, 0)
@@ -258,8 +198,9 @@ class PushLoops:
             self.teardown()
         return found | bad
 
-    def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough) -> None:
-        """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place."""
+    def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough, spin=None) -> None:
+        """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place.
+        ``spin``: (from, to), when the driver looks without sleeping (Note [the driver looks, near ...])."""
         self._version, end = version, self._end
         next_check = 0.0 if self._check_now else time.monotonic() + self._timeout_s
         self._check_now = False
@@ -268,7 +209,12 @@ class PushLoops:
             if now >= deadline:
                 self.teardown()
                 raise GraphTimedOut([k for k in self.keys if k not in answers])
-            if end.wait(min(deadline, next_check) - now):
+            wait = min(deadline, next_check) - now
+            if (
+                spin is not None and now < spin[1]
+            ):  # asleep until the window opens, then a look without a wait
+                wait = min(wait, max(spin[0] - now, 0.0))
+            if end.wait(wait):
                 self._take(answers, version)
             if end.dropped:  # a member's connection closed: ask Ray at once
                 end.dropped = False
@@ -373,6 +319,11 @@ class PushLoops:
         running = {k: a for k, a in said.items() if a is not False and not isinstance(a, errors.ActorGone)}
         if running:  # busy past timeout_s, or not answering: their next push fails
             logger.warning("push loops of WeightSync %s not stopped: %s", self.sync_id, running)
+
+
+SPIN_BEFORE_S = 0.0005  # Note [the driver looks, near a round's end]
+SPIN_AFTER_S = 0.002
+SPIN_UP_TO_S = 0.05
 
 
 def _all_ok(answer: Any) -> bool:

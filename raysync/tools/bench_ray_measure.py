@@ -17,7 +17,7 @@ import torch
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender, WeightSync
 from raysync.core.errors import SessionClosed
-from raysync.ray import loop_channel, push_loop
+from raysync.ray import loop_channel, loop_member
 from raysync.ray.endpoint import applied_version
 from raysync.tools.bench import checksum, floor_s
 from raysync.tools.models import allocate
@@ -32,7 +32,7 @@ class Holder:
         self.device = device
         self.tensors = allocate(layout, device=device, fill=fill)
         self.stamps: dict[str, float] = {}
-        run = push_loop._run  # a loop's round, stamped: its go decoded, its answer made (to be sent)
+        run = loop_member._run  # a loop's round, stamped: its go decoded, its answer made (to be sent)
 
         def stamped(codec, actor, *args):
             actor.stamps["go"] = time.monotonic()
@@ -41,7 +41,7 @@ class Holder:
             finally:
                 actor.stamps["answer"] = time.monotonic()
 
-        push_loop._run = stamped
+        loop_member._run = stamped
 
     def checksum(self) -> float:
         return checksum(self.tensors)
