@@ -455,33 +455,3 @@ def test_a_senders_late_answer_is_taken_in_the_next_round_and_one_that_never_com
     assert isinstance(late, PeerTimeout) and answers == {("sender", 1): late} and "sender #1" in str(late)
     loops._late = (owed, {("sender", 0): ok, ("sender", 1): ok}, 6)
     assert loops._late_in({}, now + 60)  # both in
-
-
-def test_the_driver_looks_without_sleeping_only_near_the_time_the_last_round_took():
-    """Note [the driver looks, near a round's end]: asleep in the channel's wait until the window opens, looks
-    without a wait inside it, and asleep until the next check with no window (no earlier round measured)."""
-    from raysync.ray.push_loop import PushLoops
-
-    waits = []
-
-    class End:
-        dropped = False
-
-        def wait(self, timeout_s):
-            waits.append(timeout_s)
-            return False
-
-    loops = object.__new__(PushLoops)
-    loops._end, loops.keys, loops._timeout_s, loops._check_now = End(), [("sender", 0)], 30.0, False
-    now = time.monotonic()
-    for spin, looks in (((now + 10, now + 20), "asleep"), ((now - 1, now + 5), "looks"), (None, "check")):
-        waits.clear()
-        turns = iter([False, True])
-        loops._await({}, 1, now + 60, lambda turns=turns: next(turns), spin)
-        assert len(waits) == 1
-        if looks == "asleep":  # until the window opens
-            assert 9 < waits[0] <= 10
-        elif looks == "looks":
-            assert waits[0] == 0.0
-        else:  # until the next question to Ray, timeout_s away
-            assert 25 < waits[0] <= 30

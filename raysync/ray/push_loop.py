@@ -41,13 +41,6 @@ signed frame out and one back per actor, not a Ray call's submission, scheduling
 # us from push() until its gos were sent when it took that answer first, 104-161 us taking it during the round.
 # The sender's tensors are free when push() returns: a receiver answers after its reads ended (direct mode) and
 # the sender packs every bucket before PushDone (a ring).
-#
-# Note [the driver looks, near a round's end]
-# A round's last answer wakes the driver from its wait on the channel's sockets: on the H200's host, 0.19-0.24 ms
-# from the receiver's answer made to push()'s return (docs/benchmarks.md section 10), of which the wake-up is
-# part. So near the time the last round took (``_expected``), the driver looks without sleeping: from
-# SPIN_BEFORE_S before it to SPIN_AFTER_S after it, then it sleeps in the wait again. A round over SPIN_UP_TO_S
-# (a large model, a slow plane) never spins: the wake-up is nothing beside it. At most ~2.5 ms of one core a push.
 """
 
 from __future__ import annotations
@@ -105,9 +98,6 @@ class PushLoops:
         self._end: DriverEnd | None
         self._end, secret = _driver_end(self.keys, nodes)
         self._round, self.alive = 0, False
-        self._expected: float | None = (
-            None  # the last round's time, go to enough (Note [the driver looks, ...])
-        )
         self._version, self._owed, self._check_now = 0, set(), False  # Note [the senders' answers, late]
         # the last round's owed keys, their answers taken during this round, its version
         self._late: tuple[set, dict, int] = (set(), {}, 0)
@@ -149,22 +139,14 @@ class PushLoops:
                 end.send(key, "go", [self._round, version])
             except ConnectionError:  # no connection to that loop: ask Ray why, now
                 self._check_now = True
-        sent = time.monotonic()
-        self._late, by = (late, {}, self._version), sent + self._timeout_s
-        expected, self._expected = self._expected, None
-        spin = None
-        if expected is not None and expected <= SPIN_UP_TO_S:  # Note [the driver looks, near a round's end]
-            spin = (sent + expected - SPIN_BEFORE_S, sent + expected + SPIN_AFTER_S)
+        self._late, by = (late, {}, self._version), time.monotonic() + self._timeout_s
         try:
             self._await(
                 answers,
                 version,
                 deadline,
                 lambda: self._late_in(answers, by) and self._early(answers, version),
-                spin,
             )
-            if all(_all_ok(a) for a in answers.values()):
-                self._expected = time.monotonic() - sent
         finally:
             self._found |= {k: a for k, a in self._late[1].items() if not _all_ok(a)}
             self._late = (set(), {}, 0)
@@ -198,9 +180,8 @@ class PushLoops:
             self.teardown()
         return found | bad
 
-    def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough, spin=None) -> None:
-        """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place.
-        ``spin``: (from, to), when the driver looks without sleeping (Note [the driver looks, near ...])."""
+    def _await(self, answers: dict[Key, Any], version: int, deadline: float, enough) -> None:
+        """Take the answers to this round until ``enough()``; members lost get Ray's verdict in their place."""
         self._version, end = version, self._end
         next_check = 0.0 if self._check_now else time.monotonic() + self._timeout_s
         self._check_now = False
@@ -209,12 +190,7 @@ class PushLoops:
             if now >= deadline:
                 self.teardown()
                 raise GraphTimedOut([k for k in self.keys if k not in answers])
-            wait = min(deadline, next_check) - now
-            if (
-                spin is not None and now < spin[1]
-            ):  # asleep until the window opens, then a look without a wait
-                wait = min(wait, max(spin[0] - now, 0.0))
-            if end.wait(wait):
+            if end.wait(min(deadline, next_check) - now):
                 self._take(answers, version)
             if end.dropped:  # a member's connection closed: ask Ray at once
                 end.dropped = False
@@ -319,11 +295,6 @@ class PushLoops:
         running = {k: a for k, a in said.items() if a is not False and not isinstance(a, errors.ActorGone)}
         if running:  # busy past timeout_s, or not answering: their next push fails
             logger.warning("push loops of WeightSync %s not stopped: %s", self.sync_id, running)
-
-
-SPIN_BEFORE_S = 0.0005  # Note [the driver looks, near a round's end]
-SPIN_AFTER_S = 0.002
-SPIN_UP_TO_S = 0.05
 
 
 def _all_ok(answer: Any) -> bool:
