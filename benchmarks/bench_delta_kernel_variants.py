@@ -16,9 +16,9 @@ import json
 import torch
 import triton
 import triton.language as tl
-from common import timed_cuda
+from common import counted_bucket, timed_cuda
 
-from raysync.core import delta_blocks, delta_kernels
+from raysync.core import delta_kernels
 
 BLOCK = 4096
 
@@ -71,15 +71,9 @@ def wr_k(
 def main():
     dev = torch.device("cuda")
     n = 256 << 20
-    g = torch.Generator(device=dev).manual_seed(0)
-    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=g)
-    old = torch.where(torch.rand(n, device=dev, generator=g) < 0.05, new + 1, new)
-    layout = delta_blocks.Blocks.of([n], dev)
-    blocks, mask = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
+    old, new, layout, mask, counted = counted_bucket(n)
+    blocks, words, sums = n // BLOCK, counted.mask, counted.sums
     res = {"torch ne": timed_cuda(lambda: torch.ne(old, new, out=mask.view(torch.bool)), 20)}
-    words = delta_blocks.mask_words(mask, layout)
-    counted = delta_kernels.count_blocks([(old, new)], words, layout)
-    sums = counted.sums
 
     def compare():  # raysync's compare, its blocks' running sums included
         delta_kernels.count_blocks([(old, new)], words, layout)

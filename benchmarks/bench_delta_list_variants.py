@@ -29,7 +29,7 @@ import json
 import torch
 import triton
 import triton.language as tl
-from common import timed_cuda
+from common import counted_bucket, timed_cuda
 
 from raysync.core import delta_blocks, delta_kernels
 
@@ -98,13 +98,8 @@ def store_only(mask_ptr, index_ptr, BLOCK: tl.constexpr):
 def main():
     dev = torch.device("cuda")
     n = 256 << 20
-    gen = torch.Generator(device=dev).manual_seed(0)
-    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=gen)
-    old = torch.where(torch.rand(n, device=dev, generator=gen) < 0.05, new + 1, new)
-    layout = delta_blocks.Blocks.of([n], dev)
-    blocks, slab = n // BLOCK, torch.empty(n, dtype=torch.uint8, device=dev)
-    words = delta_blocks.mask_words(slab, layout)  # the kernels' bitmask
-    counted = delta_kernels.count_blocks([(old, new)], words, layout)
+    old, new, layout, slab, counted = counted_bucket(n)
+    blocks, words = n // BLOCK, counted.mask  # the kernels' bitmask
     sums, entries = counted.sums, int(counted.sums[0, -1])
     # the same entries as a byte mask (one byte an element), which the variants before the bitmask read
     mask = (

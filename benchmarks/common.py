@@ -53,3 +53,19 @@ def emit(result: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def counted_bucket(n: int, density: float = 0.05, seed: int = 0) -> tuple:
+    """For the delta kernels' benchmarks, on the current GPU: (old, new, layout, slab, counted): ``n`` random
+    int16 words (a bf16 bucket's bits) as ``new``, ``old`` a copy with about ``density`` of them changed, the
+    bucket's blocks, a mask buffer of ``n`` bytes and the kernels' compare of the two (its bitmask in the slab)."""
+    from raysync.core import delta_blocks, delta_kernels
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    new = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev, generator=gen)
+    old = torch.where(torch.rand(n, device=dev, generator=gen) < density, new + 1, new)
+    layout = delta_blocks.Blocks.of([n], dev)
+    slab = torch.empty(n, dtype=torch.uint8, device=dev)
+    counted = delta_kernels.count_blocks([(old, new)], delta_blocks.mask_words(slab, layout), layout)
+    return old, new, layout, slab, counted
