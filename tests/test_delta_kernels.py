@@ -355,3 +355,12 @@ def test_the_fused_kernels_write_what_torchs_kernels_write_on_a_gpu(monkeypatch)
     a_sink_settles_a_refused_bucket_before_it_commits("cuda")
     edge_buckets_write_what_torchs_kernels_write("cuda")
     two_buckets_in_flight("cuda")
+
+
+def test_a_mask_buffer_too_small_for_the_bitmask_is_refused_before_a_kernel_writes_past_it():
+    from raysync.core import delta_blocks
+
+    blocks = delta_blocks.Blocks.of([5000, 100], torch.device("cpu"))  # 3 blocks: 12288 bits, 384 words
+    assert delta_blocks.mask_words(torch.empty(blocks.elements // 8, dtype=torch.bool), blocks).numel() == 384
+    with pytest.raises(ValueError, match="bitmask"):
+        delta_blocks.mask_words(torch.empty(blocks.elements // 8 - 1, dtype=torch.bool), blocks)

@@ -79,7 +79,10 @@ class Counted:
 
 
 def mask_words(slab: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """The bitmask of ``blocks`` in a mask's buffer (bool or uint8, at least ``blocks.elements``: it holds one
-    byte an element for torch's path): its first ``blocks.elements / 8`` bytes, as int32 words. Element i of
+    """The bitmask of ``blocks`` in a mask's buffer (bool or uint8, at least ``blocks.elements / 8`` bytes; torch's
+    path holds a byte an element there): its first ``blocks.elements / 8`` bytes, as int32 words. Element i of
     the blocks is bit i % 32 of word i // 32."""
-    return slab.view(torch.uint8)[: blocks.elements // 8].view(torch.int32)
+    words = slab.view(torch.uint8)[: blocks.elements // 8]
+    if words.numel() < blocks.elements // 8:  # the kernels would write past it
+        raise ValueError(f"a mask of {slab.numel()} bytes for a bitmask of {blocks.elements // 8}")
+    return words.view(torch.int32)

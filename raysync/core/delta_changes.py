@@ -169,7 +169,7 @@ def start_counting(
     based = [(o, n) for o, n in views if o is not None]
     sizes = tuple(n.numel() for _, n in based)
     blocks = space.blocks(sizes, device) if space is not None else delta_blocks.Blocks.of(sizes, device)
-    slab = _slab(space, slot, blocks.elements, device)
+    slab = _slab(space, slot, blocks.elements // 8, device)  # the bitmask's bytes (delta_blocks.mask_words)
     shape = tuple(None if o is None else n.numel() for o, n in views)
     if space is not None:  # made once per bucket shape (Note [the sender's small tables are kept])
         sums, picked, host = space.counting(slot, blocks, device)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raysync.core import delta_kernels
 from raysync.core.delta_blocks import BLOCK, Blocks
 
 COPY_RUN_BYTES = 4 << 20  # a staged encoding crosses in copies of at least this, overlapping the compaction
@@ -72,8 +73,11 @@ class Workspace:
     @classmethod
     def for_buckets(cls, sizes: Sequence[Sequence[tuple[int, int]]], device: torch.device) -> Workspace:
         """A workspace for buckets whose chunks are ``(elements, bytes each)``: the largest of each (a chunk's
-        mask rounded up to whole blocks of the fused kernels, raysync.core.delta_blocks.Blocks)."""
+        mask rounded up to whole blocks of the fused kernels, raysync.core.delta_blocks.Blocks). Where the fused
+        kernels count, the mask is their bitmask: an eighth of the bytes (torch's path grows it when it runs)."""
         elements = max((sum(n + BLOCK - 1 for n, _ in chunks) for chunks in sizes), default=0)
+        if delta_kernels.available(device):
+            elements = -(-elements // 8)
         return cls(torch.empty(elements, dtype=torch.bool, device=device))
 
     def blocks(self, sizes: tuple[int, ...], device: torch.device) -> Blocks:
