@@ -132,14 +132,16 @@ def test_readers_of_the_trainers_tensors_take_turns_only_all_on_one_gpu():
     assert turns([a, Attached((), "GPU-a"), c], 3) == ()  # nor its event
 
 
-def _channels(n: int):
-    """``n`` real control channels, connected: the sender's ends as one Fanout, and the readers' ends."""
+def _direct_readers(n: int):
+    """The sender's half of direct mode over ``n`` real control channels, the readers' Attached on one GPU: only
+    what taking turns uses of it (no GPU here, so the CUDA half of the plane is not made)."""
     import os
     import socket
 
     from raysync.core.control import ReceiverChannel, SenderChannel
     from raysync.core.fanout import Fanout
-    from raysync.core.wire import Hello
+    from raysync.core.wire import Attached, Hello
+    from raysync.transport.cuda_ipc_direct import CudaIpcDirectSender
 
     secret = SessionSecret.generate()
     ends = [
@@ -152,48 +154,10 @@ def _channels(n: int):
     for r, e in zip(readers, ends, strict=True):
         r.send(Hello(os.getpid(), socket.gethostname()), "handshake")
         e.accept()
-    return Fanout(ends), readers
-
-
-def _direct_readers(n: int):
-    """The sender's half of direct mode over ``n`` real control channels, the readers' Attached on one GPU: only
-    what taking turns uses of it (no GPU here, so the CUDA half of the plane is not made)."""
-    from raysync.core.wire import Attached
-    from raysync.transport.cuda_ipc_direct import CudaIpcDirectSender
-
-    fanout, readers = _channels(n)
     plane = object.__new__(CudaIpcDirectSender)
-    plane.readers, plane._channel = n, fanout
+    plane.readers, plane._channel = n, Fanout(ends)
     plane._attached = [Attached((bytes([k]) * 64,), "GPU-a") for k in range(n)]
     return plane, readers
-
-
-def test_a_ring_buffer_is_claimable_once_every_reader_released_it(private_tmp):
-    """Note [the next copy out waits for no publish] in raysync.core.sender_stream: ``claimable(k)`` says, without
-    blocking, whether ``claim(k)`` would wait; with two readers of a two-buffer shm ring, bucket 2 is claimable
-    only once both readers freed bucket 0, and its claim then returns that buffer at once."""
-    from raysync.core.wire import BucketFreed
-    from raysync.transport.ring import RingPlane
-    from raysync.transport.shm import ShmRingSender
-
-    fanout, readers = _channels(2)
-    plane = RingPlane(ShmRingSender(2, 1 << 12, readers=2), fanout)
-    try:
-        plane.begin(3, [None] * 4)
-        assert plane.claimable(0) and plane.claimable(1)  # no release needed: nothing used them yet
-        assert plane.claim(0).data_ptr() == plane.buffers[0].data_ptr()
-        assert not plane.claimable(2)
-        readers[0].send(BucketFreed(3, 0, 0), "unpack")
-        assert not plane.claimable(2)  # one reader of two
-        readers[1].send(BucketFreed(3, 0, 0), "unpack")
-        assert all(stream.ready([c.conn], 5) for c in fanout.channels)  # (both releases have crossed)
-        assert plane.claimable(2)
-        assert plane.claim(2).data_ptr() == plane.buffers[0].data_ptr()
-        assert not plane.claimable(3)  # bucket 1's buffer: not released
-    finally:
-        plane.close()
-        for c in readers + fanout.channels:
-            c.close()
 
 
 def test_readers_in_turns_hear_the_go_one_after_another_and_a_failed_turn_aborts_the_rest(in_thread):

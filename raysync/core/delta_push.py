@@ -226,8 +226,8 @@ class Reference:
 
     @property
     def stages(self) -> bool:
-        """Buckets are encoded into a staging buffer on the GPU ahead of their claim (``stage``), then copied
-        across (``send``, ``copied``): Note [a bucket is encoded while ...] in delta_workspace."""
+        """Each bucket is encoded into a staging buffer on the trainer's GPU ahead of its claim (``stage``), then
+        copied across (``send``, ``copied``): Note [a bucket is encoded while ...] in delta_workspace."""
         return self.active and self.base is not None and self._ref is not None and self._looks_ahead
 
     def stage(self, k: int, ahead: bool = True) -> None:
@@ -252,17 +252,16 @@ class Reference:
         self.clock.mark("copy queued")
         return nbytes
 
-    def copied(self, k: int, wait: bool = True) -> bool:
-        """Whether bucket k's encoding is in its ring buffer (``send``); ``wait``: once it is."""
-        if wait:
-            self.clock.restart()
-            self._ref.space.wait_copied(k % 2)
-            self.clock.mark("copy out")
-        return self._ref.space.copy_ended(k % 2)
+    def copied(self, k: int) -> None:
+        """Wait until bucket k's encoding is in its ring buffer (``send``)."""
+        self.clock.restart()
+        self._ref.space.wait_copied(k % 2)
+        self.clock.mark("copy out")
 
     def drain(self) -> None:
-        """No encoding crosses into a ring buffer once this returns (a failed, skipped or demoted push, a close).
-        A failure to wait (a CUDA error: nothing runs then) is logged, not raised: it runs on another error's way."""
+        """No encoding crosses into a ring buffer once this returns (a failed, skipped or demoted push, a
+        close). A failure to wait (a CUDA error, which leaves nothing running) is logged, not raised: this runs
+        on the way out of another error."""
         self._staged = {}
         if self._ref is not None:
             try:

@@ -151,11 +151,6 @@ class Workspace:
             torch.cuda.current_stream(device).wait_event(self.copied[slot])
         return buffer[:nbytes]
 
-    def copy_ended(self, slot: int) -> bool:
-        """Whether the copy out of slot ``slot`` has ended (or none is under way), without waiting."""
-        event = self.copied[slot]
-        return event is None or event.query()
-
     def wait_copied(self, slot: int | None = None) -> None:
         """Wait until the copy out of slot ``slot`` (None: of every slot) has ended: its bytes are in ``out``."""
         for s in range(SLOTS) if slot is None else (slot,):

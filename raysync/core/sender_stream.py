@@ -18,18 +18,6 @@ buffer (Note [a bucket is encoded while the one before crosses] in raysync.core.
 # (median); unprofiled the push took 51.6 ms at 5% against 51.2 ms for the code before, in the same call
 # (docs/benchmarks.md 12, Latest): the period is set elsewhere as well.
 
-# Note [the next copy out waits for no publish]
-# With two ring buffers, bucket k + 1's copy out needs the buffer that bucket k - 1 used, which the receiver
-# frees once its copy in of bucket k - 1 has ended. In a profiled delta push over shm (7B at 5% on an H200,
-# docs/results/delta_trace_h200_s43_*) the sender's thread waited for bucket k's copy out to end and published
-# it before it claimed that buffer: the release had come ~0.35 ms before, and bucket k + 1's copy out began
-# ~0.6 ms after bucket k's had ended (the copy engine idle), a bucket every 1.49 ms. Publishing bucket k only
-# after bucket k + 1's claim was slower (Note [a bucket is encoded while ...] in delta_workspace: the receiver
-# waits for bucket k meanwhile). So the thread does whichever can go first: it publishes bucket k once its copy
-# has ended, and queues bucket k + 1's copy out behind bucket k's on the copy stream once its buffer's release
-# is there (``claimable``), checking both without blocking for at most SPIN_S; then it waits for what is left.
-# With one ring buffer the release of bucket k follows its publish, and the order is the one before.
-
 In a delta push a bucket's encoding may use fewer bytes than the bucket: a plane that moves only the bytes
 used (the collective's ``encoded(k, nbytes)``) hears how many right before ``publish(k)``.
 """
@@ -53,8 +41,6 @@ from raysync.core.wire import Accept, PushDigest, PushDone
 from raysync.transport.base import DataPlane
 
 logger = logging.getLogger(__name__)
-
-SPIN_S = 0.002  # Note [the next copy out waits for no publish]: the longest a bucket's two checks spin
 
 
 class SenderStream:
@@ -140,19 +126,6 @@ class SenderStream:
         self._plane.publish(k)
         bar.update(sum(c.nbytes for c in self._agreed.buckets[k].chunks))
 
-    def _publish_and_send(self, k: int, bar: _LazyBar) -> None:
-        """Publish bucket k and send the staged bucket k + 1 across, whichever can go first (Note [the next
-        copy out waits for no publish])."""
-        published = sent = False
-        spin_until = time.monotonic() + SPIN_S
-        while not (published and sent):
-            if not published and (sent or self._ref.copied(k, wait=False) or time.monotonic() > spin_until):
-                self._publish(k, bar)  # (waits for its copy out, if that has not ended)
-                published = True
-            elif not sent and (published or self._plane.claimable(k + 1)):
-                self._pack(k + 1)  # (waits for its buffer's release, if that has not come)
-                sent = True
-
     def run(self, push_id: int, version: int, packed_ahead: int) -> None:
         """Publish every bucket (packing those not packed ahead), send the digests, wait for the releases."""
         buckets, nbytes = self._agreed.buckets, self._agreed.nbytes
@@ -164,21 +137,17 @@ class SenderStream:
             walk = []  # the receiver reads the source in place: nothing to pack or publish per bucket
             bar.update(nbytes)
         try:
-            sent = packed_ahead  # buckets below this one are claimed and packed
             for k, bucket in enumerate(walk):
                 stage = f"pack bucket {k}/{count}"
-                if k >= sent:
+                if k >= packed_ahead:
                     self._pack(k)
                 # Note [a bucket is encoded while ...] in delta_workspace; Note [publish, then look ahead]
                 staging = self._ref.stages and packed_ahead <= k + 1 < count
                 if staging:
                     stage = f"encode bucket {k + 1}/{count}"
                     self._ref.stage(k + 1, ahead=False)
-                    stage = f"publish bucket {k}, pack bucket {k + 1}/{count}"
-                    self._publish_and_send(k, bar)
-                    sent = k + 2
-                else:
-                    self._publish(k, bar)
+                    stage = f"pack bucket {k}/{count}"
+                self._publish(k, bar)
                 if staging:
                     stage = f"compare the buckets after {k + 1}/{count}"
                     self._ref.find_ahead(k + 1)

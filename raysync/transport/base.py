@@ -62,8 +62,6 @@ class DataPlane(Protocol):
 
     def claim(self, k: int) -> torch.Tensor | None: ...  # a free buffer for bucket k; None: read in place
 
-    def claimable(self, k: int) -> bool: ...  # claim(k) would not wait for a receiver: its release is here
-
     def bucket_view(self, k: int) -> torch.Tensor: ...  # bucket k's bytes as the receiver reads them
 
     def packed(self, k: int) -> None: ...  # bucket k's bytes are written (Note [ordering GPU buffers])

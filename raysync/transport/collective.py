@@ -120,9 +120,6 @@ class BroadcastPlane:
         self._works[slot] = []
         return self.buffers[slot]
 
-    def claimable(self, k: int) -> bool:
-        return True  # a claim waits for this side's own broadcast, not for a receiver's message
-
     def bucket_view(self, k: int) -> torch.Tensor:
         return self.buffers[k % self.slots]
 

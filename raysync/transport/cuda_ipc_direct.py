@@ -140,9 +140,6 @@ class CudaIpcDirectSender:
     def claim(self, k: int) -> None:
         return None  # read in place: nothing to pack
 
-    def claimable(self, k: int) -> bool:
-        return True
-
     def bucket_view(self, k: int) -> torch.Tensor:
         if k < len(self.shared):
             return self.shared[k]

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from raysync.core import stream
 from raysync.core.config import SyncConfig
 from raysync.core.control import Channel
 from raysync.core.errors import SchemaError, TransportUnavailable
@@ -83,14 +82,6 @@ class RingPlane:
             self._channel.expect(BucketFreed, self._push_id, stage)
         self.transport.before_pack(slot)
         return self.transport.buffers[slot]
-
-    def claimable(self, k: int) -> bool:
-        """Whether ``claim(k)`` would not wait: bucket k needs no release, or every reader has a message
-        (its BucketFreed, or an Abort that ``claim`` raises) to read already. Does not block."""
-        if k < self.slots:
-            return True
-        channels = getattr(self._channel, "channels", [self._channel])
-        return all(stream.ready([c.conn], 0) for c in channels)
 
     def bucket_view(self, k: int) -> torch.Tensor:
         return self.transport.buffers[k % self.slots]
