@@ -140,3 +140,67 @@ def test_a_bucket_copied_in_ahead_decodes_as_decode_copies_it_and_a_header_past_
     with pytest.raises(BadDelta):
         delta.decode(buffer, [dest], held_version=1)
     assert torch.equal(dest.view(torch.int16), old.to(cuda).view(torch.int16))
+
+
+def test_a_sink_holds_a_delta_bucket_until_the_next_one_and_a_failed_push_drops_it():
+    """Note [two buckets' decodes in one turn] in raysync.core.sink: a delta bucket from a host ring that only the
+    kernels write is held (nothing written, its tensor not landed) until the next one is decoded, then both are
+    queued; the last is queued at commit, where a hostile held bucket is refused by name and writes nothing; a
+    push that fails drops what is held, unwritten."""
+    from raysync.core.plan import plan_buckets
+    from raysync.core.sink import IntoTensors
+    from raysync.core.source import select
+
+    cuda = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(7)
+    olds = {
+        f"w{i}": torch.randn(3 * delta.GAP_SPAN + 7 * i, generator=gen).to(torch.bfloat16) for i in range(3)
+    }
+    news = {n: o.clone() for n, o in olds.items()}
+    for t in news.values():
+        t[::13] += 1.0
+    specs = [s.spec for s in select(news.items(), SyncConfig(bucket_bytes=1 << 19))]
+    buckets = plan_buckets(specs, 1 << 19, 256)
+    assert [[specs[c.index].name for c in b.chunks] for b in buckets] == [["w0"], ["w1"], ["w2"]]
+    encoded = []
+    for name in news:
+        out = torch.zeros(delta.capacity([(news[name].numel(), 2)]), dtype=torch.uint8).pin_memory()
+        encode([(olds[name], news[name])], out, base_version=1)
+        encoded.append(out)
+
+    def engine():
+        dests = {n: o.to(cuda) for n, o in olds.items()}
+        sink = IntoTensors(specs, dests)
+        sink.reset()
+        sink.delta_base = 1
+        return sink, dests
+
+    def holds(dests, name, want):
+        torch.cuda.synchronize()
+        return torch.equal(dests[name].cpu().view(torch.int16), want[name].view(torch.int16))
+
+    sink, dests = engine()
+    sink.write(buckets[0], encoded[0])
+    assert len(sink._held) == 1 and holds(dests, "w0", olds) and "w0" in sink.undelivered()
+    sink.write(buckets[1], encoded[1])
+    assert not sink._held and holds(dests, "w0", news) and holds(dests, "w1", news)
+    sink.write(buckets[2], encoded[2])
+    assert len(sink._held) == 1 and holds(dests, "w2", olds)
+    sink.commit()
+    assert sink.undelivered() == [] and all(holds(dests, n, news) for n in news)
+
+    hostile = encoded[2].clone().pin_memory()
+    start = delta._align(delta.HEADER_BYTES + delta.ROW_BYTES)
+    entries = delta._read_table(hostile, [news["w2"].view(torch.int16)]).chunks[0].entries
+    hostile[start : start + 2 * entries].view(torch.int16)[-1] = 32767  # its last index past the tensor
+    sink, dests = engine()
+    for k, buffer in enumerate([encoded[0], encoded[1], hostile]):
+        sink.write(buckets[k], buffer)
+    with pytest.raises(BadDelta, match="bucket 2: chunk 0: a delta writes element"):
+        sink.commit()
+    assert sink.undelivered() == ["w2"] and holds(dests, "w1", news) and holds(dests, "w2", olds)
+
+    sink, dests = engine()
+    sink.write(buckets[0], encoded[0])
+    sink.reset()  # the push failed
+    assert not sink._held and holds(dests, "w0", olds) and "w0" in sink.undelivered()
