@@ -217,7 +217,6 @@ def decode(
     unsettled: list | None = None,
     tag: object = None,
     moved: tuple[torch.Tensor, torch.cuda.Event] | None = None,
-    later: list | None = None,
 ) -> BucketCode:
     """Apply the bucket in ``buffer`` to ``destinations`` (contiguous tensors, one per chunk, in the bucket's
     order), in place. Everything is checked before the first write: the header, each row against its
@@ -227,10 +226,7 @@ def decode(
     there. Two host syncs per bucket (the table, the indices' check), one more for that copy. ``unsettled``:
     a bucket of GAPS payloads that the fused kernels write (Note [fused delta kernels]) is checked on the
     device instead, where none of its payloads is written unless all fit, and the check is appended here for
-    ``settle``, which raises the BadDelta with ``tag`` on it: the bucket waits only for its copy in. With
-    ``later``, such a bucket decoded from its own copy (``moved``) has its kernels not queued here: ``later``
-    gets the call that queues them (delta_decode_kernels.Deferred; Note [two buckets' decodes in one turn] in
-    raysync.core.sink).
+    ``settle``, which raises the BadDelta with ``tag`` on it: the bucket waits only for its copy in.
     ``mark(stage)`` ends each stage when given (raysync.core.delta_rule.StageClock). ``moved``: ``copy_in``'s
     copy of ``buffer``, started before the destinations were made."""
     _check_buffer(buffer, "buffer")
@@ -271,25 +267,24 @@ def decode(
         elif c.mode == Mode.FULL:
             work.append((i, dest, None, region))
     payloads = [last for _, _, last in gapped if isinstance(last, tuple)]
-    if unsettled is not None and payloads and not work:  # only the kernels write: checked on the device
-        chunks = [(i, numel) for i, numel, _ in gapped]
-        apply = delta_decode_kernels.Deferred(payloads, chunks, unsettled, tag, buffer)
-        apply() if later is None or copied is None else later.append(apply)  # (later: from its own copy)
-    else:
-        kernels = delta_decode_kernels.GapsApply(payloads) if payloads else None
-        mark("index")
+    kernels = delta_decode_kernels.GapsApply(payloads) if payloads else None
+    mark("index")
+    deferred = unsettled is not None and kernels is not None and not work  # only the kernels write
+    if not deferred:
         ends = iter(kernels.ends() if kernels is not None else [])  # the last index + 1 of each
         lasts = _to_host([None if isinstance(last, tuple) else last for _, _, last in gapped])
         for (i, numel, _), last in zip(gapped, lasts, strict=True):
             _check_last(i, next(ends) - 1 if last is None else last, numel)
-        mark("check")
-        for _, dest, index, values in work:  # nothing was written before this loop
-            if index is None:
-                dest.view(torch.uint8).copy_(values)
-            else:
-                dest.index_copy_(0, index, values)
-        if kernels is not None:
-            kernels.run()
+    mark("check")
+    for _, dest, index, values in work:  # nothing was written before this loop
+        if index is None:
+            dest.view(torch.uint8).copy_(values)
+        else:
+            dest.index_copy_(0, index, values)
+    if kernels is not None:
+        kernels.run()
+    if deferred:
+        unsettled.append((kernels, [(i, numel) for i, numel, _ in gapped], tag))
     if copied is not None:
         copied.synchronize()
     mark("apply")

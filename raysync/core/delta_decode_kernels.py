@@ -4,7 +4,6 @@ raysync.core.delta_kernels, whose ``available`` says where they run).
 
     warm(device, itemsizes)                           # at set-up: compiled, not in the first delta push
     apply = GapsApply(payloads); apply.run()          # checked on the device, then written (or nothing)
-    Deferred(payloads, chunks, unsettled, tag, keep)()  # the same, queued when called; its check for settle
 """
 
 from __future__ import annotations
@@ -112,27 +111,3 @@ class GapsApply:
             with on(table.device):
                 grid = (blocks * rows,)
                 _apply_gaps[grid](table, ends, self.fits, blocks, WORD=TL_INTS[itemsize], BLOCK=WRITE_BLOCK)
-
-
-class Deferred:
-    """A bucket whose GAPS payloads only the kernels write (raysync.core.delta.decode with ``unsettled``), queued
-    when called: ``GapsApply`` and its run, then its check appended to ``unsettled`` for delta.settle, with
-    ``chunks`` ((chunk, elements) per payload) and ``tag``. Until then it holds ``keep``, the device copy of the
-    bucket whose bytes the payloads' addresses point into."""
-
-    def __init__(
-        self, payloads, chunks: list[tuple[int, int]], unsettled: list, tag: object, keep: torch.Tensor
-    ):
-        self.payloads, self.chunks, self.unsettled, self.tag, self.keep = (
-            payloads,
-            chunks,
-            unsettled,
-            tag,
-            keep,
-        )
-
-    def __call__(self) -> None:
-        kernels = GapsApply(self.payloads)
-        kernels.run()
-        self.unsettled.append((kernels, self.chunks, self.tag))
-        self.payloads = self.keep = None  # (the copy is freed behind the kernels: it was record_stream'd)

@@ -31,19 +31,6 @@ old weights back, or raises ``WeightsMixed``. Every other push writes the destin
 # tensors are kept for the next push of the same layout (the sliced tensors' bytes, once per receiver); the
 # GPU's caching allocator reuses its blocks by itself. Like a ring view, a staging tensor is reused after the
 # load function returns: it must copy what it keeps.
-#
-# Note [two buckets' decodes in one turn]
-# A GPU engine decodes a delta bucket from a host ring with kernels (raysync.core.delta_decode_kernels) that can
-# run once the bucket's copy in has ended. A trainer and an engine on one GPU are two processes, whose kernels
-# the GPU runs in turns: in H200 timelines of a 7B delta push at 5% (docs/results/delta_trace_h200_s43_*.tgz)
-# each bucket cost the sender's kernels (~0.71 ms), the engine's (~0.28 ms), and two switches between them of
-# 0.14-0.2 ms each (from one side's last kernel to the other's first, with work ready on both sides). So a
-# bucket that only the kernels write (checked on the device: ``unsettled``), decoded from its own copy, is held
-# (delta.decode's ``later``: its copy kept, its chunks not yet landed) until the next bucket is decoded, and
-# PAIRED buckets are queued at once: the engine takes one turn per PAIRED buckets. A bucket that writes in
-# another way queues the held one first; ``_settle`` (digests, commit) queues the last. A push that fails drops
-# what is held (``reset``): those chunks were never written, and count as undelivered. It costs one more
-# bucket's bytes used on the engine's GPU while held.
 """
 
 from __future__ import annotations
@@ -61,7 +48,6 @@ from raysync.core.version import Version
 from raysync.core.wire import DTYPES, PushStart, TensorSpec
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
-PAIRED = 2  # Note [two buckets' decodes in one turn]: delta buckets whose kernels are queued together
 
 
 class Sink:
@@ -135,7 +121,6 @@ class IntoTensors(Sink):
         self._copies: dict[tuple, tuple[CopyList, list[torch.Tensor], frozenset[int]]] = {}
         self._devices = {t.device for t in self._bytes if t.device.type == "cuda"}
         self._unsettled: list = []  # delta buckets checked on the device: settled before digests and commit
-        self._held: list = []  # Note [two buckets' decodes in one turn]: (queue it, its bucket), not yet queued
         for device in self._devices:  # the copies' kernel compiled now, not in the first push
             if grouped_copy.available(device):
                 grouped_copy.warm(device)
@@ -147,7 +132,6 @@ class IntoTensors(Sink):
     def reset(self) -> None:
         self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
         self._unsettled.clear()
-        self._held.clear()  # a failed push's held buckets: never written, not landed
 
     def write_all(self, parts: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
         if self.delta_base is not None:
@@ -178,7 +162,6 @@ class IntoTensors(Sink):
             devices = {self._bytes[c.index].device for c in bucket.chunks}
             # one device: the bytes cross while the views are made (decode copies them itself otherwise)
             moved = delta.copy_in(buffer, devices.pop()) if len(devices) == 1 else None
-            held = []
             try:
                 dests = []
                 for c in bucket.chunks:
@@ -191,24 +174,11 @@ class IntoTensors(Sink):
                     unsettled=self._unsettled,
                     tag=bucket,
                     moved=moved,
-                    later=held,
                 )
             finally:
                 if moved is not None:  # no copy reads the ring buffer once it is released (decode waited)
                     moved[1].synchronize()
             self.moved, self.moved_full = self.moved + code.nbytes, self.moved_full + code.sent_as_full
-            if held:
-                self._held.append((held[0], bucket))
-            else:
-                self.landed(bucket)
-            if len(self._held) >= PAIRED or (self._held and not held):
-                self._queue_held()
-
-    def _queue_held(self) -> None:
-        """Queue the held buckets' kernels (Note [two buckets' decodes in one turn]); they have landed then."""
-        held, self._held = self._held, []
-        for apply, bucket in held:
-            apply()
             self.landed(bucket)
 
     def digests(self) -> list[int]:
@@ -229,7 +199,6 @@ class IntoTensors(Sink):
     def _settle(self) -> None:
         """The delta buckets checked on the device (raysync.core.delta.settle): BadDelta for one the kernels
         refused to write, which names it, and whose tensors count as undelivered."""
-        self._queue_held()
         try:
             delta.settle(self._unsettled)
         except delta.BadDelta as e:
