@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
 # give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~1.5 minutes
-# of the budget. After stop 42: weightsync (and weightsync_before on a carried tree) for any change to the loops'
-# hops (19: Ray's share 0.14-0.61 ms with the raw session interleaved, <= 0.5 ms in 6 rows of 8); delta_shm_bf16
-# with delta_before for any change to the delta path (24: 44.7-53.7 ms at 4.96%, 1.27-1.52x the floor; a lease's
-# host speed moves it by ~6 ms, so compare within one call); delta_trace and delta_stack to see it;
+# of the budget. After stop 43: weightsync (and weightsync_before on a carried tree) for any change to the loops'
+# hops (19: Ray's share 0.14-0.63 ms with the raw session interleaved, <= 0.5 ms in 10 rows of 14); delta_shm_bf16
+# with delta_before for any change to the delta path (24: 44.7-56.1 ms at 4.96%, 1.27-1.56x the floor; a lease's
+# host speed moves it by ~3-6 ms, so compare within one call, twice); delta_trace and delta_stack to see it (a
+# bucket: both processes' kernels in turns, two switches, the sender's thread queueing the listing);
 # benchmarks/bench_delta_list_variants.py for the sender's kernels alone.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
