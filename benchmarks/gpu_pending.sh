@@ -43,6 +43,10 @@ step delta_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_delta_k
 # after, run a copy of 0259ee6's tree (git archive 0259ee6 raysync benchmarks) the same way in the same call
 step delta_shm_bf16 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
+# 24: delta pushes over a cuda_ipc ring on the trainer's GPU (2 x 512 MiB, and torch's fused Adam: with the
+# default ring and Adam the trainer ran out of memory in stop 43); the time rule's row says which way it sends
+step delta_cuda_ipc 150 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports cuda_ipc \
+    --steps 4 --bf16-params --ipc-mib 512 --fused-adam
 before() {  # before NAME SECONDS COMMAND...: the step run in build/before (a tree carried for a before / after)
     [ -d build/before ] || return 0
     (cd build/before && export PYTHONPATH=$PWD:$PYTHONPATH && step "$@")
