@@ -53,10 +53,12 @@ before() {  # before NAME SECONDS COMMAND...: the step run in build/before (a tr
 }
 before delta_before 100 python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b --transports shm \
     --steps 4 --bf16-params
-# 24: one profiled delta push at 4.96%, both sides' timelines, read by timeline_delta.py (torch.profiler slows
+# 24: one profiled delta push at 4.96%, both sides' timelines, read by timeline_delta.py (the copies) and
+# timeline_turns.py (the compute engine's turns between the two processes) (torch.profiler slows
 # the host: the bucket period it shows is longer than unprofiled)
 step delta_trace 150 bash -c "mkdir -p $OUT/trace && python3 benchmarks/bench_delta_push.py --device cuda --layout qwen2.5-7b \
-    --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace"
+    --transports shm --steps 4 --bf16-params --profile --trace $OUT/trace && python3 benchmarks/timeline_delta.py $OUT/trace \
+    && python3 benchmarks/timeline_turns.py $OUT/trace"
 # 24: the same profiled push with Python's calls (torch.profiler's with_stack: slower still), read by host_share.py:
 # where the sender's thread spends a bucket
 step delta_stack 150 bash -c "mkdir -p $OUT/stack && RAYSYNC_PROFILE_STACK=1 python3 benchmarks/bench_delta_push.py \
