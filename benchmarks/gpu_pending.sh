@@ -6,7 +6,10 @@
 # with delta_before for any change to the delta path (24: 44.7-56.1 ms at 4.96%, 1.27-1.56x the floor; a lease's
 # host speed moves it by ~3-6 ms, so compare within one call, twice); delta_trace and delta_stack to see it (a
 # bucket: both processes' kernels in turns, two switches, the sender's thread queueing the listing);
-# benchmarks/bench_delta_list_variants.py for the sender's kernels alone.
+# benchmarks/bench_delta_list_variants.py for the sender's kernels alone. The issues' "same run" checks still to
+# make: weightsync_forced (19: the default within 1.1x of the best forced mode beside the other targets, one run)
+# and delta_shm_bf16 with delta_cuda_ipc (24: shm and the cuda_ipc ring in one call; the latter unmeasured since
+# its row ran out of memory).
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
