@@ -9,7 +9,8 @@
 # benchmarks/bench_delta_list_variants.py for the sender's kernels alone. The issues' "same run" checks still to
 # make: weightsync_forced (19: the default within 1.1x of the best forced mode beside the other targets, one run)
 # and delta_shm_bf16 with delta_cuda_ipc (24: shm and the cuda_ipc ring in one call; the latter unmeasured since
-# its row ran out of memory).
+# its row ran out of memory). A before / after ready to carry: git archive try/ahead-in-the-wait raysync benchmarks
+# (the compares ahead queued inside the copy-out wait) against main's tree, delta_shm_bf16 twice each.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
