@@ -73,7 +73,7 @@ def intervals(
             op["ready"], op["why"] = came[-1], "copy in"
     ops = sorted(sender + engine, key=lambda o: o["ts"])
     out = [(o["ts"], o["end"], f"{o['side']}'s ops") for o in ops]
-    busy_until = ops[0]["end"]
+    busy_until, last = ops[0]["end"], ops[0]  # the op that ends last so far
     for i in range(1, len(ops)):
         start, nxt = busy_until, ops[i]
         if nxt["ts"] > start:
@@ -87,11 +87,11 @@ def intervals(
                     else f"{first['side']}'s thread"
                 )
                 out.append((start, ready, why))
-            last = max((o for o in ops[:i] if o["end"] <= nxt["ts"]), key=lambda o: o["end"])
             out.append(
                 (max(start, ready), nxt["ts"], "switches" if last["side"] != nxt["side"] else "same side")
             )
-        busy_until = max(busy_until, nxt["end"])
+        if nxt["end"] > busy_until:
+            busy_until, last = nxt["end"], nxt
     return out
 
 
