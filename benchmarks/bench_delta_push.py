@@ -182,8 +182,7 @@ def engine(
                 receiver.receive(into=dest)
                 times.append((time.perf_counter() - t0, decoding[0]))
             if i == profiled:
-                sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-                table = profiler.key_averages().table(sort_by=sort, row_limit=25)
+                table = profiler.key_averages().table(sort_by=_sort_by(dev), row_limit=25)
                 if os.environ.get(TRACE):  # --trace: the timeline too
                     profiler.export_chrome_trace(os.path.join(os.environ[TRACE], "receiver.json"))
         out.put((digests(dest.values()), times, table))
@@ -250,7 +249,9 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
     else:
         sender = WeightSender(secret, config)
         where, engine_device = sender.endpoint, args.device
-    profiled = pushes - 2 if args.profile and delta and kind == "shm" else None  # the last delta push
+    # the delta push of step --profile-step (default: the last), push number 1 + 2 (step - 1)
+    profiled_step = args.profile_step or steps
+    profiled = 2 * profiled_step - 1 if args.profile and delta and kind == "shm" else None
     proc = ctx.Process(
         target=engine,
         args=(
@@ -281,7 +282,7 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
             if delta or rule:
                 trainer.step()
                 version += 1
-                profile = args.profile and delta and step == steps and kind == "shm"
+                profile = args.profile and delta and step == profiled_step and kind == "shm"
                 row["delta" if delta else "rule"] = timed_push(sender, trainer, version, False, profile)
             if not rule:
                 version += 1
@@ -292,7 +293,7 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
             if delta or rule:  # the receiver's side of each step's delta (or rule) push
                 r["delta" if delta else "rule"].update(receive_s=received, decode_s=decoding)
         if table is not None:
-            print(f"--profile: the receiver's side of push v{version - 1}\n{table}", flush=True)
+            print(f"--profile: the receiver's side of push v{profiled}\n{table}", flush=True)
         if got != want:
             raise AssertionError(f"{kind}: the engine's weights differ from the trainer's bf16 bits")
         if group is not None:  # the floor's broadcasts, on the same group, both sides
@@ -327,7 +328,7 @@ def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool
         seconds = time.perf_counter() - t0
     if profile:  # the sender's side of the last delta push over shm, op by op (--profile)
         print(f"--profile: push v{version}, {seconds * 1e3:.1f} ms under the profiler")
-        sort = "self_cuda_time_total" if trainer.params[0][1].is_cuda else "self_cpu_time_total"
+        sort = _sort_by(trainer.params[0][1].device)
         print(profiler.key_averages().table(sort_by=sort, row_limit=30), flush=True)
         if os.environ.get(TRACE):
             profiler.export_chrome_trace(os.path.join(os.environ[TRACE], "sender.json"))
@@ -342,6 +343,13 @@ def timed_push(sender, trainer: Trainer, version: int, full: bool, profile: bool
         "why": report.why,
         "stages_s": stages,
     }
+
+
+def _sort_by(device: torch.device) -> str:
+    """The profile tables' order: GPU time on a GPU (RAYSYNC_PROFILE_HOST=1: host time, e.g. for the first delta
+    push's one-time work), host time on the CPU."""
+    host = device.type != "cuda" or os.environ.get("RAYSYNC_PROFILE_HOST") == "1"
+    return "self_cpu_time_total" if host else "self_cuda_time_total"
 
 
 def move_floor(kind: str, nbytes: int, device: torch.device, repeats: int) -> float:
@@ -497,6 +505,12 @@ def main() -> None:
     )
     p.add_argument(
         "--profile", action="store_true", help="print torch.profiler's table of the last delta push over shm"
+    )
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="with --profile: this step's delta push (default: the last)",
     )
     p.add_argument(
         "--trace",

@@ -124,7 +124,7 @@ def test_a_bucket_copied_in_ahead_decodes_as_decode_copies_it_and_a_header_past_
     encode([(old, new)], buffer, base_version=1)
     cuda = torch.device("cuda", 0)
     ahead, plain = old.to(cuda), old.to(cuda)
-    stream = delta_workspace._COPY_STREAMS.setdefault(cuda, torch.cuda.Stream(cuda))
+    stream = delta_workspace.side_stream("copy in", cuda)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the copy in queues behind it
     moved = delta.copy_in(buffer, cuda)

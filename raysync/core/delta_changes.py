@@ -68,7 +68,7 @@ import torch
 
 from raysync.core import delta_blocks, delta_kernels
 from raysync.core.delta import GAP_SPAN, _to_host
-from raysync.core.delta_workspace import chunk_masks, on_stream
+from raysync.core.delta_workspace import chunk_masks, on_stream, side_stream
 
 if TYPE_CHECKING:
     from raysync.core.delta_workspace import Workspace
@@ -121,9 +121,7 @@ def cross(
     on a stream of their own]), with the event that ends the copy; elsewhere the tensor itself and None."""
     if not counts.is_cuda:
         return counts, None
-    stream = _CROSSING.get(counts.device)
-    if stream is None:
-        stream = _CROSSING[counts.device] = torch.cuda.Stream(counts.device)
+    stream = side_stream("counts", counts.device)
     stream.wait_stream(torch.cuda.current_stream(counts.device))
     if host is None:
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -132,9 +130,6 @@ def cross(
     ready.record(stream)
     counts.record_stream(stream)  # made on the current stream, read on this one: not reused before
     return host, ready
-
-
-_CROSSING: dict[torch.device, torch.cuda.Stream] = {}  # cross's, one per device
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysync.core import delta, delta_kernels
-from raysync.core.delta_workspace import SLOTS, Workspace
+from raysync.core.delta_workspace import SLOTS, Workspace, side_stream
 from raysync.core.plan import Bucket, align_up
 from raysync.core.wire import DTYPES, TensorSpec
 
@@ -67,9 +67,14 @@ class ReferenceBytes:
         self.scratch.zero_()  # these pages are faulted in now, not in the first delta push (the time rule's)
         self.space.touch()
         delta_kernels.warm(device, {size for c in chunks for _, size in c})  # Note [fused delta kernels]
-        if delta_kernels.available(device):  # each bucket's blocks made now, not in the first delta push
-            for c in chunks:
-                self.space.blocks(tuple(n for n, _ in c), device)
+        if delta_kernels.available(device):  # Note [the first delta push's one-time work] in delta_workspace
+            for c in chunks:  # each bucket's blocks and count buffers (pinned on the host: cudaHostAlloc)
+                blocks = self.space.blocks(tuple(n for n, _ in c), device)
+                for slot in range(SLOTS):
+                    self.space.counting(slot, blocks, device)
+            side_stream("counts", device)  # the first stream a process makes makes torch's pool of them
+            if self.ring_device != device:
+                self.space.copy_stream(device)
         self.pairs = [
             [(_words(self.bucket(k), c, specs), _words(self.scratch, c, specs)) for c in b.chunks]
             for k, b in enumerate(buckets)

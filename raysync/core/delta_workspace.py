@@ -33,6 +33,16 @@ its GPU (``copy_in_stream``).
 # writes a pinned buffer again only once the copy that read it last has run: its event). Against the code before,
 # in the same calls, unprofiled: 52.1 vs 54.0 ms and 53.0 vs 53.0 ms at 5% (docs/benchmarks.md 12, Latest): no
 # faster push; the thread's time was not the whole of what sets the period.
+#
+# Note [the first delta push's one-time work]
+# A session's first delta push took ~20 ms more than the next ones on an H200 (the time rule's first delta: 63-64 ms
+# at 4.2% against 38-45 ms for the later ones at 3.7-3.9%, docs/benchmarks.md 12). Under torch's profiler (host
+# time, docs/results/delta_first_h200_s45_*) both processes made torch's pool of CUDA streams in it (128 streams,
+# ~3.3 ms each side: the first ``torch.cuda.Stream`` a process makes makes them all), the sender pinned host memory
+# for its count buffers (10 cudaHostAlloc, 4.4 ms) and the receiver allocated its copies in (11 cudaMalloc, 8.4 ms).
+# So the set-up makes the side streams (``side_stream``, the workspace's ``copy_stream``) and every bucket's count
+# buffers; the receiver's copies in are left to the caching allocator (made ahead they would hold GPU memory that an
+# engine sizes its KV cache with).
 """
 
 from __future__ import annotations
@@ -133,6 +143,12 @@ class Workspace:
         self.spans[key] = held
         return held
 
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream the staged encodings cross on (``CopyOut``), made once."""
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
     def touch(self) -> None:
         """Write every work tensor once (a fresh host allocation is faulted in page by page on first use)."""
         self.mask.zero_()
@@ -228,9 +244,7 @@ class CopyOut:
         self.out, self.staged, self.done, self.stream = out, staged, start, None
         self.space, self.slot, self._written = space, slot, written
         if staged.device.type == "cuda":
-            if space.stream is None or space.stream.device != staged.device:
-                space.stream = torch.cuda.Stream(staged.device)
-            self.stream = space.stream
+            self.stream = space.copy_stream(staged.device)
             if out.is_cuda and out.device != staged.device:  # a ring on another GPU: the side stream's writes
                 free = torch.cuda.Event()  # wait for what that GPU's stream waits for (its reader's release)
                 free.record(torch.cuda.current_stream(out.device))
@@ -289,7 +303,16 @@ def on_stream(stream, work: Callable[[], object]) -> None:
         torch.cuda.set_stream(current)
 
 
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # copy_in_stream's, one per device
+_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}  # side_stream's: (use, device) -> stream
+
+
+def side_stream(use: str, device: torch.device) -> torch.cuda.Stream:
+    """The stream of ``use`` ("counts": the sender's counts to the host; "copy in": the receiver's copy from a
+    host ring) on ``device``, one per process, made at set-up (Note [the first delta push's one-time work])."""
+    stream = _STREAMS.get((use, device))
+    if stream is None:
+        stream = _STREAMS[use, device] = torch.cuda.Stream(device)
+    return stream
 
 
 def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -299,9 +322,7 @@ def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tens
     copy is allocated from the copy stream's pool and kept from reuse until the current stream's kernels are
     done with it (``record_stream``): about two buckets' bytes used stay cached for that stream, where one
     stayed for the current stream before. Returns the copy and its event."""
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream = side_stream("copy in", device)
     current = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         moved = host.to(device, non_blocking=True)

@@ -42,6 +42,7 @@ import torch
 from raysync.core import delta, delta_decode_kernels, digest, grouped_copy
 from raysync.core.copies import CopyList
 from raysync.core.delta import delta_applies
+from raysync.core.delta_workspace import side_stream
 from raysync.core.errors import LayoutError, WeightsMixed
 from raysync.core.plan import Bucket, Chunk
 from raysync.core.version import Version
@@ -128,6 +129,7 @@ class IntoTensors(Sink):
             for device in self._devices:
                 sizes = {min(s.itemsize, 8) for s, t in zip(specs, final, strict=True) if t.device == device}
                 delta_decode_kernels.warm(device, sizes)
+                side_stream("copy in", device)  # Note [the first delta push's one-time work]
 
     def reset(self) -> None:
         self.done, self.delta_base, self.moved, self.moved_full = set(), None, 0, 0
