@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
 # What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
 # give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~1.5 minutes
-# of the budget. After stop 43: weightsync (and weightsync_before on a carried tree) for any change to the loops'
-# hops (19: Ray's share 0.14-0.63 ms with the raw session interleaved, <= 0.5 ms in 10 rows of 14); delta_shm_bf16
-# with delta_before for any change to the delta path (24: 44.7-56.1 ms at 4.96%, 1.27-1.56x the floor; a lease's
-# host speed moves it by ~3-6 ms, so compare within one call, twice); delta_trace and delta_stack to see it (a
-# bucket: both processes' kernels in turns, two switches, the sender's thread queueing the listing);
-# benchmarks/bench_delta_list_variants.py for the sender's kernels alone. The issues' "same run" checks still to
-# make: weightsync_forced (19: the default within 1.1x of the best forced mode beside the other targets, one run)
-# and delta_shm_bf16 with delta_cuda_ipc (24: shm and the cuda_ipc ring in one call; the latter unmeasured since
-# its row ran out of memory). A before / after ready to carry: git archive try/ahead-in-the-wait raysync benchmarks
-# (the compares ahead queued inside the copy-out wait) against main's tree, delta_shm_bf16 twice each.
+# of the budget. After stop 45 (docs/benchmarks.md 10 and 12, Latest): weightsync_forced is the issue 19 check in one
+# run (its targets all met in one run of three in stop 45; Ray's share 0.32-0.59 ms, at the 0.5 ms line);
+# delta_shm_bf16 with delta_before (a tree carried as build/before: git archive REV raysync benchmarks) for any change
+# to the delta path, twice each in one call (24: 44.7-55.2 ms at 4.96%, 1.27-1.51x the floor; a lease's host speed
+# moves it by ~5-10 ms); delta_cuda_ipc (the time rule sends full pushes there); delta_trace and delta_stack to see a
+# bucket (both processes' kernels in turns, two switches, the sender's thread); bench_delta_push.py --profile
+# --profile-step 1 with RAYSYNC_PROFILE_HOST=1 for the first delta push's one-time work.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
