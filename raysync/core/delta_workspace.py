@@ -35,14 +35,15 @@ its GPU (``copy_in_stream``).
 # faster push; the thread's time was not the whole of what sets the period.
 #
 # Note [the first delta push's one-time work]
-# A session's first delta push took ~20 ms more than the next ones on an H200 (the time rule's first delta: 63-64 ms
-# at 4.2% against 38-45 ms for the later ones at 3.7-3.9%, docs/benchmarks.md 12). Under torch's profiler (host
+# A session's first delta push took ~20-40 ms more than the next ones on an H200 (the time rule's first delta: 63-98
+# ms at 4.2% against 38-57 ms for the later ones at 3.7-3.9%, docs/benchmarks.md 12). Under torch's profiler (host
 # time, docs/results/delta_first_h200_s45_*) both processes made torch's pool of CUDA streams in it (128 streams,
 # ~3.3 ms each side: the first ``torch.cuda.Stream`` a process makes makes them all), the sender pinned host memory
 # for its count buffers (10 cudaHostAlloc, 4.4 ms) and the receiver allocated its copies in (11 cudaMalloc, 8.4 ms).
 # So the set-up makes the side streams (``side_stream``, the workspace's ``copy_stream``) and every bucket's count
 # buffers; the receiver's copies in are left to the caching allocator (made ahead they would hold GPU memory that an
-# engine sizes its KV cache with).
+# engine sizes its KV cache with). A session's first delta (7B, 10.2%): 108.3 / 112.7 ms against 127.2 / 127.8 ms
+# before, in one lease; a second session's first delta in the same processes did not move (its streams existed).
 """
 
 from __future__ import annotations
