@@ -519,6 +519,8 @@ def main() -> None:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step {args.profile_step}: the steps are 1 to --steps ({args.steps})")
     if args.trace:
         os.environ[TRACE] = args.trace  # the engine's process inherits it
     if args.threads:

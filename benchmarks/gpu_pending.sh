@@ -2,7 +2,7 @@
 # What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
 # give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~1.5 minutes
 # of the budget. After stop 45 (docs/benchmarks.md 10 and 12, Latest): weightsync_forced is the issue 19 check in one
-# run (its targets all met in one run of three in stop 45; Ray's share 0.32-0.59 ms, at the 0.5 ms line);
+# run (its targets all met in one run of four in stop 45; Ray's share 0.32-0.59 ms, at the 0.5 ms line);
 # delta_shm_bf16 with delta_before (a tree carried as build/before: git archive REV raysync benchmarks) for any change
 # to the delta path, twice each in one call (24: 44.7-55.2 ms at 4.96%, 1.27-1.51x the floor; a lease's host speed
 # moves it by ~5-10 ms); delta_cuda_ipc (the time rule sends full pushes there); delta_trace and delta_stack to see a
