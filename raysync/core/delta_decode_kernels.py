@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from raysync.core import delta_kernels
-from raysync.core.delta_blocks import BLOCK
 from raysync.core.delta_kernels import INTS, WRITE_BLOCK, on, to_device
 
 try:  # Triton ships with torch's CUDA builds; the CPU build and a GPU without it use torch's kernels
@@ -51,17 +50,28 @@ if triton is not None:
         tl.store(dest + at, tl.load(values + k, mask=live), mask=live)
 
 
+WARM_PAYLOADS = 3  # ``warm``'s buckets
+
+
 def warm(device: torch.device, itemsizes) -> None:
     """Compile the decoder's kernels for words of ``itemsizes`` bytes on ``device`` (or load them from Triton's
     cache), once per process: at set-up, not in the first delta push (delta_kernels.warm says why)."""
     key = (device, frozenset(itemsizes))
     if not delta_kernels.available(device) or key in _warm:
         return
+    # shaped as a bucket's (several payloads of several blocks, buckets settled together): torch's kernels that
+    # a bucket's shapes take (the ends' gather across rows, the check's reduction, the settle's join) load now,
+    # not in the first delta push: CUDA loads a kernel at its first launch (Note [the first delta push's one-time
+    # work] in raysync.core.delta_workspace). Every gap is 0 (a step of 32769): no payload fits, nothing is written
+    entries = 2 * WRITE_BLOCK + 1
     for itemsize in sorted(set(itemsizes)):
-        dest, gaps, values = torch.zeros(3, 2 * BLOCK + 16, dtype=INTS[itemsize], device=device)
-        apply = GapsApply([(1, gaps.data_ptr(), values.data_ptr(), dest)])
-        apply.ends()
-        apply.run()
+        gaps = torch.zeros(entries, dtype=torch.int16, device=device)
+        dest, values = torch.zeros(2, entries, dtype=INTS[itemsize], device=device)
+        payload = (entries, gaps.data_ptr(), values.data_ptr(), dest)
+        applies = [GapsApply([payload] * WARM_PAYLOADS) for _ in range(2)]
+        for apply in applies:
+            apply.run()
+        torch.cat([apply.lasts for apply in applies]).tolist()
     if device.type == "cuda":  # (Triton's interpreter runs them on the CPU)
         torch.cuda.synchronize(device)
     _warm.add(key)

@@ -316,6 +316,22 @@ def side_stream(use: str, device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def reserve_copy_in(device: torch.device, nbytes: int) -> None:
+    """Have torch's caching allocator hold ``nbytes`` for the copies in on ``device`` (``copy_in_stream``), in one
+    allocation: made and freed at once, it stays cached for the copy stream, and the copies of a delta push are cut
+    from it, where each size not cached yet took a cudaMalloc of its own in the first delta push (11, ~8 ms, for a
+    7B push over shm: Note [the first delta push's one-time work]). Once per device and process, at a session's
+    first delta: a receiver of full pushes holds none of it."""
+    if device.type != "cuda" or _RESERVED.get(device, 0) >= nbytes:
+        return
+    with torch.cuda.stream(side_stream("copy in", device)):
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _RESERVED[device] = nbytes
+
+
+_RESERVED: dict[torch.device, int] = {}  # reserve_copy_in's: device -> bytes
+
+
 def copy_in_stream(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
     """The receiver's copy of a bucket from a host ring into ``device`` (raysync.core.delta.decode), on a copy
     stream of its own: the current stream's kernels wait for its event, and the next bucket's copy does not wait

@@ -42,7 +42,7 @@ import torch
 from raysync.core import delta, delta_decode_kernels, digest, grouped_copy
 from raysync.core.copies import CopyList
 from raysync.core.delta import delta_applies
-from raysync.core.delta_workspace import side_stream
+from raysync.core.delta_workspace import reserve_copy_in, side_stream
 from raysync.core.errors import LayoutError, WeightsMixed
 from raysync.core.plan import Bucket, Chunk
 from raysync.core.version import Version
@@ -163,6 +163,8 @@ class IntoTensors(Sink):
         for bucket, buffer in parts:
             devices = {self._bytes[c.index].device for c in bucket.chunks}
             # one device: the bytes cross while the views are made (decode copies them itself otherwise)
+            if len(devices) == 1 and buffer.device.type == "cpu":  # room for two whole buckets in flight
+                reserve_copy_in(next(iter(devices)), 2 * buffer.numel())
             moved = delta.copy_in(buffer, devices.pop()) if len(devices) == 1 else None
             try:
                 dests = []
