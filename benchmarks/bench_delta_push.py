@@ -28,7 +28,8 @@ NCCL is not run here), per step: the Adam step (not timed), then
   a free buffer while the receiver decodes, the control messages). On a GPU each stage's end synchronizes the
   device, which undoes the overlaps of an ordinary push: the stages are timed there only with --stages;
 * full push, delta on: ``push(version, full=True)`` in the same session (the reference keeps its bytes);
-* full push, delta off: a session without delta, the same model (median over the steps);
+* full push, delta off: a session without delta, the same model, one push a step after its own Adam step, as
+  the rule's (median over the steps);
 * the rule: a third session with the time rule on (``delta_by_time``, the default), one ``push(version)`` a
   step after its own Adam step: what it sent (delta or full), in what time and why (PushReport.why). Its
   first push measures a full push, its second a delta (whose buckets go full from where it falls behind the
@@ -279,8 +280,8 @@ def run_transport(kind: str, trainer: Trainer, args, delta: bool, steps: int, ru
         sender._delta.clock.enabled = delta and (args.stages or args.device == "cpu")
         for step in range(1, steps + 1):
             row = {"step": step}
+            trainer.step()  # each session pushes after an Adam step: the full pushes without delta as the rule's
             if delta or rule:
-                trainer.step()
                 version += 1
                 profile = args.profile and delta and step == profiled_step and kind == "shm"
                 row["delta" if delta else "rule"] = timed_push(sender, trainer, version, False, profile)
