@@ -140,3 +140,26 @@ def test_a_bucket_copied_in_ahead_decodes_as_decode_copies_it_and_a_header_past_
     with pytest.raises(BadDelta):
         delta.decode(buffer, [dest], held_version=1)
     assert torch.equal(dest.view(torch.int16), old.to(cuda).view(torch.int16))
+
+
+def test_the_copies_in_of_a_delta_push_are_cut_from_one_reservation():
+    """``reserve_copy_in`` (a session's first delta, the receiver's sink) has torch's caching allocator hold the
+    bytes for the copy-in stream at once: the copies in of buckets of varied sizes, two in flight, then take
+    nothing more from the driver, where each size not cached yet took a cudaMalloc of its own in the first delta
+    push (Note [the first delta push's one-time work])."""
+    cuda = torch.device("cuda", 0)
+    delta_workspace._RESERVED.pop(cuda, None)  # this process's earlier tests may have reserved and freed
+    torch.cuda.empty_cache()
+    delta_workspace.reserve_copy_in(cuda, 128 << 20)
+    reserved = torch.cuda.memory_reserved(cuda)
+    host = torch.empty(32 << 20, dtype=torch.uint8).pin_memory()
+    host[::4096] = 7
+    in_flight = []
+    for mib in (3, 7, 5, 31, 29, 30, 11):  # bytes used of a push's buckets, as a delta's vary
+        moved, copied = delta_workspace.copy_in_stream(host[: mib << 20], cuda)
+        copied.synchronize()
+        assert int(moved[::4096].sum()) == 7 * ((mib << 20) // 4096)
+        in_flight = [*in_flight, moved][-2:]
+    assert torch.cuda.memory_reserved(cuda) == reserved
+    delta_workspace.reserve_copy_in(cuda, 32 << 20)  # no more than held already: nothing new
+    assert torch.cuda.memory_reserved(cuda) == reserved

@@ -35,15 +35,21 @@ its GPU (``copy_in_stream``).
 # faster push; the thread's time was not the whole of what sets the period.
 #
 # Note [the first delta push's one-time work]
-# A session's first delta push took ~20-40 ms more than the next ones on an H200 (the time rule's first delta: 63-98
-# ms at 4.2% against 38-57 ms for the later ones at 3.7-3.9%, docs/benchmarks.md 12). Under torch's profiler (host
-# time, docs/results/delta_first_h200_s45_*) both processes made torch's pool of CUDA streams in it (128 streams,
-# ~3.3 ms each side: the first ``torch.cuda.Stream`` a process makes makes them all), the sender pinned host memory
-# for its count buffers (10 cudaHostAlloc, 4.4 ms) and the receiver allocated its copies in (11 cudaMalloc, 8.4 ms).
-# So the set-up makes the side streams (``side_stream``, the workspace's ``copy_stream``) and every bucket's count
-# buffers; the receiver's copies in are left to the caching allocator (made ahead they would hold GPU memory that an
-# engine sizes its KV cache with). A session's first delta (7B, 10.2%): 108.3 / 112.7 ms against 127.2 / 127.8 ms
-# before, in one lease; a second session's first delta in the same processes did not move (its streams existed).
+# A session's first delta push took ~20-40 ms more than the next ones on an H200 (7B over shm: 126-142 ms at 10.2%,
+# 1.6-2.1x its floor; the time rule's first delta 63-98 ms at 4.2% against 38-57 ms later, docs/benchmarks.md 12).
+# Under torch's profiler (host time, docs/results/delta_first_h200_s45_*) both processes made torch's pool of CUDA
+# streams in it (128 streams, ~3.3 ms each side: the first ``torch.cuda.Stream`` a process makes makes them all),
+# the sender pinned host memory for its count buffers (10 cudaHostAlloc, 4.4 ms), the receiver allocated its
+# copies in (11 cudaMalloc, 8.4 ms), and its first bucket's ``torch.cat`` and ``all`` took 10 and 22 ms: CUDA
+# loads a kernel at its first launch, and the decoder's warm-up had run them only in other shapes (one payload of
+# one entry, one bucket), which evidently took other kernels (torch picks one by shape and layout). So the
+# set-up makes the side streams (``side_stream``, the workspace's ``copy_stream``) and every bucket's count
+# buffers, delta_decode_kernels.warm runs the decoder in a bucket's shapes, and the receiver's first delta reserves
+# its copies in at once (``reserve_copy_in``: one allocation of two buckets, not one per size; none in a receiver
+# of full pushes only, whose engine keeps that memory). In a fresh process the first bucket-shaped decode took 52
+# ms after the old warm-up and 1.2-1.6 ms after this one (benchmarks/first_apply_warm.py); a session's first delta
+# (7B, 10.2%) took 89-97 ms (1.25-1.34x its floor) against 116-140 ms (1.7-1.8x) for the code before in the same
+# leases, and the time rule's first delta 40-43 ms against 77-93 ms (docs/results/delta_*_h200_s46_*).
 """
 
 from __future__ import annotations
