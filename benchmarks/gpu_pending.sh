@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # What stays to be measured on one H200 for issues 19 and 24. Give the machine back (the device tool's
 # give_back) when no next call is ready: a held machine's idle time counts, and a fresh start costs ~1.5 minutes
-# of the budget. After stop 45 (docs/benchmarks.md 10 and 12, Latest): weightsync_forced is the issue 19 check in one
-# run (its targets all met in one run of four in stop 45; Ray's share 0.32-0.59 ms, at the 0.5 ms line);
-# delta_shm_bf16 with delta_before (a tree carried as build/before: git archive REV raysync benchmarks) for any change
-# to the delta path, twice each in one call (24: 44.7-55.2 ms at 4.96%, 1.27-1.51x the floor; a lease's host speed
-# moves it by ~5-10 ms); delta_cuda_ipc (the time rule sends full pushes there); delta_trace and delta_stack to see a
-# bucket (both processes' kernels in turns, two switches, the sender's thread); bench_delta_push.py --profile
-# --profile-step 1 with RAYSYNC_PROFILE_HOST=1 for the first delta push's one-time work.
+# of the budget. After stop 46 (docs/benchmarks.md 10 and 12, Latest): weightsync_forced is the issue 19 check in one
+# run (Ray's share 0.32-0.59 ms in stop 45, at the 0.5 ms line); delta_shm_bf16 with delta_before (a tree carried as
+# build/before: git archive REV raysync benchmarks) for any change to the delta path, twice each in one call (24, stop
+# 46: every step within 1.5x its floor, the first delta 1.25-1.34x; a lease's host speed moves a push by ~5-10 ms);
+# delta_cuda_ipc (the time rule sends full pushes there); delta_trace and delta_stack to see a bucket (both
+# processes' kernels in turns, two switches, the sender's thread); bench_delta_push.py --profile --profile-step 1
+# with RAYSYNC_PROFILE_HOST=1 for the first delta push's one-time work; benchmarks/first_apply_warm.py for the
+# decoder's warm-up. On two GPUs (never lent so far): the delta benchmark over NCCL is not written yet.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
