@@ -352,8 +352,8 @@ class Reference:
         behind a full push (Note [a delta push that falls behind] in raysync.core.delta_rule)."""
         if self._full_from is not None:
             return k < self._full_from
-        if k == 0 or not self.config.delta_by_time or self.rule.delta_s_per_byte is None:
-            return True  # the measuring delta push is not cut (Note [a delta push that falls behind])
+        if k == 0 or not self.config.delta_by_time:
+            return True
         why = self.rule.behind(time.perf_counter() - self._started, self._ref.offsets[k])
         if why is None:
             return True

@@ -33,15 +33,18 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # Choosing a delta is a bet made before the push: the measuring push, each probe after 8..512 full pushes, and
 # a step denser than the last can each be slower than a full push (a delta's compare alone reads twice what a
 # full push over a cuda_ipc ring copies once: 178 ms against 35 ms for the 7B layout on an H200). So a delta
-# push under the time rule, once a full push and a delta push were measured, checks before each bucket k > 0
-# that its buckets so far took at most FALL_BEHIND x what the last full push took for as many bytes
-# (``behind``); past that, it sends the rest of its buckets full (a bucket without a base applies on top of
-# any version: Note [delta pushes]). The push still counts as a delta push for the rule (that is what
-# choosing a delta cost), and its report says from which bucket it went full and why. The first delta push,
-# which measures, is not cut: it pays the delta path's first-use costs (allocations of the encoder's outputs),
-# and cut it measures what a mixed push costs, not a delta. On an H200 (7B, shm) a cut first probe went full
-# from bucket 2 (its first 1.07 GB took 67.6 ms, a full push's 26.6) and measured 26.7 ms/GB, so the rule
-# sent full where uncut deltas take 14-17 ms/GB and full pushes 23-25 (docs/benchmarks.md, section 12).
+# push under the time rule, once a full push was measured, checks before each bucket k > 0 that its buckets so
+# far took at most FALL_BEHIND x what the last full push took for as many bytes (``behind``); past that, it sends
+# the rest of its buckets full (a bucket without a base applies on top of any version: Note [delta pushes]). The
+# push still counts as a delta push for the rule (that is what choosing a delta cost), and its report says from
+# which bucket it went full and why. The measuring delta push is checked too (since stop 46). Until then it was
+# not: it paid the delta path's one-time work, and cut it measured a mixed push (on an H200, 7B over shm, a cut
+# first probe went full from bucket 2 -- its first 1.07 GB took 67.6 ms, a full push's 26.6 -- and measured 26.7
+# ms/GB, where later deltas took 14-17 ms/GB and full pushes 23-25). That work is done at set-up now (Note [the
+# first delta push's one-time work] in raysync.core.delta_workspace: the rule's measuring delta 40-60 ms, ~3-4
+# ms/GB, against full pushes of ~22 ms/GB), while uncut the measuring delta cost a CPU trainer over shm a push of
+# 448 ms against full ones of 120 (the VM, 0.5B layout, docs/benchmarks.md 12d). A measuring delta that is cut
+# measures as slower than a full push, so full pushes follow until the next probe.
 """
 
 from __future__ import annotations
