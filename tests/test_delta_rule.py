@@ -14,7 +14,7 @@ from conftest import same_bits, session_pair
 from test_delta_push import CFG, bf16, rl_step, small_model
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.core.delta_rule import PROBE_EVERY, StageClock, TimeRule, choose
+from raysync.core.delta_rule import KEPT_AGAIN, NOT_KEPT, PROBE_EVERY, StageClock, TimeRule, choose
 
 GB = 10**9
 
@@ -119,9 +119,11 @@ def test_a_stage_clock_sums_marked_stages_only_when_enabled():
 def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private_tmp, in_thread):
     """Real pushes over shm with the time rule on: push 1 is full (nothing to diff), push 2 full (a full push
     is measured), push 3 a delta (the first attempt measures); then the costs are injected through the rule's
-    ``observe``: a delta much slower than a full push sends push 4 full, said so in the report; a delta much
-    faster sends push 5 as a delta. Every push lands bit-exact. (Full pushes are made slow before push 3 and
-    push 5, so that no bucket of these deltas falls behind: Note [a delta push that falls behind].)"""
+    ``observe``: a delta much slower than a full push sends push 4 full, said so in the report, and without
+    rewriting the reference (Note [no reference while full wins]); a delta much faster then makes push 5 full,
+    keeping the reference again, and push 6 a delta from it. Every push lands bit-exact. (Full pushes are made
+    slow before push 3 and push 5, so that no bucket of these deltas falls behind: Note [a delta push that
+    falls behind].)"""
     master = small_model(seed=5)
     dest = bf16(small_model(seed=6))
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
@@ -129,25 +131,64 @@ def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private
     reports = []
     with session_pair(config) as (sender, receiver):
         rule = sender._delta.rule  # the seam: what the session tells the rule after each push
-        for version in range(1, 6):
+        for version in range(1, 7):
             rl_step(master, version)
             if version == 3:
                 rule.observe(False, 100.0, full_bytes)
             if version == 4:
                 rule.observe(True, 1000.0, full_bytes)  # encoding made expensive relative to moving bytes
+                kept = sender._delta.bucket(0).clone()  # the reference, at version 3
             if version == 5:
+                assert torch.equal(sender._delta.bucket(0), kept) and sender._delta.version is None
+                rule.observe(False, 100.0, full_bytes)
                 rule.observe(True, 1e-9, full_bytes)  # and cheap
             got = in_thread(receiver.receive, into=dest)
             reports.append(sender.push(master.items(), version))
             assert got.result(timeout=30).base_version == reports[-1].base_version
             assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
-    assert [r.base_version for r in reports] == [None, None, 2, None, 4]
-    assert [r.bytes == r.sent_as_full == full_bytes for r in reports] == [True, True, False, True, False]
+    assert [r.base_version for r in reports] == [None, None, 2, None, None, 5]
+    full = [r.bytes == r.sent_as_full == full_bytes for r in reports]
+    assert full == [True, True, False, True, True, False]
     assert reports[0].why.startswith("new tensors or a new layout")
     assert reports[1].why == "time: no full push measured yet, this one measures"
     assert reports[2].why == "time: no delta push measured yet, this one measures"
-    assert reports[3].why.startswith("time: the last delta push took") and reports[4].why.startswith("time: ")
+    assert reports[3].why.startswith("time: the last delta push took") and reports[3].why.endswith(NOT_KEPT)
+    assert reports[4].why.endswith(KEPT_AGAIN) and reports[5].why.startswith("time: ")
     assert "(time: " in str(reports[3])
+
+
+def test_while_full_pushes_win_the_reference_is_kept_only_by_the_push_before_a_delta_probe(
+    private_tmp, in_thread
+):
+    """Note [no reference while full wins]: with deltas measured slower (probes every 2 full pushes), push 4 goes
+    full without rewriting the reference (it stays at version 3, and at no version for the rule), push 5, the
+    one before the probe, rewrites it, and push 6, the probe, is a delta from it; every push lands bit-exact."""
+    master = small_model(seed=21)
+    dest = bf16(small_model(seed=22))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    full_bytes = sum(t.numel() * 2 for t in master.values())
+    reports, versions = [], []
+    with session_pair(config) as (sender, receiver):
+        rule = sender._delta.rule = TimeRule(probe_every=2)
+        for version in range(1, 7):
+            rl_step(master, version)
+            if version == 3:  # full pushes slow: the measuring delta does not fall behind
+                rule.observe(False, 100.0, full_bytes)
+            if version == 4:  # deltas slower still: full pushes win
+                rule.observe(True, 1000.0, full_bytes)
+                kept = sender._delta.bucket(0).clone()
+            got = in_thread(receiver.receive, into=dest)
+            reports.append(sender.push(master.items(), version))
+            versions.append(sender._delta.version)
+            assert got.result(timeout=30).version == version
+            assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
+            if version == 4:
+                assert torch.equal(sender._delta.bucket(0), kept)
+    assert [r.base_version for r in reports] == [None, None, 2, None, None, 5]
+    assert versions == [1, 2, 3, None, 5, 6]
+    assert reports[3].why.endswith(NOT_KEPT) and NOT_KEPT not in reports[4].why
+    assert reports[4].why.startswith("time: the last delta push took")
+    assert "measured again after 2 full pushes" in reports[5].why
 
 
 def test_a_delta_push_that_falls_behind_a_full_one_sends_its_other_buckets_full(private_tmp, in_thread):

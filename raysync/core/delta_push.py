@@ -3,15 +3,14 @@ hold and which pushes go as a delta (what a push sent: raysync.core.delta_stats)
 raysync.core.delta (Note [delta pushes]); the receiver's half is a mode of its sink
 (raysync.core.sink.IntoTensors) and one answer at accept.
 
-    sender   on_plane(plane)          whether this session can send deltas at all (``off`` says why not)
-             start(version, full)  ->  base version (None: this push is full; the time rule may say so)
-             per bucket k: encode(k, ring buffer)  (a delta push: read the tensors in place or pack them into
-                           the scratch bucket, encode into the ring; the reference advances by the encoding)
-                        or keep(k, ring buffer)    (a full push: the Packer packed the ring; copy it into the
-                           reference) / pack_full(k, ring buffer) (``packs_full``: packed into the scratch,
-                           copied into the ring and the reference)
-             finish(version) once every receiver applied the push: the reference is that version, and the
-                           time rule learns what the push cost (raysync.core.delta_rule)
+    on_plane(plane)                   whether this session can send deltas at all (``off`` says why not)
+    start(version, full) -> base      None: this push is full (the time rule may say so, and whether it ``keeps``
+                                      the reference: Note [no reference while full wins] in delta_rule)
+    per bucket k: encode(k, buffer)   a delta: the tensors read in place or packed into the scratch, encoded
+                  keep(k, buffer)     a full push the Packer packed: copied into the reference (if it keeps it)
+                  pack_full(k, buffer)   ``packs_full``: packed into the scratch, copied into ring and reference
+    finish(version)                   every receiver applied it: the reference is that version (if kept), and
+                                      the time rule learns what the push cost (raysync.core.delta_rule)
 
 # Note [the delta reference]
 # The reference is one uint8 tensor on the trainer's device (the device of the first tensor pushed: the GPU
@@ -22,11 +21,12 @@ raysync.core.delta (Note [delta pushes]); the receiver's half is a mode of its s
 # [a delta read in place] in raysync.core.delta_reference). Its version is None from ``start`` until
 # ``finish``: a push that fails, is skipped or is demoted part-way leaves None, and the next push is full for
 # every receiver. A full push in delta mode rewrites all of it (packed through the scratch when the ring
-# lives on another device, so the bytes cross to the ring once and never back); a delta push advances it by
-# each bucket's encoding on its device (the FULL payloads, the GAPS values at their indices), which is what
-# every receiver holds after decoding (Note [the reference advances by the encoding]). A new layout makes a new
-# reference (version None), with encode's workspace (a mask of the largest bucket's elements; a staging buffer
-# of its encoding when the ring lives on another device).
+# lives on another device, so the bytes cross to the ring once and never back), unless the time rule keeps none
+# (Note [no reference while full wins] in raysync.core.delta_rule); a delta push advances it by each bucket's
+# encoding on its device (the FULL payloads, the GAPS values at their indices), which is what every receiver
+# holds after decoding (Note [the reference advances by the encoding]). A new layout makes a new reference
+# (version None), with encode's workspace (a mask of the largest bucket's elements; a staging buffer of its
+# encoding when the ring lives on another device).
 # Where deltas go (``on_plane``; ``off`` names the reason, logged once, when they cannot):
 # * a ring the session makes (shm, cuda_ipc): its buffers are made larger by the header, table and padding of
 #   the largest bucket of the first layout (``ring_config`` in raysync.core.delta_buffers); a later layout
@@ -37,24 +37,20 @@ raysync.core.delta (Note [delta pushes]); the receiver's half is a mode of its s
 #   group together, so one receiver not at the base makes that round full for the whole group: a full
 #   broadcast serves the others as well as the one, and costs what the one's full push would have.
 # * a cuda_ipc ring read on the trainer's own GPU, under the time rule, never (ONE_GPU_OFF): its full push is
-#   two device copies, which the delta's compare costs alone; the rule measured it so on an H200 (7B: the
-#   measuring delta push 235.5 ms, full pushes 30-34 ms) and sent full ever after, so the measuring push is
-#   skipped. Readers on a peer GPU pull a full push over NVLink, where a delta may win: the rule decides.
-# * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: encoding a
-#   bucket reads its reference and its new bytes at least once each (the compare), already more than the
-#   one copy of its full bytes that direct mode makes, so a delta can never beat it (docs/benchmarks.md,
-#   section 12, measured encode + decode at 29-37x that copy on an H200, with the encoder of e0d7e7a).
+#   two device copies, which the delta's compare costs alone (H200, 7B: the measuring delta 235.5 ms, full
+#   pushes 30-34 ms). Readers on a peer GPU pull a full push over NVLink, where a delta may win: the rule decides.
+# * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: the compare reads
+#   the reference and the new bytes once each, more than direct mode's one copy (H200: encode + decode 29-37x
+#   that copy, docs/benchmarks.md 12, with the encoder of e0d7e7a).
 # * a lazy source (sources/: a manifest, FSDP2 / tensor-parallel): its packer is made a second time over the
 #   scratch bucket (``source.packer(config, buckets, [scratch])``) and every push in delta mode packs through
 #   it: a delta is encoded from the scratch, a full push is copied from the scratch into the ring and the
-#   reference (one more copy of each bucket, on full pushes only). A delta push of a lazy source packs nothing
-#   ahead of PushStart: if a receiver then needs a full push, the packer walks its buckets once, in order
-#   (Note [every rank walks the same buckets] in raysync.sources.walk).
+#   reference. A delta push of a lazy source packs nothing ahead of PushStart: if a receiver then needs a full
+#   push, the packer walks its buckets once, in order (Note [every rank walks the same buckets] in sources.walk).
 # * N readers of one shm ring (fan-out) that do not all take the delta are served in turns, in the same push:
-#   the delta to those that take it (the others wait for their go), then a full push to the rest (those that
-#   took the delta are not in it). The sender packs twice; the report counts the bytes of both turns, as a
-#   push from no single base. A lazy source's push goes full for all instead (its packer walks once a push).
-#   WeightSync makes one session per pair, so there each pair goes its own way.
+#   the delta to those that take it (the others wait for their go), then a full push to the rest. The sender
+#   packs twice; the report counts the bytes of both turns, as a push from no single base. A lazy source's push
+#   goes full for all instead (its packer walks once a push). WeightSync makes one session per pair.
 """
 
 from __future__ import annotations
@@ -71,7 +67,7 @@ from raysync.core.config import SyncConfig
 from raysync.core.delta_changes import SPARSE_DENSITY
 from raysync.core.delta_encode import Changes, encode, find_changes
 from raysync.core.delta_reference import ReferenceBytes
-from raysync.core.delta_rule import StageClock, TimeRule, choose
+from raysync.core.delta_rule import KEPT_AGAIN, NOT_KEPT, StageClock, TimeRule, choose
 from raysync.core.delta_stats import DeltaStats
 from raysync.core.delta_workspace import CopyOut
 from raysync.core.source import Packer, Source, SourcePacker
@@ -113,6 +109,7 @@ class Reference:
         self._refused = False  # this push was chosen a delta and a receiver could not take it (``demote``)
         self._refusals = 0  # delta pushes refused since the last one every receiver took
         self._full_from: int | None = None  # this delta push's buckets from this one on go full
+        self.keeps, self._unkept = True, False  # rewrites the reference; the last push did not, by choice
         self._ref: ReferenceBytes | None = None
         self._source: Source | None = None
         self._packer: Packer | SourcePacker | None = None
@@ -153,11 +150,14 @@ class Reference:
         self._started = time.perf_counter()
         usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
         self._measured = self._usable = usable
-        self._refused = False
-        self._full_from = None
+        self._refused, self._full_from = False, None
         self._ahead, self._staged, self.found_ahead = {}, {}, 0
         based = usable and self.version is not None
-        as_delta, why = choose(self.config, self.rule, based, full, self._since_full)
+        unkept = usable and self._unkept  # Note [no reference while full wins] in raysync.core.delta_rule
+        as_delta, why = choose(self.config, self.rule, based or unkept, full, self._since_full)
+        self.keeps = as_delta or self.lazy or not why.startswith("time:") or self.rule.keeps_reference()
+        if not self.keeps or (as_delta and not based):  # a delta asked for, and no reference: full, kept
+            as_delta, why = False, f"{why}; {KEPT_AGAIN if self.keeps else NOT_KEPT}"
         self.base = self.version if as_delta else None
         self.version = None
         self.stats = DeltaStats(self.base, changed=None if self.base is None else 0, why=why)
@@ -366,10 +366,11 @@ class Reference:
 
     def keep(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
         """A full push's bucket k, packed into ``buffer`` (``nbytes`` bytes, ``payload`` of them tensors'):
-        the reference takes it (the stage clock times this copy only: the Packer's is the push's rest)."""
-        self.clock.restart()
-        self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
-        self.clock.mark("reference")
+        the reference takes it, unless this push does not keep it (the stage clock times this copy only)."""
+        if self.keeps:
+            self.clock.restart()
+            self.bucket(k)[:nbytes].copy_(buffer[:nbytes])
+            self.clock.mark("reference")
         self.stats = self.stats.add_full(payload)
 
     def pack_full(self, k: int, buffer: torch.Tensor, nbytes: int, payload: int) -> None:
@@ -395,5 +396,5 @@ class Reference:
         if (self._measured or refused_again) and self.config.delta_by_time:
             seconds = time.perf_counter() - self._started  # refused again: what choosing a delta costs here
             self.rule.observe(self.base is not None or refused_again, seconds, self._ref.offsets[-1])
-        self.version = version
+        self.version, self._unkept = (version, False) if self.keeps else (None, True)
         self._since_full = self._since_full + 1 if self.base is not None else 0

@@ -45,6 +45,18 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # ms/GB, against full pushes of ~22 ms/GB), while uncut the measuring delta cost a CPU trainer over shm a push of
 # 448 ms against full ones of 120 (the VM, 0.5B layout, docs/benchmarks.md 12d). A measuring delta that is cut
 # measures as slower than a full push, so full pushes follow until the next probe.
+
+# Note [no reference while full wins]
+# A full push in delta mode also rewrites the reference, so that the next push can be a delta: one more copy of the
+# model's bytes on the trainer's device (7B on an H200: full pushes 340-351 ms with it over shm against 330-338 ms
+# without delta mode, and 27.0 against 20.7 ms over a cuda_ipc ring; on the VM's CPU, 0.5B over shm, 73-141 ms
+# against 62-80, docs/benchmarks.md 12). While the rule measured full pushes faster, the next push is full as well
+# until a probe is due, so that copy bought nothing: a full push the rule chose by time keeps no reference
+# (``keeps_reference``: not while full pushes win and the next push is not a delta probe) and costs what a full
+# push without delta mode costs; the reference is left at no version, and the push before a probe rewrites it.
+# A push after one that kept none asks the rule as if a reference were there: full by time, again without one;
+# a delta (the rule changed its mind: a full push measured slower) goes full and keeps one, and the delta waits a
+# push. A lazy source keeps it always (its packer writes into the reference's scratch).
 """
 
 from __future__ import annotations
@@ -62,6 +74,8 @@ if TYPE_CHECKING:
 PROBE_EVERY = 8  # pushes of the faster kind before the other is measured again (doubling, Note above)
 FALL_BEHIND = 1.1  # a delta push goes on full past this x a full push's time for its bytes so far
 PROBE_MAX = 64 * PROBE_EVERY
+NOT_KEPT = "the reference is not kept while full pushes win (until the push before a delta probe)"
+KEPT_AGAIN = "no reference was kept while full pushes won: full, keeping it"
 
 
 @dataclass
@@ -107,6 +121,11 @@ class TimeRule:
             return
         if delta == after:  # a push of the faster kind: one fewer before the probe
             self._probe_in -= 1
+
+    def keeps_reference(self) -> bool:
+        """Whether a full push this rule chose keeps the reference (Note [no reference while full wins]): unless
+        full pushes measured faster and the next push is not a delta probe."""
+        return self._winner() is not False or self._probe_in <= 1
 
     def behind(self, seconds: float, nbytes: int) -> str | None:
         """Why a delta push that took ``seconds`` for its first ``nbytes`` (of the layout's full bytes) should

@@ -97,7 +97,9 @@ class SenderStream:
                 self._encoded[k] = ref.send(k, buffer)
             elif ref is not None and ref.base is not None:  # a delta push: encoded against the reference
                 self._encoded[k] = ref.encode(k, buffer)
-            elif ref is not None and ref.packs_full:  # through the reference's scratch (a lazy source, ...)
+            elif (
+                ref is not None and ref.packs_full and ref.keeps
+            ):  # through the reference's scratch (lazy, ...)
                 ref.pack_full(k, buffer, bucket.nbytes, payload)
             else:
                 self._agreed.packer.pack(k)
@@ -109,7 +111,7 @@ class SenderStream:
             if ref is not None and ref.base is not None:  # a delta push: the tensors, not the reference
                 parts = ref.meant(k)
             else:
-                view = self._plane.bucket_view(k) if ref is None else ref.bucket(k)
+                view = ref.bucket(k) if ref is not None and ref.keeps else self._plane.bucket_view(k)
                 parts = [view[c.bucket_offset : c.bucket_offset + c.nbytes] for c in chunks]
             for c, part in zip(chunks, parts, strict=True):
                 self._digests.setdefault(c.index, []).append(digest.partial(part, c.src_offset))
