@@ -8,7 +8,9 @@
 # delta_cuda_ipc (the time rule sends full pushes there); delta_trace and delta_stack to see a bucket (both
 # processes' kernels in turns, two switches, the sender's thread); bench_delta_push.py --profile --profile-step 1
 # with RAYSYNC_PROFILE_HOST=1 for the first delta push's one-time work; benchmarks/first_apply_warm.py for the
-# decoder's warm-up. On two GPUs (never lent so far): the delta benchmark over NCCL is not written yet.
+# decoder's warm-up; ipc_rule_interleaved.py for the time rule's full pushes over a cuda_ipc ring against full
+# pushes without delta mode, interleaved. On two GPUs (never lent so far): the delta benchmark over NCCL is not
+# written yet.
 # On the CPU machine first: bash ../shared/device/pack-wheels.sh (Ray and pyzmq for the device, under .whl/).
 # Then, through the device tool, with carry [".whl"]:
 #     source .whl/unpack-wheels.sh || exit 1; bash benchmarks/gpu_pending.sh
