@@ -1,5 +1,5 @@
 """A cuda_ipc ring on one GPU, 7B layout: sessions without delta mode ("off") and with the time rule ("rule", where
-deltas are off: ONE_GPU_OFF in raysync.core.delta_push), one after the other in one process, each pushing four
+deltas are off: ONE_GPU_OFF in raysync.core.delta_rule), one after the other in one process, each pushing four
 times after an Adam step (bench_delta_push.run_transport); "rule_plain" is the rule's session with its ring made
 without ring_config's growth (the only difference delta mode makes there). Prints each session's push times (ms)
 and their median, to tell a difference of the mode from one of the session's place in the order.

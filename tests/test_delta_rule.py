@@ -123,7 +123,7 @@ def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private
     rewriting the reference (Note [no reference while full wins]); a delta much faster then makes push 5 full,
     keeping the reference again, and push 6 a delta from it. Every push lands bit-exact. (Full pushes are made
     slow before push 3 and push 5, so that no bucket of these deltas falls behind: Note [a delta push that
-    falls behind].)"""
+    falls behind]; push 5 keeps the reference only for push 6, so its time is not the full pushes' figure.)"""
     master = small_model(seed=5)
     dest = bf16(small_model(seed=6))
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
@@ -162,7 +162,8 @@ def test_while_full_pushes_win_the_reference_is_kept_only_by_the_push_before_a_d
 ):
     """Note [no reference while full wins]: with deltas measured slower (probes every 2 full pushes), push 4 goes
     full without rewriting the reference (it stays at version 3, and at no version for the rule), push 5, the
-    one before the probe, rewrites it, and push 6, the probe, is a delta from it; every push lands bit-exact."""
+    one before the probe, rewrites it (its time is not the rule's full figure: push 4's stays), and push 6, the
+    probe, is a delta from it; every push lands bit-exact."""
     master = small_model(seed=21)
     dest = bf16(small_model(seed=22))
     config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
@@ -184,11 +185,66 @@ def test_while_full_pushes_win_the_reference_is_kept_only_by_the_push_before_a_d
             assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
             if version == 4:
                 assert torch.equal(sender._delta.bucket(0), kept)
+                figure = rule.full_s_per_byte
+            if version == 5:
+                assert rule.full_s_per_byte == figure
     assert [r.base_version for r in reports] == [None, None, 2, None, None, 5]
     assert versions == [1, 2, 3, None, 5, 6]
     assert reports[3].why.endswith(NOT_KEPT) and NOT_KEPT not in reports[4].why
     assert reports[4].why.startswith("time: the last delta push took")
     assert "measured again after 2 full pushes" in reports[5].why
+
+
+def test_after_a_skipped_push_a_full_push_by_time_still_keeps_no_reference(private_tmp, in_thread):
+    """Note [no reference while full wins]: full pushes win; a push of the version the receiver holds is skipped
+    (the reference stays at no version); the next push asks the rule, not "no reference", and keeps none."""
+    master = small_model(seed=23)
+    dest = bf16(small_model(seed=24))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    full_bytes = sum(t.numel() * 2 for t in master.values())
+    reports = []
+    with session_pair(config) as (sender, receiver):
+        rule = sender._delta.rule
+        for i, version in enumerate((1, 2, 3, 4, 4, 5)):
+            again = i == 4  # version 4 a second time: the receiver holds it, so the push is skipped
+            if not again:
+                rl_step(master, version)
+            if version == 3:
+                rule.observe(False, 100.0, full_bytes)
+            if version == 4 and not again:
+                rule.observe(True, 1000.0, full_bytes)  # full pushes win
+            got = in_thread(receiver.receive, into=dest)
+            reports.append(sender.push(master.items(), version))
+            assert got.result(timeout=30).version == version
+            assert all(same_bits(dest[n], t) for n, t in bf16(master).items()), version
+    assert [r.skipped for r in reports] == [False, False, False, False, True, False]
+    assert reports[3].why.endswith(NOT_KEPT) and reports[5].why.endswith(NOT_KEPT)
+    assert reports[5].why.startswith("time: ") and sender._delta.version is None
+
+
+def test_a_delta_falls_behind_by_its_buckets_time_from_the_receivers_accept(private_tmp, in_thread):
+    """Note [a delta push that falls behind]: the clock of a delta's buckets starts when the receivers accepted
+    the push, so a receiver slow to answer does not cut it. Here the push started 10 s before the check and the
+    full pushes' figure is 1 s a push: behind, unless the receivers accepted just now."""
+    master = small_model(seed=25)
+    dest = bf16(small_model(seed=26))
+    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
+    full_bytes = sum(t.numel() * 2 for t in master.values())
+    with session_pair(config) as (sender, receiver):
+        for version in (1, 2):
+            got = in_thread(receiver.receive, into=dest)
+            sender.push(master.items(), version)
+            got.result(timeout=30)
+        ref = sender._delta
+        ref.rule.observe(False, 1.0, full_bytes)
+        ref.start(full=False)
+        assert ref.base == 2  # a delta (the rule has measured none yet)
+        ref._started = ref._streaming = ref._started - 10.0
+        ref.accepted()
+        assert ref._on_time(1)
+        ref._streaming -= 10.0  # as if it had not been told
+        assert not ref._on_time(1) and "buckets 1.." in ref.stats.why
+        ref.demote("the test's push ends here", refused=False)
 
 
 def test_a_delta_push_that_falls_behind_a_full_one_sends_its_other_buckets_full(private_tmp, in_thread):

@@ -36,7 +36,7 @@ raysync.core.delta (Note [delta pushes]); the receiver's half is a mode of its s
 #   ``encoded(k, nbytes)``: its table first, then the rest, whose size the table says). A broadcast moves the
 #   group together, so one receiver not at the base makes that round full for the whole group: a full
 #   broadcast serves the others as well as the one, and costs what the one's full push would have.
-# * a cuda_ipc ring read on the trainer's own GPU, under the time rule, never (ONE_GPU_OFF): its full push is
+# * a cuda_ipc ring read on the trainer's own GPU, under the time rule, never (delta_rule.ONE_GPU_OFF): its full push is
 #   two device copies, which the delta's compare costs alone (H200, 7B: the measuring delta 235.5 ms, full
 #   pushes 30-34 ms). Readers on a peer GPU pull a full push over NVLink, where a delta may win: the rule decides.
 # * direct mode (cuda_ipc_direct: the receiver copies the trainer's tensors in place) never: the compare reads
@@ -67,7 +67,7 @@ from raysync.core.config import SyncConfig
 from raysync.core.delta_changes import SPARSE_DENSITY
 from raysync.core.delta_encode import Changes, encode, find_changes
 from raysync.core.delta_reference import ReferenceBytes
-from raysync.core.delta_rule import KEPT_AGAIN, NOT_KEPT, StageClock, TimeRule, choose
+from raysync.core.delta_rule import DIRECT_OFF, NOT_KEPT, ONE_GPU_OFF, StageClock, TimeRule, decide
 from raysync.core.delta_stats import DeltaStats
 from raysync.core.delta_workspace import CopyOut
 from raysync.core.source import Packer, Source, SourcePacker
@@ -76,17 +76,6 @@ if TYPE_CHECKING:
     from raysync.core.agreement import SenderLayout
 
 logger = logging.getLogger(__name__)
-
-DIRECT_OFF = (
-    "direct mode reads the trainer's tensors in place with one copy each; encoding a delta reads the "
-    "reference and the new bytes at least once each, more than that copy, so its pushes go full"
-)
-
-ONE_GPU_OFF = (
-    "a cuda_ipc ring whose readers are on the trainer's GPU moves a push as two device copies; encoding a delta "
-    "reads the reference and the new bytes once each, as much, so the time rule sends full pushes "
-    "(SyncConfig(delta_by_time=False) sends deltas anyway)"
-)
 
 
 class Reference:
@@ -104,7 +93,8 @@ class Reference:
         self.rule = TimeRule()  # Note [the density rule by time] (raysync.core.delta_rule)
         self.clock = StageClock()  # per-stage seconds of a push, when enabled (benchmarks)
         self._since_full = 0  # delta pushes since the last full one (SyncConfig.delta_full_every)
-        self._started, self._measured = 0.0, False  # this push's start, and whether the rule learns from it
+        self._started = self._streaming = 0.0  # this push's start; its buckets' clock (``accepted``)
+        self._measured, self._figure = False, True  # the rule learns from it; its time is its kind's figure
         self._usable = False  # this push could be a delta (a reference of this layout and its packer)
         self._refused = False  # this push was chosen a delta and a receiver could not take it (``demote``)
         self._refusals = 0  # delta pushes refused since the last one every receiver took
@@ -147,29 +137,30 @@ class Reference:
         ``full``, a full anchor is due, there is no valid reference, or the time rule measured full pushes
         faster (Note [the density rule by time]). The reference's version is None from here until ``finish``."""
         self.active, self.lazy = self.enabled, lazy
-        self._started = time.perf_counter()
+        self._started = self._streaming = time.perf_counter()
         usable = self.active and self._ref is not None and self._ref.fits and self._packer is not None
         self._measured = self._usable = usable
         self._refused, self._full_from = False, None
         self._ahead, self._staged, self.found_ahead = {}, {}, 0
-        based = usable and self.version is not None
-        unkept = usable and self._unkept  # Note [no reference while full wins] in raysync.core.delta_rule
-        as_delta, why = choose(self.config, self.rule, based or unkept, full, self._since_full)
-        self.keeps = as_delta or self.lazy or not why.startswith("time:") or self.rule.keeps_reference()
-        if not self.keeps or (as_delta and not based):  # a delta asked for, and no reference: full, kept
-            as_delta, why = False, f"{why}; {KEPT_AGAIN if self.keeps else NOT_KEPT}"
-        self.base = self.version if as_delta else None
-        self.version = None
+        based = usable and self.version is not None  # Note [no reference while full wins] in delta_rule
+        c = decide(self.config, self.rule, usable, based, full, self._since_full, self.lazy, self._unkept)
+        as_delta, why, self.keeps, self._figure = c.delta, c.why, c.keeps, c.figure
+        self.base, self.version = (self.version if as_delta else None), None
         self.stats = DeltaStats(self.base, changed=None if self.base is None else 0, why=why)
         self.clock.start(self._ref.device if self._ref is not None else None)
         return self.base
+
+    def accepted(self) -> None:
+        """The receivers accepted this push: its buckets' clock starts (Note [a delta push that falls behind])."""
+        self._streaming = time.perf_counter()
 
     def demote(self, why: str = "a receiver needs a full push", refused: bool = True) -> None:
         """This push goes full after all (a receiver cannot take the delta, or the tensors changed after the
         first buckets were encoded): whatever was applied to the reference is rewritten by the full push.
         ``refused``: a receiver's answer demoted it (the stream's go_full), not new tensors or a new layout."""
         self._refused = refused and (self._refused or self.base is not None)
-        self.base, self.stats, self._measured = None, DeltaStats(why=why), False
+        self.base, self._measured = None, False
+        self.stats = DeltaStats(why=why if self.keeps else f"{why}; {NOT_KEPT}")
         self._ahead = {}
         self.drain()  # no encoding still crossing into a buffer the full push packs
 
@@ -352,9 +343,9 @@ class Reference:
         behind a full push (Note [a delta push that falls behind] in raysync.core.delta_rule)."""
         if self._full_from is not None:
             return k < self._full_from
-        if k == 0 or not self.config.delta_by_time:
-            return True
-        why = self.rule.behind(time.perf_counter() - self._started, self._ref.offsets[k])
+        by_time = k > 0 and self.config.delta_by_time
+        elapsed = time.perf_counter() - self._streaming
+        why = self.rule.behind(elapsed, self._ref.offsets[k]) if by_time else None
         if why is None:
             return True
         self._full_from = k
@@ -394,7 +385,8 @@ class Reference:
             self._refusals = 0
         refused_again = self._refused and self._usable and self._refusals >= 2
         if (self._measured or refused_again) and self.config.delta_by_time:
-            seconds = time.perf_counter() - self._started  # refused again: what choosing a delta costs here
-            self.rule.observe(self.base is not None or refused_again, seconds, self._ref.offsets[-1])
+            delta = self.base is not None or refused_again  # refused again: what choosing a delta costs here
+            seconds = time.perf_counter() - self._started
+            self.rule.observe(delta, seconds, self._ref.offsets[-1], figure=self._figure or delta)
         self.version, self._unkept = (version, False) if self.keeps else (None, True)
         self._since_full = self._since_full + 1 if self.base is not None else 0

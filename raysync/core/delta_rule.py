@@ -34,7 +34,8 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # a step denser than the last can each be slower than a full push (a delta's compare alone reads twice what a
 # full push over a cuda_ipc ring copies once: 178 ms against 35 ms for the 7B layout on an H200). So a delta
 # push under the time rule, once a full push was measured, checks before each bucket k > 0 that its buckets so
-# far took at most FALL_BEHIND x what the last full push took for as many bytes (``behind``); past that, it sends
+# far (since the receivers accepted the push: a receiver slow to answer is not the delta's cost) took at most
+# FALL_BEHIND x what the last full push took for as many bytes (``behind``); past that, it sends
 # the rest of its buckets full (a bucket without a base applies on top of any version: Note [delta pushes]). The
 # push still counts as a delta push for the rule (that is what choosing a delta cost), and its report says from
 # which bucket it went full and why. The measuring delta push is checked too (since stop 46). Until then it was
@@ -54,9 +55,12 @@ tells it what each push cost; ``StageClock`` sums the seconds of each stage of a
 # until a probe is due, so that copy bought nothing: a full push the rule chose by time keeps no reference
 # (``keeps_reference``: not while full pushes win and the next push is not a delta probe) and costs what a full
 # push without delta mode costs; the reference is left at no version, and the push before a probe rewrites it.
-# A push after one that kept none asks the rule as if a reference were there: full by time, again without one;
-# a delta (the rule changed its mind: a full push measured slower) goes full and keeps one, and the delta waits a
-# push. A lazy source keeps it always (its packer writes into the reference's scratch).
+# A push whose reference holds no version (none kept, or the last push failed or was skipped) asks the rule as if
+# one were there: full by time, again without one; a delta (the rule changed its mind, or a probe is due) goes
+# full and keeps one, and the delta waits a push. A lazy source keeps it always (its packer writes into the
+# reference's scratch). The rule's full figure is what full pushes cost while they win, without the reference: a
+# full push that keeps it only for the delta after it (the push before a probe) counts towards the probe, and its
+# time is not the figure (``Choice.figure``), or probes would compare deltas with the dearer kind of full push.
 """
 
 from __future__ import annotations
@@ -71,11 +75,22 @@ import torch
 if TYPE_CHECKING:
     from raysync.core.config import SyncConfig
 
+DIRECT_OFF = (
+    "direct mode reads the trainer's tensors in place with one copy each; encoding a delta reads the "
+    "reference and the new bytes at least once each, more than that copy, so its pushes go full"
+)
+
+ONE_GPU_OFF = (
+    "a cuda_ipc ring whose readers are on the trainer's GPU moves a push as two device copies; encoding a delta "
+    "reads the reference and the new bytes once each, as much, so the time rule sends full pushes "
+    "(SyncConfig(delta_by_time=False) sends deltas anyway)"
+)
 PROBE_EVERY = 8  # pushes of the faster kind before the other is measured again (doubling, Note above)
 FALL_BEHIND = 1.1  # a delta push goes on full past this x a full push's time for its bytes so far
 PROBE_MAX = 64 * PROBE_EVERY
 NOT_KEPT = "the reference is not kept while full pushes win (until the push before a delta probe)"
 KEPT_AGAIN = "no reference was kept while full pushes won: full, keeping it"
+NO_BASE = "no reference of the receivers' version: full"
 
 
 @dataclass
@@ -103,13 +118,15 @@ class TimeRule:
             )
         return wins, f"time: {measured}"
 
-    def observe(self, delta: bool, seconds: float, full_bytes: int) -> None:
-        """A push of ``full_bytes`` (the layout's: what a full push moves) took ``seconds`` end to end."""
+    def observe(self, delta: bool, seconds: float, full_bytes: int, figure: bool = True) -> None:
+        """A push of ``full_bytes`` (the layout's: what a full push moves) took ``seconds`` end to end.
+        ``figure=False``: it counts towards the next probe, and its time is not its kind's figure (Note [no
+        reference while full wins])."""
         before = self._winner()
         probed = self._probe_in <= 0 and before is not None and delta != before
-        if delta:
+        if delta and figure:
             self.delta_s_per_byte = seconds / max(full_bytes, 1)
-        else:
+        elif figure:
             self.full_s_per_byte = seconds / max(full_bytes, 1)
         after = self._winner()
         if after is None:
@@ -122,10 +139,11 @@ class TimeRule:
         if delta == after:  # a push of the faster kind: one fewer before the probe
             self._probe_in -= 1
 
-    def keeps_reference(self) -> bool:
+    def keeps_reference(self, full_wins: bool = True) -> bool:
         """Whether a full push this rule chose keeps the reference (Note [no reference while full wins]): unless
-        full pushes measured faster and the next push is not a delta probe."""
-        return self._winner() is not False or self._probe_in <= 1
+        full pushes measured faster and the next push is not a delta probe. ``full_wins=False``: whether
+        because they did not (not only because a probe is next)."""
+        return self._winner() is not False or (full_wins and self._probe_in <= 1)
 
     def behind(self, seconds: float, nbytes: int) -> str | None:
         """Why a delta push that took ``seconds`` for its first ``nbytes`` (of the layout's full bytes) should
@@ -182,6 +200,41 @@ class StageClock:
             torch.cuda.synchronize(self.device)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a push in delta mode does (``decide``): go as a delta, rewrite the reference (``keeps``), give the
+    rule its kind's figure (``figure``), and why."""
+
+    delta: bool
+    keeps: bool
+    figure: bool
+    why: str
+
+
+def decide(
+    config: SyncConfig,
+    rule: TimeRule,
+    usable: bool,
+    based: bool,
+    full: bool,
+    since: int,
+    lazy: bool,
+    unkept: bool,
+) -> Choice:
+    """``choose``, and what the reference does (Note [no reference while full wins]): ``usable``, a reference of
+    this layout; ``based``, at the receivers' version; ``unkept``, the last push left it at none by choice."""
+    delta, why = choose(config, rule, usable, full, since)
+    by_time = why.startswith("time:")
+    if not (delta or lazy or not by_time or rule.keeps_reference()):
+        return Choice(False, False, True, f"{why}; {NOT_KEPT}")
+    if delta and not based:  # a delta asked for, and the reference holds no version: full, rewriting it
+        return Choice(
+            False, True, rule.full_s_per_byte is None, f"{why}; {KEPT_AGAIN if unkept else NO_BASE}"
+        )
+    # a full push that keeps the reference only for the probe after it costs more than those that kept none
+    return Choice(delta, True, delta or lazy or not by_time or rule.keeps_reference(full_wins=False), why)
+
+
 def choose(
     config: SyncConfig, rule: TimeRule, based: bool, full: bool, deltas_since_full: int
 ) -> tuple[bool, str]:
@@ -190,7 +243,7 @@ def choose(
     says (SyncConfig.delta_by_time), or always."""
     every = config.delta_full_every
     if not based:
-        return False, "no reference of the receivers' version: full"
+        return False, NO_BASE
     if full:
         return False, "full=True"
     if every > 0 and deltas_since_full + 1 >= every:

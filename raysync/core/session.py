@@ -197,6 +197,7 @@ class PushSender(OnPlane):
         accept, stale = self._accept(version, check)
         if accept is None:
             return None
+        self._delta.accepted()
         accepted = streamed = time.perf_counter()
         if stale:  # fan-out readers that cannot take the delta: the others get it, then they a full push
             self._stream.run_in_turns(self._push_id, version, ahead, stale)
