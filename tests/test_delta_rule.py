@@ -115,6 +115,15 @@ def test_a_stage_clock_sums_marked_stages_only_when_enabled():
     assert clock.seconds == {"pack": 2.0, "compare": 2.0}
 
 
+RULE = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)  # the time rule on
+
+
+def models(seed: int) -> tuple[dict, dict, int]:
+    """A small model (the trainer's fp32 master), its engine's bf16 destinations, and the bytes of a full push."""
+    master = small_model(seed=seed)
+    return master, bf16(small_model(seed=seed + 1)), sum(t.numel() * 2 for t in master.values())
+
+
 # --- in pushes ------------------------------------------------------------------------------------------------------
 def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private_tmp, in_thread):
     """Real pushes over shm with the time rule on: push 1 is full (nothing to diff), push 2 full (a full push
@@ -124,12 +133,9 @@ def test_pushes_go_full_when_delta_measured_slower_and_delta_when_faster(private
     keeping the reference again, and push 6 a delta from it. Every push lands bit-exact. (Full pushes are made
     slow before push 3 and push 5, so that no bucket of these deltas falls behind: Note [a delta push that
     falls behind]; push 5 keeps the reference only for push 6, so its time is not the full pushes' figure.)"""
-    master = small_model(seed=5)
-    dest = bf16(small_model(seed=6))
-    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
-    full_bytes = sum(t.numel() * 2 for t in master.values())
+    master, dest, full_bytes = models(seed=5)
     reports = []
-    with session_pair(config) as (sender, receiver):
+    with session_pair(RULE) as (sender, receiver):
         rule = sender._delta.rule  # the seam: what the session tells the rule after each push
         for version in range(1, 7):
             rl_step(master, version)
@@ -164,12 +170,9 @@ def test_while_full_pushes_win_the_reference_is_kept_only_by_the_push_before_a_d
     full without rewriting the reference (it stays at version 3, and at no version for the rule), push 5, the
     one before the probe, rewrites it (its time is not the rule's full figure: push 4's stays), and push 6, the
     probe, is a delta from it; every push lands bit-exact."""
-    master = small_model(seed=21)
-    dest = bf16(small_model(seed=22))
-    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
-    full_bytes = sum(t.numel() * 2 for t in master.values())
+    master, dest, full_bytes = models(seed=21)
     reports, versions = [], []
-    with session_pair(config) as (sender, receiver):
+    with session_pair(RULE) as (sender, receiver):
         rule = sender._delta.rule = TimeRule(probe_every=2)
         for version in range(1, 7):
             rl_step(master, version)
@@ -198,12 +201,9 @@ def test_while_full_pushes_win_the_reference_is_kept_only_by_the_push_before_a_d
 def test_after_a_skipped_push_a_full_push_by_time_still_keeps_no_reference(private_tmp, in_thread):
     """Note [no reference while full wins]: full pushes win; a push of the version the receiver holds is skipped
     (the reference stays at no version); the next push asks the rule, not "no reference", and keeps none."""
-    master = small_model(seed=23)
-    dest = bf16(small_model(seed=24))
-    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
-    full_bytes = sum(t.numel() * 2 for t in master.values())
+    master, dest, full_bytes = models(seed=23)
     reports = []
-    with session_pair(config) as (sender, receiver):
+    with session_pair(RULE) as (sender, receiver):
         rule = sender._delta.rule
         for i, version in enumerate((1, 2, 3, 4, 4, 5)):
             again = i == 4  # version 4 a second time: the receiver holds it, so the push is skipped
@@ -226,11 +226,8 @@ def test_a_delta_falls_behind_by_its_buckets_time_from_the_receivers_accept(priv
     """Note [a delta push that falls behind]: the clock of a delta's buckets starts when the receivers accepted
     the push, so a receiver slow to answer does not cut it. Here the push started 10 s before the check and the
     full pushes' figure is 1 s a push: behind, unless the receivers accepted just now."""
-    master = small_model(seed=25)
-    dest = bf16(small_model(seed=26))
-    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
-    full_bytes = sum(t.numel() * 2 for t in master.values())
-    with session_pair(config) as (sender, receiver):
+    master, dest, full_bytes = models(seed=25)
+    with session_pair(RULE) as (sender, receiver):
         for version in (1, 2):
             got = in_thread(receiver.receive, into=dest)
             sender.push(master.items(), version)
@@ -253,12 +250,9 @@ def test_a_delta_push_that_falls_behind_a_full_one_sends_its_other_buckets_full(
     delta, the others full, from the same base; the receiver applies both kinds in one push and ends
     bit-exact; the report says from which bucket and why, and the push counts as a delta push for the rule.
     With full pushes measured slow, push 5 goes whole."""
-    master = small_model(seed=13)
-    dest = bf16(small_model(seed=14))
-    config = dataclasses.replace(CFG, cast_dtype="bfloat16", delta_by_time=True)
-    full_bytes = sum(t.numel() * 2 for t in master.values())
+    master, dest, full_bytes = models(seed=13)
     reports = []
-    with session_pair(config) as (sender, receiver):
+    with session_pair(RULE) as (sender, receiver):
         rule = sender._delta.rule
         for version in range(1, 6):
             rl_step(master, version)
