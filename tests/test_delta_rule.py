@@ -14,7 +14,16 @@ from conftest import same_bits, session_pair
 from test_delta_push import CFG, bf16, rl_step, small_model
 
 from raysync import SessionSecret, SyncConfig, WeightReceiver, WeightSender
-from raysync.core.delta_rule import KEPT_AGAIN, NOT_KEPT, PROBE_EVERY, StageClock, TimeRule, choose
+from raysync.core.delta_rule import (
+    KEPT_AGAIN,
+    NO_BASE,
+    NOT_KEPT,
+    PROBE_EVERY,
+    StageClock,
+    TimeRule,
+    choose,
+    decide,
+)
 
 GB = 10**9
 
@@ -100,6 +109,30 @@ def test_a_full_push_is_measured_again_while_deltas_win():
 def test_which_rule_decides_a_push(based, full, since, config, want):
     rule = TimeRule()
     assert choose(SyncConfig(delta=True, **config), rule, based, full, since) == want
+
+
+def test_what_a_push_does_with_the_reference():
+    """Note [no reference while full wins]: ``decide`` on a rule in each state, for a reference of this layout."""
+    on, off = SyncConfig(delta=True), SyncConfig(delta=True, delta_by_time=False)
+    full_wins = TimeRule()
+    full_wins.observe(False, 1.0, 1)
+    full_wins.observe(True, 2.0, 1)  # full pushes win: a probe after PROBE_EVERY of them
+    c = decide(on, full_wins, True, True, False, 0, False, False)
+    assert (c.delta, c.keeps, c.figure) == (False, False, True) and c.why.endswith(NOT_KEPT)
+    assert decide(on, full_wins, True, True, False, 0, True, False).keeps  # a lazy source keeps it
+    assert decide(on, full_wins, True, True, True, 0, False, False).keeps  # full=True keeps it
+    full_wins._probe_in = 1  # the next push probes: this one keeps it, and its time is not the full figure
+    c = decide(on, full_wins, True, True, False, 0, False, False)
+    assert (c.delta, c.keeps, c.figure) == (False, True, False) and NOT_KEPT not in c.why
+    delta_wins = TimeRule()
+    delta_wins.observe(False, 2.0, 1)
+    delta_wins.observe(True, 1.0, 1)
+    c = decide(on, delta_wins, True, False, False, 0, False, True)  # none kept: full, keeping it
+    assert (c.delta, c.keeps, c.figure) == (False, True, False) and c.why.endswith(KEPT_AGAIN)
+    c = decide(off, TimeRule(), True, False, False, 0, False, False)  # no version (a failed push), no rule
+    assert (c.delta, c.keeps, c.why) == (False, True, NO_BASE)
+    c = decide(off, TimeRule(), True, True, False, 0, False, False)  # the rule off: a delta, kept
+    assert (c.delta, c.keeps, c.figure, c.why) == (True, True, True, "")
 
 
 def test_a_stage_clock_sums_marked_stages_only_when_enabled():

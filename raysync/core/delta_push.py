@@ -212,8 +212,10 @@ class Reference:
     def packs_full(self) -> bool:
         """A full push in delta mode packs through the scratch (then one copy into the ring, one into the
         reference) instead of copying the ring into the reference: a lazy source, or a ring on another device
-        than the reference (a host ring of a GPU trainer: that copy would cross PCIe a second time)."""
-        return self.lazy or (self._ref is not None and self._ref.ring_device != self._ref.device)
+        than the reference (a host ring of a GPU trainer: that copy would cross PCIe a second time); not a push
+        that keeps no reference (the Packer packs the ring, as without delta mode)."""
+        other = self._ref is not None and self._ref.ring_device != self._ref.device
+        return self.keeps and (self.lazy or other)
 
     @property
     def stages(self) -> bool:
@@ -387,6 +389,6 @@ class Reference:
         if (self._measured or refused_again) and self.config.delta_by_time:
             delta = self.base is not None or refused_again  # refused again: what choosing a delta costs here
             seconds = time.perf_counter() - self._started
-            self.rule.observe(delta, seconds, self._ref.offsets[-1], figure=self._figure or delta)
+            self.rule.observe(delta, seconds, self._ref.offsets[-1], figure=self._figure)
         self.version, self._unkept = (version, False) if self.keeps else (None, True)
         self._since_full = self._since_full + 1 if self.base is not None else 0

@@ -139,11 +139,14 @@ class TimeRule:
         if delta == after:  # a push of the faster kind: one fewer before the probe
             self._probe_in -= 1
 
-    def keeps_reference(self, full_wins: bool = True) -> bool:
+    def full_wins(self) -> bool:
+        """Full pushes measured faster than deltas (or as fast)."""
+        return self._winner() is False
+
+    def keeps_reference(self) -> bool:
         """Whether a full push this rule chose keeps the reference (Note [no reference while full wins]): unless
-        full pushes measured faster and the next push is not a delta probe. ``full_wins=False``: whether
-        because they did not (not only because a probe is next)."""
-        return self._winner() is not False or (full_wins and self._probe_in <= 1)
+        full pushes win and the next push is not a delta probe."""
+        return not self.full_wins() or self._probe_in <= 1
 
     def behind(self, seconds: float, nbytes: int) -> str | None:
         """Why a delta push that took ``seconds`` for its first ``nbytes`` (of the layout's full bytes) should
@@ -228,17 +231,16 @@ def decide(
     if not (delta or lazy or not by_time or rule.keeps_reference()):
         return Choice(False, False, True, f"{why}; {NOT_KEPT}")
     if delta and not based:  # a delta asked for, and the reference holds no version: full, rewriting it
-        return Choice(
-            False, True, rule.full_s_per_byte is None, f"{why}; {KEPT_AGAIN if unkept else NO_BASE}"
-        )
+        because = KEPT_AGAIN if unkept else NO_BASE
+        return Choice(False, True, rule.full_s_per_byte is None, f"{why}; {because}" if why else because)
     # a full push that keeps the reference only for the probe after it costs more than those that kept none
-    return Choice(delta, True, delta or lazy or not by_time or rule.keeps_reference(full_wins=False), why)
+    return Choice(delta, True, delta or lazy or not by_time or not rule.full_wins(), why)
 
 
 def choose(
     config: SyncConfig, rule: TimeRule, based: bool, full: bool, deltas_since_full: int
 ) -> tuple[bool, str]:
-    """(this push goes as a delta, why): not without a reference at the receivers' version (``based``), nor
+    """(this push goes as a delta, why): not without a reference (``based``; ``decide`` checks its version), nor
     when asked ``full``, nor when an anchor is due (SyncConfig.delta_full_every); else as the time rule
     says (SyncConfig.delta_by_time), or always."""
     every = config.delta_full_every

@@ -97,9 +97,7 @@ class SenderStream:
                 self._encoded[k] = ref.send(k, buffer)
             elif ref is not None and ref.base is not None:  # a delta push: encoded against the reference
                 self._encoded[k] = ref.encode(k, buffer)
-            elif (
-                ref is not None and ref.packs_full and ref.keeps
-            ):  # through the reference's scratch (lazy, ...)
+            elif ref is not None and ref.packs_full:  # through the reference's scratch (a lazy source, ...)
                 ref.pack_full(k, buffer, bucket.nbytes, payload)
             else:
                 self._agreed.packer.pack(k)
